@@ -1,0 +1,25 @@
+# The two commands a new user needs: `make demo` and `make test`.
+# Both create .venv with the pinned CPU torch wheel and install megazero into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.megazero-installed
+TORCH := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: test demo install clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench]' $(TORCH)
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs

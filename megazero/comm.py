@@ -1,0 +1,230 @@
+"""Typed collectives and point-to-point ops over an explicit group, with byte counting.
+
+Every function takes a `GroupHandle` (built by `ParallelContext`) and records, in the handle's
+`CommStats`, one call plus the elements and bytes this rank moves under the ring algorithm:
+
+| op             | elements moved per rank (n = group size)      |
+|----------------|-----------------------------------------------|
+| all_reduce     | 2·(n−1)/n · numel                             |
+| reduce_scatter | (n−1)/n · numel(input)   = (n−1)·numel(shard) |
+| all_gather     | (n−1)/n · numel(output)  = (n−1)·numel(shard) |
+| reduce         | (n−1)/n · numel                               |
+| broadcast      | (n−1)/n · numel                               |
+| scatter/gather | (n−1)/n · numel(full)                         |
+| send, recv     | numel                                         |
+
+These are the figures ../shared/REFERENCE.md states (plain DP 2Ψ, ZeRO-3 3Ψ, TP 8·b·s·h·(t−1)/t),
+so tests and benchmarks can check volumes exactly. Groups of one rank are no-ops and record nothing.
+
+Point-to-point uses blocking `send`/`recv` (or single `isend`/`irecv`), never
+`batch_isend_irecv`, which can hang on gloo (pytorch#132644).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "avg": dist.ReduceOp.AVG if hasattr(dist.ReduceOp, "AVG") else None}
+
+
+@dataclass
+class OpCount:
+    """Totals for one (axis, op): calls, elements and bytes moved by this rank."""
+
+    calls: int = 0
+    elements: float = 0.0
+    bytes: float = 0.0
+
+    def __iadd__(self, other: "OpCount") -> "OpCount":
+        self.calls += other.calls
+        self.elements += other.elements
+        self.bytes += other.bytes
+        return self
+
+
+@dataclass
+class CommStats:
+    """Per (axis, op) counters of this rank's communication. Thread-safe (backward hooks
+    may record from autograd threads)."""
+
+    counts: dict = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, axis: str, op: str, elements: float, element_size: int) -> None:
+        with self._lock:
+            c = self.counts.setdefault((axis, op), OpCount())
+            c.calls += 1
+            c.elements += elements
+            c.bytes += elements * element_size
+
+    def total(self, axis: str | None = None, op: str | None = None) -> OpCount:
+        """Sum over entries matching `axis` and `op` (None matches all)."""
+        out = OpCount()
+        with self._lock:
+            for (a, o), c in self.counts.items():
+                if (axis is None or a == axis) and (op is None or o == op):
+                    out += c
+        return out
+
+    def reset(self) -> None:
+        with self._lock:
+            self.counts.clear()
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """A JSON-ready copy: {"axis/op": {"calls", "elements", "bytes"}}."""
+        with self._lock:
+            return {f"{a}/{o}": {"calls": c.calls, "elements": c.elements, "bytes": c.bytes}
+                    for (a, o), c in sorted(self.counts.items())}
+
+
+@dataclass(frozen=True, eq=False)
+class GroupHandle:
+    """A process group with its facts: axis name, member global ranks, this rank's index.
+
+    `pg` is None when the group has one member (or this rank is not a member).
+    """
+
+    axis: str
+    ranks: tuple[int, ...]
+    rank: int
+    pg: object | None
+    stats: CommStats
+    timeout_s: float = 300.0
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def __repr__(self) -> str:
+        return f"GroupHandle({self.axis}, ranks={list(self.ranks)}, rank={self.rank})"
+
+
+def single_rank_group(axis: str = "world", stats: CommStats | None = None) -> GroupHandle:
+    """A trivial group of this process alone: every op is a local no-op. For single-process runs."""
+    return GroupHandle(axis, (0,), 0, None, stats or CommStats())
+
+
+def _op(name: str):
+    op = _REDUCE_OPS.get(name)
+    if op is None:
+        raise ValueError(f"reduce op {name!r} is not supported; valid: sum, max, min")
+    return op
+
+
+def _record(group: GroupHandle, op: str, elements: float, t: torch.Tensor) -> None:
+    group.stats.record(group.axis, op, elements, t.element_size())
+
+
+def all_reduce(tensor: torch.Tensor, group: GroupHandle, op: str = "sum", async_op: bool = False):
+    """All-reduce `tensor` in place over `group`."""
+    n = group.size
+    if n == 1:
+        return None
+    _record(group, "all_reduce", 2 * (n - 1) / n * tensor.numel(), tensor)
+    return dist.all_reduce(tensor, op=_op(op), group=group.pg, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, op: str = "sum",
+                   async_op: bool = False):
+    """Reduce `input` (numel = n·numel(output)) over `group`; rank i keeps reduced shard i in `output`."""
+    n = group.size
+    if input.numel() != n * output.numel():
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+                         f"{n}·{output.numel()} for a group of {n}")
+    if n == 1:
+        output.copy_(input.view_as(output))
+        return None
+    _record(group, "reduce_scatter", (n - 1) * output.numel(), output)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=_op(op), group=group.pg, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, async_op: bool = False):
+    """Gather every rank's `input` over `group` into `output` (numel = n·numel(input)), rank order."""
+    n = group.size
+    if output.numel() != n * input.numel():
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                         f"{n}·{input.numel()} for a group of {n}")
+    if n == 1:
+        output.view_as(input).copy_(input)
+        return None
+    _record(group, "all_gather", (n - 1) * input.numel(), input)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group.pg, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: GroupHandle, async_op: bool = False):
+    """Broadcast `tensor` from group rank `src` to every member of `group`."""
+    n = group.size
+    if n == 1:
+        return None
+    _record(group, "broadcast", (n - 1) / n * tensor.numel(), tensor)
+    return dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, group: GroupHandle, op: str = "sum", async_op: bool = False):
+    """Reduce `tensor` over `group` into group rank `dst` (other ranks' buffers are undefined after)."""
+    n = group.size
+    if n == 1:
+        return None
+    _record(group, "reduce", (n - 1) / n * tensor.numel(), tensor)
+    return dist.reduce(tensor, dst=group.global_rank(dst), op=_op(op), group=group.pg, async_op=async_op)
+
+
+def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, group: GroupHandle):
+    """Group rank `src` sends `inputs[i]` to group rank i; every rank receives into `output`."""
+    n = group.size
+    if n == 1:
+        output.copy_(inputs[0])
+        return None
+    _record(group, "scatter", (n - 1) * output.numel(), output)
+    return dist.scatter(output, inputs if group.rank == src else None, src=group.global_rank(src),
+                        group=group.pg)
+
+
+def gather(input: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, group: GroupHandle):
+    """Every rank sends `input` to group rank `dst`, which receives them into `outputs`."""
+    n = group.size
+    if n == 1:
+        outputs[0].copy_(input)
+        return None
+    _record(group, "gather", (n - 1) * input.numel(), input)
+    return dist.gather(input, outputs if group.rank == dst else None, dst=group.global_rank(dst),
+                       group=group.pg)
+
+
+def send(tensor: torch.Tensor, dst: int, group: GroupHandle) -> None:
+    """Blocking send of `tensor` to group rank `dst`."""
+    _record(group, "send", tensor.numel(), tensor)
+    dist.send(tensor.contiguous(), dst=group.global_rank(dst), group=group.pg)
+
+
+def recv(tensor: torch.Tensor, src: int, group: GroupHandle) -> None:
+    """Blocking receive into `tensor` from group rank `src`."""
+    _record(group, "recv", tensor.numel(), tensor)
+    dist.recv(tensor, src=group.global_rank(src), group=group.pg)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: GroupHandle):
+    """Non-blocking single send to group rank `dst`; returns the work handle."""
+    _record(group, "send", tensor.numel(), tensor)
+    return dist.isend(tensor, dst=group.global_rank(dst), group=group.pg)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: GroupHandle):
+    """Non-blocking single receive from group rank `src`; returns the work handle."""
+    _record(group, "recv", tensor.numel(), tensor)
+    return dist.irecv(tensor, src=group.global_rank(src), group=group.pg)
+
+
+def barrier(group: GroupHandle) -> None:
+    """Wait until every member of `group` reaches this point (not counted)."""
+    if group.size > 1:
+        dist.barrier(group=group.pg)

@@ -1,0 +1,95 @@
+"""ParallelContext: every process group of a PP x DP x TP grid, built once and passed explicitly.
+
+Why `new_group` rather than DeviceMesh: we need groups that are not mesh axes (the embedding group
+of first and last pipeline stage for tied weights, model-parallel = pp x tp), we want two contexts
+in one process to be fully independent (DeviceMesh keeps a process-wide registry of meshes), and
+the same code must run on gloo and NCCL. A DeviceMesh for DCP can be built from the same Topology
+when needed.
+
+All ranks call `new_group` for every group in the same deterministic order (a torch requirement);
+groups of one rank get no process group and their collectives are local no-ops.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megazero.comm import CommStats, GroupHandle
+from megazero.topology import Topology
+
+
+class ParallelContext:
+    """Process groups for one Topology, and this rank's coordinates.
+
+    Attributes: ``tp_group/tp_rank/tp_size`` and the same for ``dp`` and ``pp``;
+    ``mp_group`` (model parallel: pp x tp), ``embedding_group`` (first + last pipeline stage),
+    ``world_group`` (every rank, for global norms and agreement), ``stats`` (CommStats shared by all
+    of this context's groups), and ``pp_prev_rank/pp_next_rank`` (global ranks or None).
+    """
+
+    def __init__(self, topology: Topology, timeout_s: float = 300.0, stats: CommStats | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelContext needs torch.distributed to be initialized first "
+                               "(torchrun, or megazero's launcher)")
+        world = dist.get_world_size()
+        if world != topology.world_size:
+            raise ValueError(f"the layout {topology} needs {topology.world_size} ranks, "
+                             f"but the world size is {world}")
+        self.topology = topology
+        self.global_rank = dist.get_rank()
+        self.coords = topology.coords(self.global_rank)
+        self.stats = stats if stats is not None else CommStats()
+        self.timeout_s = timeout_s
+        self._pg_cache: dict[tuple[int, ...], object] = {}
+        self.tp_group = self._build("tp", topology.axis_groups("tp"))
+        self.dp_group = self._build("dp", topology.axis_groups("dp"))
+        self.pp_group = self._build("pp", topology.axis_groups("pp"))
+        self.mp_group = self._build("mp", topology.model_parallel_groups())
+        self.embedding_group = self._build("embedding", topology.embedding_groups())
+        self.world_group = self._build("world", [list(range(world))])
+        self.pp_prev_rank, self.pp_next_rank = topology.pipeline_peers(self.global_rank)
+
+    def _build(self, axis: str, groups: list[list[int]]) -> GroupHandle:
+        """Create (collectively, on every rank) the process groups of one axis; return ours."""
+        mine = None
+        for ranks in groups:
+            key = tuple(ranks)
+            if len(ranks) > 1 and key not in self._pg_cache:
+                self._pg_cache[key] = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s))
+            if self.global_rank in ranks:
+                mine = key
+        if mine is None:  # not a member of any group of this axis (embedding groups on middle stages)
+            return GroupHandle(axis, (self.global_rank,), 0, None, self.stats, self.timeout_s)
+        return GroupHandle(axis, mine, mine.index(self.global_rank), self._pg_cache.get(mine),
+                           self.stats, self.timeout_s)
+
+    # -- convenience --------------------------------------------------------------------
+    tp_rank = property(lambda self: self.tp_group.rank)
+    tp_size = property(lambda self: self.tp_group.size)
+    dp_rank = property(lambda self: self.dp_group.rank)
+    dp_size = property(lambda self: self.dp_group.size)
+    pp_rank = property(lambda self: self.pp_group.rank)
+    pp_size = property(lambda self: self.pp_group.size)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.is_first_stage or self.is_last_stage
+
+    def describe(self) -> str:
+        c = self.coords
+        return f"rank {self.global_rank} (pp={c.pp}, dp={c.dp}, tp={c.tp})"
+
+    def destroy(self) -> None:
+        """Destroy this context's process groups (the default group stays)."""
+        for pg in self._pg_cache.values():
+            dist.destroy_process_group(pg)
+        self._pg_cache.clear()

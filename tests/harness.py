@@ -1,0 +1,130 @@
+"""Run a function on N gloo ranks on 127.0.0.1 and collect each rank's result.
+
+`run_ranks(fn, n, *args, timeout=...)` starts n processes (forkserver with torch preloaded, so a
+start costs a fork, not an import), initialises a gloo process group on a free port, calls
+`fn(*args, **kwargs)` on each rank and returns the list of results in rank order. Any rank's
+exception is re-raised here with its rank and traceback; a rank that dies or a run that exceeds
+`timeout` kills every rank and raises — no test can hang the suite. Each rank gets
+max(1, cores // n) torch threads, and ends with os._exit(0) once its result is sent (torch 2.13
+with gloo sometimes aborts at interpreter exit).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+
+class RankError(RuntimeError):
+    """A rank raised, died, or did not finish in time."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def _rank_main(fn, rank, world, port, args, kwargs, conn, timeout):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout))
+        result = fn(*args, **kwargs)
+        conn.send(("ok", result))
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    except BaseException as exc:  # report every failure, including KeyboardInterrupt/SystemExit
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    conn.close()
+    os._exit(0)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the results in rank order.
+
+    `fn` must be importable (a module-level function). Raises RankError naming the failing rank.
+    """
+    for attempt in range(2):
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout)
+        except RankError as err:
+            if attempt == 0 and "address already in use" in str(err).lower():
+                continue  # the free port was taken between choosing and binding
+            raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn, world, args, kwargs, timeout):
+    ctx = _context()
+    port = free_port()
+    procs, conns = [], []
+    for rank in range(world):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank_main, args=(fn, rank, world, port, args, kwargs, child, timeout),
+                        name=f"rank{rank}", daemon=True)
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    grace_end = None  # after a first error, collect the others' reports briefly, then stop all
+    pending = {conns[r]: r for r in range(world)}
+    try:
+        while pending and time.monotonic() < min(deadline, grace_end or deadline):
+            ready = wait(list(pending) + [procs[r].sentinel for r in pending.values()],
+                         timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            for obj in ready:
+                if obj in pending:
+                    rank = pending.pop(obj)
+                    try:
+                        status, payload = obj.recv()
+                    except EOFError:
+                        status, payload = "error", f"died with exit code {procs[rank].exitcode} before reporting"
+                    (results if status == "ok" else errors)[rank] = payload
+                    if errors and grace_end is None:
+                        grace_end = time.monotonic() + 3.0
+            for conn, rank in list(pending.items()):
+                if procs[rank].exitcode is not None and not conn.poll():
+                    errors[rank] = f"died with exit code {procs[rank].exitcode} before reporting"
+                    pending.pop(conn)
+                    grace_end = grace_end or time.monotonic() + 3.0
+        if errors:
+            first, *others = errors  # in order of arrival: the first is usually the cause
+            also = f" (also failed: ranks {sorted(others)})" if others else ""
+            raise RankError(f"rank {first} of {world} failed{also}: {errors[first]}")
+        if pending:
+            waiting = sorted(pending.values())
+            raise RankError(f"timeout after {timeout:.0f}s: ranks {waiting} of {world} did not finish "
+                            f"(finished: {sorted(results)})")
+        return [results[r] for r in range(world)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        for c in conns:
+            c.close()
