@@ -29,15 +29,16 @@ class ParallelContext:
     """
 
     def __init__(self, topology: Topology, timeout_s: float = 300.0, stats: CommStats | None = None):
-        if not dist.is_initialized():
-            raise RuntimeError("ParallelContext needs torch.distributed to be initialized first "
+        initialized = dist.is_available() and dist.is_initialized()
+        if not initialized and topology.world_size != 1:
+            raise RuntimeError(f"the layout {topology} needs torch.distributed to be initialized first "
                                "(torchrun, or megazero's launcher)")
-        world = dist.get_world_size()
+        world = dist.get_world_size() if initialized else 1
         if world != topology.world_size:
             raise ValueError(f"the layout {topology} needs {topology.world_size} ranks, "
                              f"but the world size is {world}")
         self.topology = topology
-        self.global_rank = dist.get_rank()
+        self.global_rank = dist.get_rank() if initialized else 0
         self.coords = topology.coords(self.global_rank)
         self.stats = stats if stats is not None else CommStats()
         self.timeout_s = timeout_s
@@ -55,11 +56,15 @@ class ParallelContext:
         mine = None
         for ranks in groups:
             key = tuple(ranks)
+            if len(ranks) == 1:
+                continue
             if len(ranks) > 1 and key not in self._pg_cache:
                 self._pg_cache[key] = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s))
             if self.global_rank in ranks:
                 mine = key
-        if mine is None:  # not a member of any group of this axis (embedding groups on middle stages)
+        if mine is None:
+            mine = (self.global_rank,)
+        if len(mine) == 1:  # not a member of any group of this axis (embedding groups on middle stages)
             return GroupHandle(axis, (self.global_rank,), 0, None, self.stats, self.timeout_s)
         return GroupHandle(axis, mine, mine.index(self.global_rank), self._pg_cache.get(mine),
                            self.stats, self.timeout_s)

@@ -1,0 +1,233 @@
+"""Per-section value checks. Each ``check_*`` returns a list of messages, each starting with the
+offending dotted key and saying what would be valid. `validate.validate` joins them.
+
+These checks need no world size; the layout and the batch rule live in `validate`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Sequence
+
+from .errors import closest
+from .schema import (AXIS_CHOICES, BACKEND_CHOICES, CHECKPOINT_POLICY_CHOICES, OFFLOAD_DEVICE_CHOICES,
+                     OPTIMIZER_CHOICES, PARTITION_CHOICES, PRECISION_CHOICES, SCHEDULE_CHOICES,
+                     SCHEDULER_CHOICES, TOKENIZER_CHOICES, WARMUP_TYPE_CHOICES, Config)
+
+_SPEC = re.compile(r"^[^:\s]+(\.py|[A-Za-z0-9_])(:[A-Za-z0-9_.\-]+)?$")
+
+
+def choice(key: str, value: Any, choices: Sequence[str]) -> list[str]:
+    """[] if `value` is one of `choices`, else a message naming the closest choice."""
+    if value in choices:
+        return []
+    guess = closest(str(value), choices)
+    hint = f"; did you mean {guess!r}?" if guess else ""
+    return [f"{key}: {value!r} is not valid{hint} (valid: {', '.join(choices)})"]
+
+
+def at_least(key: str, value: Any, low: float, what: str = "") -> list[str]:
+    """[] if `value` is None or >= `low`, else a message."""
+    if value is None or value >= low:
+        return []
+    return [f"{key}: must be >= {low}{what}, got {value}"]
+
+
+def check_parallel(cfg: Config) -> list[str]:
+    p = cfg.parallel
+    errs = at_least("parallel.pp", p.pp, 1) + at_least("parallel.tp", p.tp, 1) + at_least("parallel.dp", p.dp, 1)
+    if sorted(p.order) != sorted(AXIS_CHOICES):
+        errs.append(f"parallel.order: {list(p.order)} must name each of {', '.join(AXIS_CHOICES)} once "
+                    f"(outermost first, e.g. [pp, dp, tp])")
+    if p.sequence_parallel and p.tp < 2:
+        errs.append(f"parallel.sequence_parallel: needs parallel.tp > 1 (got tp={p.tp}); sequence parallelism "
+                    f"splits the sequence across the TP group")
+    return errs
+
+
+def check_train(cfg: Config) -> list[str]:
+    t = cfg.train
+    errs = []
+    for key in ("micro_batch_size", "gradient_accumulation_steps", "global_batch_size"):
+        errs += at_least(f"train.{key}", getattr(t, key), 1)
+    errs += at_least("train.steps", t.steps, 1) + at_least("train.seed", t.seed, 0)
+    errs += at_least("train.eval_interval", t.eval_interval, 0, " (0 = no evaluation)")
+    errs += at_least("train.eval_steps", t.eval_steps, 1)
+    return errs
+
+
+def check_model(cfg: Config) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    errs = []
+    if m.spec is not None and not _SPEC.match(m.spec):
+        errs.append(f"model.spec: {m.spec!r} is not a spec reference; write FILE.py[:FLAVOR] or "
+                    f"package.module[:FLAVOR], e.g. model_specs/gpt.py:debug")
+    for key in ("seq_len", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
+        errs += at_least(f"model.{key}", getattr(m, key), 1)
+    if m.dropout is not None and not 0.0 <= m.dropout < 1.0:
+        errs.append(f"model.dropout: must be in [0, 1), got {m.dropout}")
+    if m.hidden and m.heads and m.hidden % m.heads:
+        errs.append(f"model.hidden: {m.hidden} is not divisible by model.heads={m.heads}")
+    if m.heads and m.kv_heads and m.heads % m.kv_heads:
+        errs.append(f"model.kv_heads: model.heads={m.heads} is not divisible by kv_heads={m.kv_heads}")
+    for key in ("heads", "kv_heads", "ffn_hidden"):
+        value = getattr(m, key)
+        if value and value % p.tp:
+            errs.append(f"model.{key}: {value} is not divisible by parallel.tp={p.tp}")
+    if p.sequence_parallel and m.seq_len and m.seq_len % p.tp:
+        errs.append(f"model.seq_len: {m.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallel)")
+    if m.layers and m.layers < p.pp * cfg.pipeline.chunks:
+        errs.append(f"model.layers: {m.layers} layers cannot fill parallel.pp={p.pp} x pipeline.chunks="
+                    f"{cfg.pipeline.chunks} pipeline stages")
+    typed = [f.name for f in dataclasses.fields(m) if f.name not in ("spec", "overrides")]
+    for key in m.overrides:
+        if key in typed:
+            errs.append(f"model.overrides.{key}: duplicates the typed key model.{key}; use model.{key}")
+    return errs
+
+
+def check_zero(cfg: Config) -> list[str]:
+    z = cfg.zero
+    errs = [] if z.stage in (0, 1, 2, 3) else [f"zero.stage: must be 0, 1, 2 or 3, got {z.stage}"]
+    for name in ("offload_optimizer", "offload_param"):
+        device = getattr(z, name).device
+        if device == "nvme":
+            errs.append(f"zero.{name}.device: 'nvme': not supported yet (valid: none, cpu)")
+        else:
+            errs += choice(f"zero.{name}.device", device, OFFLOAD_DEVICE_CHOICES)
+    if z.offload_param.device != "none" and z.stage != 3:
+        errs.append(f"zero.offload_param.device: offloading parameters needs zero.stage=3 (got stage {z.stage})")
+    if z.offload_optimizer.device != "none" and z.stage < 1:
+        errs.append("zero.offload_optimizer.device: offloading the optimizer needs zero.stage >= 1 (got stage 0)")
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
+        errs += at_least(f"zero.{key}", getattr(z, key), 1, " (elements)")
+    for key in ("param_persistence_threshold", "sub_group_size", "max_live_parameters", "max_reuse_distance"):
+        errs += at_least(f"zero.{key}", getattr(z, key), 0)
+    return errs
+
+
+def check_precision(cfg: Config) -> list[str]:
+    f = cfg.fp16
+    errs = choice("precision", cfg.precision, PRECISION_CHOICES)
+    errs += at_least("fp16.loss_scale", f.loss_scale, 0, " (0 = dynamic)")
+    if not 0 <= f.initial_scale_power <= 127:
+        errs.append(f"fp16.initial_scale_power: must be in [0, 127] (scale 2**power), got {f.initial_scale_power}")
+    errs += at_least("fp16.loss_scale_window", f.loss_scale_window, 1)
+    errs += at_least("fp16.hysteresis", f.hysteresis, 1)
+    if f.min_loss_scale <= 0:
+        errs.append(f"fp16.min_loss_scale: must be > 0, got {f.min_loss_scale}")
+    if cfg.gradient_clipping < 0:
+        errs.append(f"gradient_clipping: must be >= 0 (0 = off), got {cfg.gradient_clipping}")
+    return errs
+
+
+def check_optimizer(cfg: Config) -> list[str]:
+    o = cfg.optimizer
+    errs = choice("optimizer.type", o.type, OPTIMIZER_CHOICES)
+    errs += at_least("optimizer.lr", o.lr, 0.0)
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        errs.append(f"optimizer.betas: must be two numbers in [0, 1), got {list(o.betas)}")
+    if o.eps <= 0:
+        errs.append(f"optimizer.eps: must be > 0, got {o.eps}")
+    errs += at_least("optimizer.weight_decay", o.weight_decay, 0.0)
+    if not 0.0 <= o.momentum < 1.0:
+        errs.append(f"optimizer.momentum: must be in [0, 1), got {o.momentum}")
+    elif o.momentum and o.type != "sgd":
+        errs.append(f"optimizer.momentum: applies to optimizer.type=sgd only (type is {o.type}); "
+                    f"Adam's momentum is optimizer.betas")
+    if o.type == "adamw" and o.adamw_mode is False:
+        errs.append("optimizer.adamw_mode: false contradicts optimizer.type=adamw (use type=adam for L2 decay)")
+    if o.type == "sgd" and o.adamw_mode is not None:
+        errs.append("optimizer.adamw_mode: applies to adam/adamw, not optimizer.type=sgd")
+    return errs
+
+
+def check_scheduler(cfg: Config) -> list[str]:
+    s, lr = cfg.scheduler, cfg.optimizer.lr
+    errs = choice("scheduler.type", s.type, SCHEDULER_CHOICES)
+    errs += choice("scheduler.warmup_type", s.warmup_type, WARMUP_TYPE_CHOICES)
+    errs += at_least("scheduler.warmup_steps", s.warmup_steps, 0) + at_least("scheduler.total_steps", s.total_steps, 1)
+    for key in ("min_lr", "warmup_min_lr"):
+        value = getattr(s, key)
+        if not 0.0 <= value <= max(lr, 0.0):
+            errs.append(f"scheduler.{key}: must be in [0, optimizer.lr={lr}], got {value}")
+    if s.type == "constant" and s.warmup_steps:
+        errs.append(f"scheduler.warmup_steps: {s.warmup_steps} with scheduler.type=constant; "
+                    f"use scheduler.type=WarmupLR for warmup then constant")
+    total = s.total_steps if s.total_steps is not None else cfg.train.steps
+    if s.type in ("linear", "cosine", "WarmupDecayLR") and total < s.warmup_steps:
+        errs.append(f"scheduler.total_steps: {total} is shorter than scheduler.warmup_steps={s.warmup_steps}")
+    return errs
+
+
+def check_activation_checkpointing(cfg: Config) -> list[str]:
+    a = cfg.activation_checkpointing
+    errs = choice("activation_checkpointing.policy", a.policy, CHECKPOINT_POLICY_CHOICES)
+    errs += at_least("activation_checkpointing.every_k_layers", a.every_k_layers, 1)
+    errs += at_least("activation_checkpointing.number_checkpoints", a.number_checkpoints, 1)
+    if a.cpu_checkpointing and not a.partition_activations:
+        errs.append("activation_checkpointing.cpu_checkpointing: needs activation_checkpointing.partition_activations")
+    if a.contiguous_memory_optimization and a.number_checkpoints is None:
+        errs.append("activation_checkpointing.contiguous_memory_optimization: needs "
+                    "activation_checkpointing.number_checkpoints")
+    if a.policy == "none":
+        for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+            if getattr(a, key):
+                errs.append(f"activation_checkpointing.{key}: has no effect with activation_checkpointing.policy"
+                            f"=none; set activation_checkpointing.policy=full (or selective)")
+    return errs
+
+
+def check_partition(cfg: Config) -> list[str]:
+    part, key = cfg.pipeline.partition, "pipeline.partition"
+    stages = cfg.parallel.pp * cfg.pipeline.chunks
+    if isinstance(part, str):
+        if part.startswith("type:"):
+            try:
+                re.compile(part[5:])
+            except re.error as e:
+                return [f"{key}: {part!r} has an invalid regular expression ({e})"]
+            return [] if part[5:] else [f"{key}: 'type:' needs a regex naming the layers to balance"]
+        return choice(key, part, PARTITION_CHOICES + ("type:<regex>", "[per-stage layer counts]"))
+    if not isinstance(part, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                             for n in part):
+        return [f"{key}: expected a method name or a list of non-negative layer counts, got {part!r}"]
+    errs = []
+    if len(part) != stages:
+        errs.append(f"{key}: {len(part)} layer counts for parallel.pp x pipeline.chunks = {stages} stages")
+    if cfg.model.layers is not None and sum(part) != cfg.model.layers:
+        errs.append(f"{key}: layer counts sum to {sum(part)}, not model.layers={cfg.model.layers}")
+    return errs
+
+
+def check_pipeline(cfg: Config) -> list[str]:
+    pl = cfg.pipeline
+    errs = [] if pl.schedule.endswith(".csv") else choice(
+        "pipeline.schedule", pl.schedule, SCHEDULE_CHOICES + ("<file>.csv",))
+    errs += at_least("pipeline.chunks", pl.chunks, 1)
+    if pl.schedule == "interleaved" and pl.chunks < 2:
+        errs.append(f"pipeline.chunks: the interleaved schedule needs pipeline.chunks >= 2, got {pl.chunks}")
+    if pl.chunks > 1 and pl.schedule in ("gpipe", "1f1b", "zb-h1"):
+        errs.append(f"pipeline.chunks: {pl.chunks} model chunks per stage need pipeline.schedule=interleaved "
+                    f"(got {pl.schedule})")
+    return errs + check_partition(cfg)
+
+
+def check_misc(cfg: Config) -> list[str]:
+    errs = choice("data.tokenizer", cfg.data.tokenizer, TOKENIZER_CHOICES)
+    errs += at_least("data.num_workers", cfg.data.num_workers, 0)
+    errs += at_least("checkpoint.save_interval", cfg.checkpoint.save_interval, 0, " (0 = never)")
+    errs += at_least("log.interval", cfg.log.interval, 1)
+    if cfg.log.peak_tflops is not None and cfg.log.peak_tflops <= 0:
+        errs.append(f"log.peak_tflops: must be > 0 (TFLOP/s per device), got {cfg.log.peak_tflops}")
+    errs += at_least("comm.timeout_s", cfg.comm.timeout_s, 1)
+    errs += choice("comm.backend", cfg.comm.backend, BACKEND_CHOICES)
+    if cfg.name is not None and (not cfg.name or "/" in cfg.name):
+        errs.append(f"name: {cfg.name!r} must be a non-empty name without '/' (it names runs/<name>)")
+    if cfg.run_dir is not None and not cfg.run_dir:
+        errs.append("run_dir: must not be empty (null = runs/<name>)")
+    return errs
+
+
+ALL_CHECKS = (check_parallel, check_train, check_model, check_zero, check_precision, check_optimizer,
+              check_scheduler, check_activation_checkpointing, check_pipeline, check_misc)

@@ -1,0 +1,232 @@
+"""DeepSpeed JSON -> megazero `Config`.
+
+`translate` maps a DeepSpeed config dict onto megazero's schema shape using the key table in
+`deepspeed_keys` (its docstring is the user-facing table of what each key becomes and which keys
+are accepted as documented no-ops). Unknown keys are errors naming the closest DeepSpeed key;
+keys megazero does not implement raise ``not supported yet`` unless set to a value at which they
+are truly a no-op. ``"auto"`` is accepted for the batch triple and the ZeRO bucket sizes (derived
+by `resolve`); anywhere else it is an error, since only the Hugging Face Trainer fills it in.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from .deepspeed_keys import (DICT_SECTIONS, OPTIMIZER_TYPES, OTHER_DS_OPTIMIZERS, OTHER_DS_SCHEDULERS,
+                             RULES, SCHEDULER_TYPES, SPECIAL, Rule)
+from .errors import ConfigError, closest, unknown_key_error
+from .schema import Config, field_types
+from .tree import build_config, check_tree
+
+DS_DEFAULT_WARMUP_MAX_LR = 0.001
+DS_DEFAULT_WARMUP_NUM_STEPS = 1000
+DS_DEFAULT_WARMUP_TYPE = "log"
+
+
+def _flatten(section: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted DeepSpeed key -> value, descending only into `DICT_SECTIONS`."""
+    flat: dict[str, Any] = {}
+    for key, value in section.items():
+        full = prefix + str(key)
+        if full == "zero_optimization" and isinstance(value, bool):
+            flat["zero_optimization.stage"] = 1 if value else 0  # deprecated boolean form
+        elif full in DICT_SECTIONS:
+            if value is None:
+                continue
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{full}: expected a mapping of DeepSpeed keys, got {value!r}")
+            flat.update(_flatten(value, full + "."))
+        else:
+            flat[full] = value
+    return flat
+
+
+def _rule_for(key: str, rules: Mapping[str, Rule]) -> Rule:
+    if key in rules:
+        return rules[key]
+    parent = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    depth = key.count(".")
+    siblings = [k for k in list(rules) + list(DICT_SECTIONS)
+                if k.startswith(parent) and k.count(".") == depth]
+    raise unknown_key_error(key, siblings, rules, what="DeepSpeed key")
+
+
+def _auto_error(key: str, rule: Rule) -> ConfigError:
+    target = rule.target if rule.target not in (None, SPECIAL) else key
+    return ConfigError(f"{key}: \"auto\" is filled in by the Hugging Face Trainer, not by DeepSpeed; "
+                       f"megazero needs a value here (write it in the file or override {target}=...)")
+
+
+def _precision(flat: Mapping[str, Any]) -> str:
+    """fp32/bf16/fp16 from fp16.enabled and bf16.enabled (alias bfloat16.enabled)."""
+    on = {}
+    for key in ("fp16.enabled", "bf16.enabled", "bfloat16.enabled"):
+        value = flat.get(key, False)
+        if value == "auto":
+            raise ConfigError(f"{key}: \"auto\" is filled in by the Hugging Face Trainer; set true or false "
+                              f"(or override precision=fp32|bf16|fp16)")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        on[key] = value
+    bf16 = on["bf16.enabled"] or on["bfloat16.enabled"]
+    if on["fp16.enabled"] and bf16:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one "
+                          "(megazero: precision=fp16 or precision=bf16)")
+    return "fp16" if on["fp16.enabled"] else "bf16" if bf16 else "fp32"
+
+
+def _optimizer(flat: Mapping[str, Any], out: dict[str, Any]) -> None:
+    if "optimizer.type" not in flat:
+        if any(k.startswith("optimizer.") for k in flat):
+            raise ConfigError("optimizer.type: missing; a DeepSpeed optimizer section needs a type "
+                              "(Adam, AdamW, SGD)")
+        return
+    name = flat["optimizer.type"]
+    if not isinstance(name, str):
+        raise ConfigError(f"optimizer.type: expected a string such as \"AdamW\", got {name!r}")
+    kind = OPTIMIZER_TYPES.get(name.lower())
+    if kind is None:
+        if name.lower() in OTHER_DS_OPTIMIZERS:
+            raise ConfigError(f"optimizer.type={name!r}: not supported yet (valid: Adam, AdamW, SGD)")
+        guess = closest(name.lower(), list(OPTIMIZER_TYPES) + list(OTHER_DS_OPTIMIZERS))
+        hint = f"; did you mean {guess!r}?" if guess else ""
+        raise ConfigError(f"optimizer.type: unknown optimizer {name!r}{hint} (valid: Adam, AdamW, SGD)")
+    out["optimizer.type"] = kind
+    if kind == "adam" and "optimizer.params.adam_w_mode" not in flat:
+        out["optimizer.adamw_mode"] = True  # DeepSpeed's "Adam" decouples weight decay by default
+
+
+def _scheduler(flat: Mapping[str, Any], out: dict[str, Any], labels: dict[str, str]) -> None:
+    if "scheduler.type" not in flat:
+        if any(k.startswith("scheduler.params.") for k in flat):
+            raise ConfigError("scheduler.type: missing; scheduler.params needs a type (WarmupLR or WarmupDecayLR)")
+        return
+    name = flat["scheduler.type"]
+    if name not in SCHEDULER_TYPES:
+        if name in OTHER_DS_SCHEDULERS:
+            raise ConfigError(f"scheduler.type={name!r}: not supported yet (valid: {', '.join(SCHEDULER_TYPES)})")
+        guess = closest(str(name), SCHEDULER_TYPES + OTHER_DS_SCHEDULERS)
+        hint = f"; did you mean {guess!r}?" if guess else ""
+        raise ConfigError(f"scheduler.type: unknown scheduler {name!r}{hint} (valid: {', '.join(SCHEDULER_TYPES)})")
+    out["scheduler.type"] = name
+    out.setdefault("scheduler.warmup_steps", DS_DEFAULT_WARMUP_NUM_STEPS)
+    out.setdefault("scheduler.warmup_type", DS_DEFAULT_WARMUP_TYPE)
+    if name == "WarmupDecayLR" and "scheduler.total_steps" not in out:
+        raise ConfigError("scheduler.params.total_num_steps: required by WarmupDecayLR "
+                          "(the step at which lr reaches 0)")
+    peak = flat.get("scheduler.params.warmup_max_lr")
+    lr = flat.get("optimizer.params.lr")
+    if peak == "auto":
+        raise _auto_error("scheduler.params.warmup_max_lr", Rule("", "optimizer.lr"))
+    if peak is None:
+        if lr is not None and lr != DS_DEFAULT_WARMUP_MAX_LR:
+            raise ConfigError(f"scheduler.params.warmup_max_lr: missing, so DeepSpeed's {name} would train at "
+                              f"{DS_DEFAULT_WARMUP_MAX_LR}, not optimizer.params.lr={lr}; set warmup_max_lr")
+        peak = DS_DEFAULT_WARMUP_MAX_LR if lr is None else lr
+    elif lr is not None and lr != peak:
+        raise ConfigError(f"scheduler.params.warmup_max_lr={peak} disagrees with optimizer.params.lr={lr}; "
+                          f"DeepSpeed's {name} would train at warmup_max_lr: make them equal")
+    out["optimizer.lr"] = peak
+    labels["optimizer.lr"] = "scheduler.params.warmup_max_lr"
+
+
+def _deprecated_offload(flat: Mapping[str, Any], out: dict[str, Any]) -> None:
+    """zero_optimization.cpu_offload / cpu_offload_param / cpu_offload_use_pin_memory (booleans)."""
+    for key, sections in (("cpu_offload", ("offload_optimizer",)), ("cpu_offload_param", ("offload_param",)),
+                          ("cpu_offload_use_pin_memory", ("offload_optimizer", "offload_param"))):
+        full = "zero_optimization." + key
+        if full not in flat:
+            continue
+        value = flat[full]
+        if not isinstance(value, bool):
+            raise ConfigError(f"{full}: expected true or false, got {value!r}")
+        for section in sections:
+            field = "pin_memory" if key.endswith("pin_memory") else "device"
+            if value:
+                out.setdefault(f"zero.{section}.{field}", True if field == "pin_memory" else "cpu")
+
+
+def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def translate(ds: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Map DeepSpeed config `ds` to a nested dict in megazero's schema shape.
+
+    Returns:
+        (tree, labels): the megazero-shaped dict (only keys the file sets) and, for error
+        messages, megazero dotted key -> the DeepSpeed key it came from.
+
+    Raises:
+        ConfigError: unknown key (naming the closest), unsupported feature or value, "auto"
+            where it cannot be derived, fp16 and bf16 both enabled, inconsistent lr.
+    """
+    if not isinstance(ds, Mapping):
+        raise ConfigError(f"DeepSpeed config: expected a JSON object, got {type(ds).__name__}")
+    rules = {r.ds: r for r in RULES}
+    flat = _flatten(ds)
+    for key in flat:
+        _rule_for(key, rules)
+    precision = _precision(flat)
+    out: dict[str, Any] = {"precision": precision}
+    labels = {"precision": "fp16.enabled / bf16.enabled"}
+    for key, value in flat.items():
+        rule = rules[key]
+        if precision != "fp16" and key.startswith("fp16."):
+            continue  # DeepSpeed reads the loss-scaler keys only when fp16.enabled is true
+        if isinstance(value, str) and value == "auto":
+            if not rule.auto:
+                raise _auto_error(key, rule)
+            value = None
+        if rule.target is None:
+            if not rule.noop(value):
+                note = f" ({rule.note})" if rule.note else ""
+                raise ConfigError(f"{key}={json.dumps(value)}: not supported yet{note}; remove it")
+        elif rule.target != SPECIAL:
+            out[rule.target] = value
+            labels[rule.target] = key
+    _optimizer(flat, out)
+    _scheduler(flat, out, labels)
+    _deprecated_offload(flat, out)
+    return _nest(out), labels
+
+
+def from_deepspeed(ds: Mapping[str, Any]) -> Config:
+    """A `Config` (unresolved: run `resolve` for dp and the batch triple) from a DeepSpeed dict."""
+    tree, labels = translate(ds)
+    return build_config([check_tree(tree, labels=labels)])
+
+
+_SHARED_TOP = ("optimizer", "scheduler", "fp16", "gradient_clipping", "activation_checkpointing",
+               "checkpoint", "pipeline")
+
+
+def is_deepspeed(data: Mapping[str, Any]) -> bool:
+    """Whether a parsed JSON object is a DeepSpeed config (True) or megazero-shaped (False).
+
+    Raises ConfigError when it mixes keys only DeepSpeed has with keys only megazero has.
+    """
+    mz_top = set(field_types(Config))
+    ds_top = {r.ds.split(".")[0] for r in RULES} | {s.split(".")[0] for s in DICT_SECTIONS}
+    ds_only = sorted(k for k in data if k in ds_top and k not in mz_top)
+    mz_only = sorted(k for k in data if k in mz_top and k not in _SHARED_TOP)
+    if ds_only and mz_only:
+        raise ConfigError(f"{mz_only[0]}: this JSON mixes megazero keys ({', '.join(mz_only)}) with DeepSpeed "
+                          f"keys ({', '.join(ds_only)}); keep the file DeepSpeed-only and pass megazero keys "
+                          f"as overrides (e.g. parallel.pp=2)")
+    if ds_only or mz_only:
+        return bool(ds_only)
+    opt, sched, fp16 = data.get("optimizer"), data.get("scheduler"), data.get("fp16")
+    if any(isinstance(s, Mapping) and "params" in s for s in (opt, sched)):
+        return True
+    if isinstance(fp16, Mapping) and "enabled" in fp16:
+        return True
+    unknown = [k for k in data if k not in mz_top and k not in ds_top]
+    return bool(unknown) and closest(unknown[0], ds_top) is not None and closest(unknown[0], mz_top) is None

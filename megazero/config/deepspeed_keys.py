@@ -1,0 +1,218 @@
+"""Every DeepSpeed JSON key megazero recognises, and what it becomes.
+
+A key not in this table is an error naming the closest key that is. A key with no megazero
+counterpart is accepted only for the values at which it is truly a no-op for megazero (column
+"no-op when"); any other value raises ``ConfigError("<key>=<value>: not supported yet ...")``.
+
+| DeepSpeed key | megazero key | note |
+|---|---|---|
+| train_batch_size | train.global_batch_size | "auto": derived from the other two and dp |
+| train_micro_batch_size_per_gpu | train.micro_batch_size | "auto": derived |
+| gradient_accumulation_steps | train.gradient_accumulation_steps | "auto": derived |
+| gradient_clipping | gradient_clipping | |
+| steps_per_print | log.interval | |
+| wall_clock_breakdown | log.wall_clock_breakdown | |
+| memory_breakdown | log.memory_breakdown | |
+| fp16.enabled, bf16.enabled (bfloat16.enabled) | precision | both true is an error; "auto" is an error |
+| fp16.loss_scale, initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale | fp16.* | read only when fp16.enabled; DeepSpeed ignores them otherwise |
+| fp16.auto_cast | - | no-op for any value: it casts floating-point model inputs, and megazero's inputs are token ids |
+| fp16.fp16_master_weights_and_grads | - | no-op when false |
+| optimizer.type | optimizer.type | Adam, AdamW, SGD (any case); Adam sets optimizer.adamw_mode=true as DeepSpeed does |
+| optimizer.params.lr, betas, eps, weight_decay, momentum | optimizer.* | "auto" is an error |
+| optimizer.params.adam_w_mode | optimizer.adamw_mode | |
+| optimizer.params.torch_adam | - | no-op for any value: it picks DeepSpeed's kernel; the update is the same Adam |
+| optimizer.params.amsgrad / nesterov / dampening / bias_correction | - | no-op when false / false / 0 / true |
+| optimizer.legacy_fusion | - | no-op when false |
+| scheduler.type | scheduler.type | WarmupLR, WarmupDecayLR |
+| scheduler.params.warmup_min_lr | scheduler.warmup_min_lr | |
+| scheduler.params.warmup_max_lr | optimizer.lr | must agree with optimizer.params.lr when both are given |
+| scheduler.params.warmup_num_steps | scheduler.warmup_steps | DeepSpeed's default 1000 when absent |
+| scheduler.params.total_num_steps | scheduler.total_steps | required by WarmupDecayLR |
+| scheduler.params.warmup_type | scheduler.warmup_type | DeepSpeed's default "log" when absent |
+| scheduler.params.last_batch_iteration | - | no-op when -1 |
+| zero_optimization (true/false) | zero.stage | the deprecated boolean form: true = stage 1 |
+| zero_optimization.stage | zero.stage | |
+| zero_optimization.overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions, round_robin_gradients, sub_group_size | zero.* | |
+| zero_optimization.reduce_bucket_size, allgather_bucket_size | zero.* | "auto": from model.hidden or DeepSpeed's default (see ZeroConfig) |
+| zero_optimization.stage3_prefetch_bucket_size | zero.prefetch_bucket_size | "auto" as above |
+| zero_optimization.stage3_param_persistence_threshold | zero.param_persistence_threshold | "auto" as above |
+| zero_optimization.stage3_max_live_parameters, stage3_max_reuse_distance | zero.max_live_parameters, zero.max_reuse_distance | |
+| zero_optimization.stage3_gather_16bit_weights_on_model_save (stage3_gather_fp16_weights_on_model_save) | zero.gather_16bit_weights_on_model_save | |
+| zero_optimization.offload_optimizer.device, pin_memory | zero.offload_optimizer.* | device nvme is not supported yet |
+| zero_optimization.offload_param.device, pin_memory | zero.offload_param.* | device nvme is not supported yet |
+| zero_optimization.offload_*.nvme_path, buffer_count, buffer_size, max_in_cpu, pipeline_read, pipeline_write, fast_init | - | no-op for any value: used only with device nvme, which megazero rejects |
+| zero_optimization.offload_optimizer.ratio | - | no-op when 1.0 (the whole optimizer offloaded) |
+| zero_optimization.cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory | zero.offload_*.device / pin_memory | deprecated DeepSpeed spellings; false = no offload |
+| zero_optimization.ignore_unused_parameters | - | no-op when true (megazero never checks for unused parameters) |
+| zero_optimization.elastic_checkpoint, legacy_stage1 | - | no-op when false (feature off) |
+| zero_optimization.memory_efficient_linear | - | no-op for any value: a DeepSpeed-internal ZeRO-3 linear implementation |
+| zero_optimization.zero_hpz_partition_size | - | no-op when 1 |
+| zero_optimization.zero_quantized_weights, zero_quantized_nontrainable_weights, zero_quantized_gradients, mics_hierarchical_params_gather, stage3_use_all_reduce_for_fetch_params, stage3_allgather_sequential | - | no-op when false |
+| zero_optimization.mics_shard_size | - | no-op when -1 |
+| zero_optimization.stage3_module_granularity_threshold | - | no-op when 0 |
+| zero_optimization.load_from_fp32_weights, use_multi_rank_bucket_allreduce, stage3_model_persistence_threshold, zeropp_loco_param | - | not supported yet (any value) |
+| activation_checkpointing.partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints, synchronize_checkpoint_boundary, profile | activation_checkpointing.* | they configure checkpointing; turn it on with activation_checkpointing.policy |
+| data_types.grad_accum_dtype | - | no-op when "fp32" (megazero accumulates gradients in fp32 buffers) |
+| communication_data_type | - | no-op when null |
+| prescale_gradients / gradient_predivide_factor | - | no-op when false / 1.0 |
+| sparse_gradients, dump_state | - | no-op when false |
+| zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer | - | no-op for any value (megazero has no such gate; offload always uses its CPU Adam) |
+| aio | - | no-op for any value: NVMe I/O settings |
+| checkpoint.tag_validation | - | no-op when "Ignore" |
+| checkpoint.load_universal, use_node_local_storage | - | no-op when false |
+| tensorboard, wandb, csv_monitor, comet, flops_profiler, comms_logger, autotuning, elasticity, curriculum_learning, data_efficiency, compression_training, progressive_layer_drop, eigenvalue, quantize_training, nebula, amp | - | no-op when {"enabled": false}; otherwise not supported yet |
+| pipeline, sparse_attention, bf16.immediate_grad_update, bf16.check_grad_overflow | - | not supported yet (any value); use megazero's pipeline.* keys |
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Callable, NamedTuple, Optional
+
+SPECIAL = "<special>"
+"""Target of keys that `deepspeed.translate` handles in code (precision, optimizer/scheduler type)."""
+
+
+class Rule(NamedTuple):
+    """One DeepSpeed key: where it goes, or for which values it is a true no-op."""
+
+    ds: str  # dotted DeepSpeed key
+    target: Optional[str]  # dotted megazero key, SPECIAL, or None (no counterpart)
+    noop: Callable[[Any], bool] = lambda v: False  # target None: values that are no-ops
+    auto: bool = False  # "auto" allowed: becomes None (derived by resolve)
+    note: str = ""
+
+
+def _any(v: Any) -> bool:
+    return True
+
+
+def _off(v: Any) -> bool:
+    return v is False
+
+
+def _disabled_section(v: Any) -> bool:
+    return isinstance(v, dict) and v.get("enabled") is False
+
+
+_Z = "zero_optimization."
+_OO = _Z + "offload_optimizer."
+_OP = _Z + "offload_param."
+_NVME = "used only with device nvme"
+
+RULES: tuple[Rule, ...] = (
+    Rule("train_batch_size", "train.global_batch_size", auto=True),
+    Rule("train_micro_batch_size_per_gpu", "train.micro_batch_size", auto=True),
+    Rule("gradient_accumulation_steps", "train.gradient_accumulation_steps", auto=True),
+    Rule("gradient_clipping", "gradient_clipping"),
+    Rule("steps_per_print", "log.interval"),
+    Rule("wall_clock_breakdown", "log.wall_clock_breakdown"),
+    Rule("memory_breakdown", "log.memory_breakdown"),
+    # precision
+    Rule("fp16.enabled", SPECIAL), Rule("bf16.enabled", SPECIAL), Rule("bfloat16.enabled", SPECIAL),
+    Rule("fp16.loss_scale", "fp16.loss_scale"),
+    Rule("fp16.initial_scale_power", "fp16.initial_scale_power"),
+    Rule("fp16.loss_scale_window", "fp16.loss_scale_window"),
+    Rule("fp16.hysteresis", "fp16.hysteresis"),
+    Rule("fp16.consecutive_hysteresis", "fp16.consecutive_hysteresis"),
+    Rule("fp16.min_loss_scale", "fp16.min_loss_scale"),
+    Rule("fp16.auto_cast", None, _any, note="casts floating inputs; megazero's are token ids"),
+    Rule("fp16.fp16_master_weights_and_grads", None, _off, note="fp16 master weights"),
+    Rule("bf16.immediate_grad_update", None, note="bf16 optimizer variants"),
+    Rule("bf16.check_grad_overflow", None, note="bf16 optimizer variants"),
+    # optimizer
+    Rule("optimizer.type", SPECIAL),
+    Rule("optimizer.legacy_fusion", None, _off, note="legacy fused optimizer"),
+    Rule("optimizer.params.lr", "optimizer.lr"),
+    Rule("optimizer.params.betas", "optimizer.betas"),
+    Rule("optimizer.params.eps", "optimizer.eps"),
+    Rule("optimizer.params.weight_decay", "optimizer.weight_decay"),
+    Rule("optimizer.params.momentum", "optimizer.momentum"),
+    Rule("optimizer.params.adam_w_mode", "optimizer.adamw_mode"),
+    Rule("optimizer.params.torch_adam", None, _any, note="kernel choice"),
+    Rule("optimizer.params.amsgrad", None, _off, note="AMSGrad"),
+    Rule("optimizer.params.nesterov", None, _off, note="Nesterov momentum"),
+    Rule("optimizer.params.dampening", None, lambda v: v == 0, note="SGD dampening"),
+    Rule("optimizer.params.bias_correction", None, lambda v: v is True, note="Adam without bias correction"),
+    # scheduler
+    Rule("scheduler.type", SPECIAL),
+    Rule("scheduler.params.warmup_min_lr", "scheduler.warmup_min_lr"),
+    Rule("scheduler.params.warmup_max_lr", SPECIAL),
+    Rule("scheduler.params.warmup_num_steps", "scheduler.warmup_steps"),
+    Rule("scheduler.params.total_num_steps", "scheduler.total_steps"),
+    Rule("scheduler.params.warmup_type", "scheduler.warmup_type"),
+    Rule("scheduler.params.last_batch_iteration", None, lambda v: v == -1, note="resuming a schedule by index"),
+    # ZeRO
+    Rule(_Z + "stage", "zero.stage"),
+    Rule(_Z + "overlap_comm", "zero.overlap_comm"),
+    Rule(_Z + "contiguous_gradients", "zero.contiguous_gradients"),
+    Rule(_Z + "reduce_scatter", "zero.reduce_scatter"),
+    Rule(_Z + "allgather_partitions", "zero.allgather_partitions"),
+    Rule(_Z + "round_robin_gradients", "zero.round_robin_gradients"),
+    Rule(_Z + "sub_group_size", "zero.sub_group_size"),
+    Rule(_Z + "reduce_bucket_size", "zero.reduce_bucket_size", auto=True),
+    Rule(_Z + "allgather_bucket_size", "zero.allgather_bucket_size", auto=True),
+    Rule(_Z + "stage3_prefetch_bucket_size", "zero.prefetch_bucket_size", auto=True),
+    Rule(_Z + "stage3_param_persistence_threshold", "zero.param_persistence_threshold", auto=True),
+    Rule(_Z + "stage3_max_live_parameters", "zero.max_live_parameters"),
+    Rule(_Z + "stage3_max_reuse_distance", "zero.max_reuse_distance"),
+    Rule(_Z + "stage3_gather_16bit_weights_on_model_save", "zero.gather_16bit_weights_on_model_save"),
+    Rule(_Z + "stage3_gather_fp16_weights_on_model_save", "zero.gather_16bit_weights_on_model_save"),
+    Rule(_OO + "device", "zero.offload_optimizer.device"),
+    Rule(_OO + "pin_memory", "zero.offload_optimizer.pin_memory"),
+    Rule(_OP + "device", "zero.offload_param.device"),
+    Rule(_OP + "pin_memory", "zero.offload_param.pin_memory"),
+    *(Rule(_OO + k, None, _any, note=_NVME) for k in
+      ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")),
+    *(Rule(_OP + k, None, _any, note=_NVME) for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
+    Rule(_OO + "ratio", None, lambda v: v == 1, note="partial optimizer offload"),
+    Rule(_Z + "cpu_offload", SPECIAL), Rule(_Z + "cpu_offload_param", SPECIAL),
+    Rule(_Z + "cpu_offload_use_pin_memory", SPECIAL),
+    Rule(_Z + "ignore_unused_parameters", None, lambda v: v is True, note="erroring on unused parameters"),
+    Rule(_Z + "elastic_checkpoint", None, _off, note="elastic checkpoints"),
+    Rule(_Z + "legacy_stage1", None, _off, note="legacy stage 1"),
+    Rule(_Z + "memory_efficient_linear", None, _any, note="DeepSpeed-internal implementation"),
+    Rule(_Z + "zero_hpz_partition_size", None, lambda v: v == 1, note="ZeRO++ hierarchical partitioning"),
+    *(Rule(_Z + k, None, _off, note="ZeRO++ / MiCS / stage-3 fetch variants") for k in (
+        "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+        "mics_hierarchical_params_gather", "stage3_use_all_reduce_for_fetch_params",
+        "stage3_allgather_sequential")),
+    Rule(_Z + "mics_shard_size", None, lambda v: v == -1, note="MiCS sharding"),
+    Rule(_Z + "stage3_module_granularity_threshold", None, lambda v: v == 0, note="module-granular fetch"),
+    *(Rule(_Z + k, None, note="no megazero counterpart yet") for k in (
+        "load_from_fp32_weights", "use_multi_rank_bucket_allreduce", "stage3_model_persistence_threshold",
+        "zeropp_loco_param")),
+    # activation checkpointing
+    *(Rule("activation_checkpointing." + k, "activation_checkpointing." + k) for k in (
+        "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+        "number_checkpoints", "synchronize_checkpoint_boundary", "profile")),
+    # everything else users commonly write
+    Rule("data_types.grad_accum_dtype", None, lambda v: v == "fp32", note="non-fp32 gradient accumulation"),
+    Rule("communication_data_type", None, lambda v: v is None, note="reduced-precision communication"),
+    Rule("prescale_gradients", None, _off, note="averaging before the reduction"),
+    Rule("gradient_predivide_factor", None, lambda v: v == 1, note="gradient pre-division"),
+    Rule("sparse_gradients", None, _off, note="sparse embedding gradients"),
+    Rule("dump_state", None, _off, note="state dumps"),
+    Rule("zero_allow_untested_optimizer", None, _any, note="optimizer gate"),
+    Rule("zero_force_ds_cpu_optimizer", None, _any, note="optimizer gate"),
+    Rule("aio", None, _any, note="NVMe I/O settings"),
+    Rule("checkpoint.tag_validation", None, lambda v: v == "Ignore", note="checkpoint tag validation"),
+    Rule("checkpoint.load_universal", None, _off, note="universal checkpoints"),
+    Rule("checkpoint.use_node_local_storage", None, _off, note="node-local checkpoint storage"),
+    *(Rule(k, None, _disabled_section, note="this DeepSpeed feature") for k in (
+        "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger", "autotuning",
+        "elasticity", "curriculum_learning", "data_efficiency", "compression_training",
+        "progressive_layer_drop", "eigenvalue", "quantize_training", "nebula", "amp")),
+    Rule("pipeline", None, note="DeepSpeed's pipeline section; use megazero's pipeline.* keys"),
+    Rule("sparse_attention", None, note="sparse attention"),
+)
+
+DICT_SECTIONS = ("zero_optimization", _Z + "offload_optimizer", _Z + "offload_param", "fp16", "bf16",
+                 "bfloat16", "optimizer", "optimizer.params", "scheduler", "scheduler.params",
+                 "activation_checkpointing", "data_types", "checkpoint")
+"""DeepSpeed keys whose values are sections (mappings) of further keys."""
+
+OPTIMIZER_TYPES = MappingProxyType({"adam": "adam", "adamw": "adamw", "sgd": "sgd"})
+OTHER_DS_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "lamb", "adagrad", "lion",
+                       "muadam", "muadamw", "musgd", "muon", "cpuadam", "fusedadam")
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR")
+OTHER_DS_SCHEDULERS = ("WarmupCosineLR", "OneCycle", "LRRangeTest")

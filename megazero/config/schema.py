@@ -1,0 +1,275 @@
+"""The typed configuration schema: frozen dataclasses, one per section.
+
+Library code receives these dataclasses (after `resolve`), never raw dicts. Field defaults follow
+DeepSpeed's where DeepSpeed has the same knob, so a DeepSpeed JSON that omits a key means the same
+thing here. ``None`` means "derived by `resolve`" unless a field's comment says otherwise.
+
+String-valued choices are plain ``str`` fields checked by `validate` against the ``*_CHOICES``
+tuples below (OmegaConf enums cannot hold names such as ``zb-h1``).
+
+Model architecture (`ModelConfig`): the spec file (``model.spec``) defines the architecture; the
+config may override fields of it. The common fields (layers, hidden, heads, kv_heads, ffn_hidden,
+vocab, dropout, tie_embeddings) are typed ``Optional`` attributes, so ``model.layers=6`` is
+type-checked and a typo such as ``model.layrs=6`` is an error naming ``model.layers``;
+``None`` keeps the spec's value. Anything else a spec defines goes in the open dict
+``model.overrides`` (``model.overrides.rope_theta=10000``), which the spec loader checks against
+the spec's own fields. `ModelConfig.architecture()` merges both into one dict of overrides.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+PRECISION_CHOICES = ("fp32", "bf16", "fp16")
+AXIS_CHOICES = ("pp", "dp", "tp")
+OFFLOAD_DEVICE_CHOICES = ("none", "cpu")
+OPTIMIZER_CHOICES = ("adam", "adamw", "sgd")
+SCHEDULER_CHOICES = ("constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR")
+WARMUP_TYPE_CHOICES = ("linear", "log")
+CHECKPOINT_POLICY_CHOICES = ("none", "full", "selective")
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+"""Built-in pipeline schedules; a path ending in ``.csv`` names a custom schedule file."""
+PARTITION_CHOICES = ("uniform", "parameters", "flops")
+"""Named partition methods; ``type:<regex>`` and a list of per-stage layer counts are also valid."""
+TOKENIZER_CHOICES = ("byte", "bpe")
+BACKEND_CHOICES = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The PP x DP x TP grid. ``dp`` is derived as world_size / (pp * tp) when unset."""
+
+    pp: int = 1
+    tp: int = 1
+    dp: Optional[int] = None
+    sequence_parallel: bool = False
+    order: List[str] = field(default_factory=lambda: ["pp", "dp", "tp"])  # outermost first
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The batch triple obeys global_batch_size = micro_batch_size x gradient_accumulation_steps x dp.
+
+    Any two derive the third; `resolve` fills the missing ones (see `validate.derive_batch`).
+    gradient_accumulation_steps is also the number of micro-batches per pipeline flush.
+    """
+
+    micro_batch_size: Optional[int] = None
+    gradient_accumulation_steps: Optional[int] = None
+    global_batch_size: Optional[int] = None  # DeepSpeed train_batch_size
+    steps: int = 100
+    seed: int = 1234
+    eval_interval: int = 0  # 0 = no evaluation
+    eval_steps: int = 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to build and the architecture fields that override the spec's values."""
+
+    spec: Optional[str] = None  # "model_specs/gpt.py:debug" (file[:flavor]) or "package.module:flavor"
+    seq_len: Optional[int] = None  # training sequence length; None = the spec's
+    layers: Optional[int] = None
+    hidden: Optional[int] = None
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    vocab: Optional[int] = None
+    dropout: Optional[float] = None
+    tie_embeddings: Optional[bool] = None
+    overrides: Dict[str, Any] = field(default_factory=dict)  # any other spec field, by name
+
+    def architecture(self) -> dict[str, Any]:
+        """Every architecture override: the typed fields that are set, then ``overrides``."""
+        typed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name not in ("spec", "overrides") and getattr(self, f.name) is not None}
+        return {**typed, **dict(self.overrides)}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: Optional[str] = None  # None = synthetic random tokens (tests, benchmarks)
+    num_workers: int = 0
+    tokenizer: str = "byte"
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where ZeRO keeps a state: ``none`` (the accelerator) or ``cpu``."""
+
+    device: str = "none"
+    pin_memory: bool = False
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO sharding over the dp axis. Sizes are element counts, as in DeepSpeed.
+
+    ``None`` bucket sizes come from DeepSpeed's ``"auto"``: `resolve` sets them from model.hidden
+    (h*h, 0.9*h*h, 10*h, as the Hugging Face integration does) or DeepSpeed's defaults.
+    overlap_comm ``None`` resolves to DeepSpeed's default: true for stage 3 only.
+    """
+
+    stage: int = 0
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    overlap_comm: Optional[bool] = None
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    allgather_partitions: bool = True
+    round_robin_gradients: bool = False
+    reduce_bucket_size: Optional[int] = 500_000_000
+    allgather_bucket_size: Optional[int] = 500_000_000
+    prefetch_bucket_size: Optional[int] = 50_000_000  # DeepSpeed stage3_prefetch_bucket_size
+    param_persistence_threshold: Optional[int] = 100_000  # DeepSpeed stage3_param_persistence_threshold
+    sub_group_size: int = 1_000_000_000
+    max_live_parameters: int = 1_000_000_000  # DeepSpeed stage3_max_live_parameters
+    max_reuse_distance: int = 1_000_000_000  # DeepSpeed stage3_max_reuse_distance
+    gather_16bit_weights_on_model_save: bool = False
+
+
+@dataclass(frozen=True)
+class Fp16Config:
+    """The loss scaler, used only with precision=fp16. loss_scale 0 = dynamic scaling."""
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """adam/adamw/sgd. adamw_mode (decoupled weight decay): None resolves to type == "adamw";
+    a DeepSpeed ``"Adam"`` sets it true, as DeepSpeed does."""
+
+    type: str = "adamw"
+    lr: float = 1e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0  # sgd only
+    adamw_mode: Optional[bool] = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Learning-rate schedule over optimizer steps; the peak is optimizer.lr.
+
+    constant: lr throughout (no warmup). WarmupLR: warmup from warmup_min_lr, then lr.
+    WarmupDecayLR: warmup, then linear decay to 0 at total_steps. linear / cosine: warmup, then
+    linear / cosine decay to min_lr at total_steps. total_steps None resolves to train.steps.
+    """
+
+    type: str = "constant"
+    warmup_steps: int = 0
+    total_steps: Optional[int] = None
+    min_lr: float = 0.0
+    warmup_min_lr: float = 0.0
+    warmup_type: str = "linear"  # DeepSpeed's WarmupLR default is "log"
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    policy: str = "none"
+    every_k_layers: int = 1
+    partition_activations: bool = False  # split saved layer inputs across the TP group
+    cpu_checkpointing: bool = False  # needs partition_activations
+    contiguous_memory_optimization: bool = False  # needs number_checkpoints
+    number_checkpoints: Optional[int] = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """schedule: a SCHEDULE_CHOICES name or a path ending in .csv. chunks: model chunks per stage
+    (v, interleaved only). partition: a PARTITION_CHOICES name, ``type:<regex>``, or a list with
+    the layer count of each of the pp * chunks (virtual) stages."""
+
+    schedule: str = "1f1b"
+    chunks: int = 1
+    partition: Any = "uniform"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: Optional[str] = None  # None resolves to <run_dir>/checkpoints
+    save_interval: int = 0  # 0 = never save
+    load: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    interval: int = 10  # DeepSpeed steps_per_print
+    metrics_file: Optional[str] = None  # None resolves to <run_dir>/metrics.jsonl
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    all_ranks: bool = False
+    progress_bar: bool = False
+    peak_tflops: Optional[float] = None  # per device, for MFU; None = no MFU column
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    timeout_s: int = 300
+    backend: str = "auto"  # auto = nccl on CUDA, gloo otherwise
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run. `load_config` builds it; `resolve` fills every derived field."""
+
+    name: Optional[str] = None  # None: the config file's stem, else "run"
+    run_dir: Optional[str] = None  # None resolves to runs/<name>
+    precision: str = "fp32"
+    gradient_clipping: float = 0.0  # max global grad norm; 0 = off
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    fp16: Fp16Config = field(default_factory=Fp16Config)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved type annotation of each field of dataclass `cls`, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, sections included (``"zero"``, ``"zero.stage"``, ...)."""
+    keys = []
+    for name, tp in field_types(cls).items():
+        key = prefix + name
+        keys.append(key)
+        if dataclasses.is_dataclass(tp):
+            keys.extend(all_keys(tp, key + "."))
+    return keys
+
+
+def get_key(cfg: Any, dotted: str) -> Any:
+    """The value at dotted key `dotted` of a config dataclass (``get_key(cfg, "zero.stage")``)."""
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value

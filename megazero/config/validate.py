@@ -1,0 +1,157 @@
+"""`validate` (every check, before any process group exists) and `resolve` (fill derived fields).
+
+The layout rule: parallel.pp x parallel.tp x parallel.dp = world size (dp derived when unset).
+The batch rule: train.global_batch_size = train.micro_batch_size x train.gradient_accumulation_steps
+x dp, where dp is the data-parallel size (world / (pp x tp)), not the world size.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .checks import ALL_CHECKS
+from .errors import ConfigError
+from .schema import Config
+
+_MB, _GAS, _GB = "train.micro_batch_size", "train.gradient_accumulation_steps", "train.global_batch_size"
+
+
+def layout_dp(cfg: Config, world_size: Optional[int]) -> Optional[int]:
+    """The data-parallel size: parallel.dp, or world_size / (pp * tp). None when neither is known.
+
+    Raises ConfigError when the grid does not tile `world_size`.
+    """
+    pp, tp, dp = cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.dp
+    if world_size is None:
+        return dp
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size: must be a positive integer, got {world_size!r}")
+    if dp is None:
+        if world_size % (pp * tp):
+            raise ConfigError(f"parallel.pp x parallel.tp = {pp} x {tp} = {pp * tp} does not divide "
+                              f"world size {world_size}; choose pp and tp whose product divides it")
+        return world_size // (pp * tp)
+    if pp * tp * dp != world_size:
+        raise ConfigError(f"parallel.pp x parallel.tp x parallel.dp = {pp} x {tp} x {dp} = {pp * tp * dp} "
+                          f"!= world size {world_size}; leave parallel.dp unset to derive it")
+    return dp
+
+
+def derive_batch(micro: Optional[int], gas: Optional[int], global_: Optional[int],
+                 dp: int) -> tuple[int, int, int]:
+    """Complete the batch triple so that global = micro * gas * dp.
+
+    Any two given derive the third; only the global batch gives gas = 1; only micro or only gas
+    sets the other to 1; none gives micro = gas = 1.
+
+    Returns:
+        (micro_batch_size, gradient_accumulation_steps, global_batch_size).
+
+    Raises:
+        ConfigError naming the keys and numbers when they are inconsistent or do not divide.
+    """
+    if global_ is None:
+        micro, gas = micro or 1, gas or 1
+        return micro, gas, micro * gas * dp
+    if micro is not None and gas is not None:
+        if micro * gas * dp != global_:
+            raise ConfigError(f"{_GB}: {global_} != {_MB} x {_GAS} x dp = {micro} x {gas} x {dp} = "
+                              f"{micro * gas * dp}; set at most two of the three")
+        return micro, gas, global_
+    if micro is None and gas is None:
+        gas = 1
+    if micro is None:
+        if global_ % (gas * dp):
+            raise ConfigError(f"{_GB}: {global_} is not divisible by {_GAS} x dp = {gas} x {dp} = {gas * dp}")
+        return global_ // (gas * dp), gas, global_
+    if global_ % (micro * dp):
+        raise ConfigError(f"{_GB}: {global_} is not divisible by {_MB} x dp = {micro} x {dp} = {micro * dp}")
+    return micro, global_ // (micro * dp), global_
+
+
+def _derived_checks(cfg: Config, world_size: Optional[int]) -> tuple[list[str], Optional[int]]:
+    """Layout and batch-rule messages, and dp if known (skipped while sizes are already invalid)."""
+    t, par = cfg.train, cfg.parallel
+    sizes = (par.pp, par.tp, par.dp, t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size)
+    if any(v is not None and v < 1 for v in sizes):
+        return [], None  # check_parallel / check_train already name these
+    try:
+        dp = layout_dp(cfg, world_size)
+    except ConfigError as e:
+        return [str(e)], None
+    if dp is None or dp < 1:
+        return [], None
+    try:
+        _, gas, _ = derive_batch(t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size, dp)
+    except ConfigError as e:
+        return [str(e)], dp
+    pl, pp = cfg.pipeline, cfg.parallel.pp
+    if pl.schedule == "interleaved" and pp > 1 and gas % pp:
+        return [f"{_GAS}: the interleaved schedule needs the micro-batches per flush ({gas}) to be a "
+                f"multiple of parallel.pp={pp}"], dp
+    return [], dp
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Check every field and cross-field rule; raise one ConfigError listing every problem.
+
+    Args:
+        cfg: a config (resolved or not).
+        world_size: number of ranks. None skips the world-size rules unless parallel.dp is set,
+            in which case the world is taken to be pp * tp * dp.
+    """
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"config: expected a megazero Config dataclass, got {type(cfg).__name__}")
+    errors: list[str] = []
+    for check in ALL_CHECKS:
+        errors += check(cfg)
+    derived, _ = _derived_checks(cfg, world_size)
+    errors += derived
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+
+def _resolved_buckets(cfg: Config) -> dict[str, int]:
+    """ZeRO sizes left as None by DeepSpeed "auto": from model.hidden (HF formulas) or DeepSpeed defaults."""
+    h = cfg.model.hidden
+    z = cfg.zero
+    auto = {"reduce_bucket_size": h * h if h else 500_000_000,
+            "allgather_bucket_size": h * h if h else 500_000_000,
+            "prefetch_bucket_size": int(0.9 * h * h) if h else 50_000_000,
+            "param_persistence_threshold": 10 * h if h else 100_000}
+    return {k: v for k, v in auto.items() if getattr(z, k) is None}
+
+
+def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
+    """A copy of `cfg` with every derived field filled; validates first.
+
+    Fills parallel.dp, the batch triple, ZeRO "auto" sizes and overlap_comm, optimizer.adamw_mode,
+    scheduler.total_steps (= train.steps), name ("run"), run_dir (runs/<name>), checkpoint.dir
+    (<run_dir>/checkpoints) and log.metrics_file (<run_dir>/metrics.jsonl). Idempotent.
+
+    Raises:
+        ConfigError: any validation problem, or dp unknown (no world_size and no parallel.dp).
+    """
+    validate(cfg, world_size)
+    dp = layout_dp(cfg, world_size)
+    if dp is None:
+        raise ConfigError("parallel.dp: unknown; pass the world size (--world-size N) or set parallel.dp")
+    t = cfg.train
+    micro, gas, global_ = derive_batch(t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size, dp)
+    name = cfg.name or "run"
+    run_dir = cfg.run_dir or f"runs/{name}"
+    rep = dataclasses.replace
+    z = cfg.zero
+    return rep(
+        cfg, name=name, run_dir=run_dir,
+        parallel=rep(cfg.parallel, dp=dp),
+        train=rep(t, micro_batch_size=micro, gradient_accumulation_steps=gas, global_batch_size=global_),
+        zero=rep(z, overlap_comm=z.stage == 3 if z.overlap_comm is None else z.overlap_comm,
+                 **_resolved_buckets(cfg)),
+        optimizer=rep(cfg.optimizer, adamw_mode=(cfg.optimizer.type == "adamw" if cfg.optimizer.adamw_mode is None
+                                                 else cfg.optimizer.adamw_mode)
+                      if cfg.optimizer.type != "sgd" else None),
+        scheduler=rep(cfg.scheduler, total_steps=cfg.scheduler.total_steps or t.steps),
+        checkpoint=rep(cfg.checkpoint, dir=cfg.checkpoint.dir or f"{run_dir}/checkpoints"),
+        log=rep(cfg.log, metrics_file=cfg.log.metrics_file or f"{run_dir}/metrics.jsonl"),
+    )

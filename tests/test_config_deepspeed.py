@@ -1,0 +1,167 @@
+"""DeepSpeed JSON: documented config forms load unchanged and map onto megazero's schema."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megazero.config import ConfigError, from_deepspeed, is_deepspeed, load_config, resolve, translate
+from megazero.config import deepspeed_keys
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def _ds(name: str) -> str:
+    return os.path.join(CONFIGS, name)
+
+
+def test_zero2_cpu_offload_fp16():
+    cfg = load_config(_ds("ds_zero2_cpu_offload.json"), world_size=4)
+    assert cfg.precision == "fp16" and cfg.fp16.loss_scale == 0.0 and cfg.fp16.initial_scale_power == 16
+    z = cfg.zero
+    assert z.stage == 2 and z.offload_optimizer.device == "cpu" and z.offload_optimizer.pin_memory
+    assert z.offload_param.device == "none" and z.overlap_comm and z.contiguous_gradients
+    assert z.reduce_bucket_size == z.allgather_bucket_size == 200_000_000
+    t = cfg.train
+    assert (t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size) == (4, 2, 32)
+    assert cfg.optimizer.type == "adamw" and cfg.optimizer.lr == 2e-4 and cfg.optimizer.betas == [0.9, 0.95]
+    assert cfg.optimizer.weight_decay == 0.1
+    assert cfg.scheduler.type == "WarmupLR" and cfg.scheduler.warmup_steps == 100
+    assert cfg.scheduler.warmup_type == "log"  # DeepSpeed's WarmupLR default
+    assert cfg.gradient_clipping == 1.0 and cfg.log.interval == 50
+    assert cfg.name == "ds_zero2_cpu_offload"
+
+
+def test_zero3_param_offload_bf16():
+    cfg = load_config(_ds("ds_zero3_param_offload.json"), world_size=8)
+    z = cfg.zero
+    assert cfg.precision == "bf16" and z.stage == 3
+    assert z.offload_param.device == "cpu" and z.offload_param.pin_memory
+    assert z.prefetch_bucket_size == 10_000_000 and z.param_persistence_threshold == 100_000
+    assert z.max_live_parameters == z.max_reuse_distance == z.sub_group_size == 1_000_000_000
+    assert z.gather_16bit_weights_on_model_save
+    assert cfg.train.global_batch_size == 1 * 8 * 8
+    assert cfg.optimizer.type == "adam" and cfg.optimizer.adamw_mode is True  # DeepSpeed's Adam decouples decay
+    assert cfg.scheduler.type == "WarmupDecayLR" and cfg.scheduler.total_steps == 10_000
+    assert cfg.scheduler.warmup_steps == 500 and cfg.optimizer.lr == 1e-4
+
+
+def test_fp16_dynamic_and_deprecated_zero_bool():
+    cfg = load_config(_ds("ds_fp16_dynamic.json"), world_size=2)
+    f = cfg.fp16
+    assert cfg.precision == "fp16"
+    got = (f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.min_loss_scale)
+    assert got == (0, 12, 500, 2, 1)
+    assert cfg.zero.stage == 1  # "zero_optimization": true
+    assert (cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps) == (4, 2)
+    assert cfg.activation_checkpointing.policy == "none" and cfg.activation_checkpointing.number_checkpoints is None
+
+
+def test_auto_values_are_derived():
+    cfg = load_config(_ds("ds_auto_batch.json"), ["model.hidden=256"], world_size=4)
+    t = cfg.train
+    assert (t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size) == (2, 1, 8)
+    assert cfg.zero.reduce_bucket_size == 256 * 256
+    assert cfg.zero.prefetch_bucket_size == int(0.9 * 256 * 256)
+    assert cfg.zero.param_persistence_threshold == 2560
+    assert cfg.precision == "bf16" and cfg.fp16.initial_scale_power == 16  # fp16 block ignored: disabled
+    without_hidden = load_config(_ds("ds_auto_batch.json"), world_size=4)
+    assert without_hidden.zero.reduce_bucket_size == 500_000_000
+
+
+def test_from_deepspeed_matches_file_and_overrides_apply():
+    with open(_ds("ds_zero2_cpu_offload.json")) as f:
+        data = json.load(f)
+    cfg = from_deepspeed(data)
+    assert cfg.train.global_batch_size == 32 and cfg.parallel.dp is None  # unresolved
+    from_file = load_config(_ds("ds_zero2_cpu_offload.json"), ["name=ds_zero2_cpu_offload"], world_size=4)
+    assert resolve(cfg, 4).zero == from_file.zero
+    both = load_config(_ds("ds_zero2_cpu_offload.json"), ["parallel.pp=2", "zero.stage=1"], world_size=4)
+    assert both.parallel.dp == 2 and both.zero.stage == 1 and both.train.gradient_accumulation_steps == 4
+
+
+@pytest.mark.parametrize("ds,expected", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, ("adamw", True)),
+    ({"optimizer": {"type": "adam", "params": {"lr": 1e-3, "adam_w_mode": False}}}, ("adam", False)),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": False}}}, ("sgd", None)),
+])
+def test_optimizer_types(ds, expected):
+    cfg = resolve(from_deepspeed(ds), 1)
+    assert (cfg.optimizer.type, cfg.optimizer.adamw_mode) == expected
+
+
+def test_deprecated_cpu_offload_keys():
+    cfg = from_deepspeed({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
+                                                "cpu_offload_use_pin_memory": True}})
+    assert cfg.zero.offload_optimizer.device == cfg.zero.offload_param.device == "cpu"
+    assert cfg.zero.offload_optimizer.pin_memory and cfg.zero.offload_param.pin_memory
+    off = from_deepspeed({"zero_optimization": {"stage": 2, "cpu_offload": False}})
+    assert off.zero.offload_optimizer.device == "none"
+
+
+@pytest.mark.parametrize("ds", [
+    {"tensorboard": {"enabled": False, "output_path": "x"}},
+    {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "nvme_path": "/nvme", "buffer_count": 5}}},
+    {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1.0}}},
+    {"fp16": {"enabled": True, "auto_cast": True}},
+    {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True, "amsgrad": False}}},
+    {"prescale_gradients": False, "gradient_predivide_factor": 1.0, "communication_data_type": None},
+    {"data_types": {"grad_accum_dtype": "fp32"}, "zero_allow_untested_optimizer": True},
+    {"checkpoint": {"tag_validation": "Ignore", "load_universal": False}},
+    {"zero_optimization": {"stage": 2, "ignore_unused_parameters": True, "elastic_checkpoint": False}},
+])
+def test_documented_noops_load(ds):
+    from_deepspeed(ds)
+
+
+@pytest.mark.parametrize("ds,key", [
+    ({"prescale_gradients": True}, "prescale_gradients"),
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+     "zero_optimization.offload_optimizer.ratio"),
+    ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad"),
+    ({"pipeline": {"stages": "auto"}}, "pipeline"),
+    ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint.tag_validation"),
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type"),
+])
+def test_unsupported_values_raise(ds, key):
+    with pytest.raises(ConfigError, match="not supported yet") as info:
+        from_deepspeed(ds)
+    assert str(info.value).startswith(key)
+
+
+def test_fp16_disabled_block_is_ignored_like_deepspeed():
+    cfg = from_deepspeed({"fp16": {"enabled": False, "loss_scale": 128, "hysteresis": 9}})
+    assert cfg.precision == "fp32" and cfg.fp16.loss_scale == 0.0 and cfg.fp16.hysteresis == 2
+
+
+@pytest.mark.parametrize("data,expected", [
+    ({"train_batch_size": 8}, True),
+    ({"zero_optimization": {"stage": 1}}, True),
+    ({"optimizer": {"type": "Adam", "params": {}}}, True),
+    ({"fp16": {"enabled": True}}, True),
+    ({"train": {"steps": 3}}, False),
+    ({"optimizer": {"type": "adam", "lr": 0.1}}, False),
+    ({"gradient_clipping": 1.0}, False),
+])
+def test_is_deepspeed(data, expected):
+    assert is_deepspeed(data) is expected
+
+
+def test_translate_labels_name_deepspeed_keys():
+    tree, labels = translate({"train_micro_batch_size_per_gpu": 2,
+                              "zero_optimization": {"stage3_max_live_parameters": 5}})
+    assert tree["train"] == {"micro_batch_size": 2} and tree["zero"] == {"max_live_parameters": 5}
+    assert labels["zero.max_live_parameters"] == "zero_optimization.stage3_max_live_parameters"
+
+
+def test_key_table_is_documented():
+    """Every DeepSpeed key the translator knows appears in the module docstring's table."""
+    doc = deepspeed_keys.__doc__
+    for rule in deepspeed_keys.RULES:
+        leaf = rule.ds.rsplit(".", 1)[-1]
+        assert leaf in doc, f"{rule.ds} missing from the deepspeed_keys table"
+    targets = {r.target for r in deepspeed_keys.RULES} - {None, deepspeed_keys.SPECIAL}
+    from megazero.config import all_keys
+    assert targets <= set(all_keys()), targets - set(all_keys())
