@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import sys
 import time
@@ -49,13 +50,15 @@ def _rank_main(fn, rank, world, port, args, kwargs, conn, timeout):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout))
         result = fn(*args, **kwargs)
-        conn.send(("ok", result))
+        # plain pickle: tensors travel by value (torch's ForkingPickler would share their memory
+        # through this process, which exits right after)
+        conn.send_bytes(pickle.dumps(("ok", result)))
         try:
             dist.destroy_process_group()
         except Exception:
             pass
     except BaseException as exc:  # report every failure, including KeyboardInterrupt/SystemExit
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
     conn.close()
     os._exit(0)
 
@@ -100,8 +103,9 @@ def _run_once(fn, world, args, kwargs, timeout):
                 if obj in pending:
                     rank = pending.pop(obj)
                     try:
-                        status, payload = obj.recv()
+                        status, payload = pickle.loads(obj.recv_bytes())
                     except EOFError:
+                        procs[rank].join(timeout=2)
                         status, payload = "error", f"died with exit code {procs[rank].exitcode} before reporting"
                     (results if status == "ok" else errors)[rank] = payload
                     if errors and grace_end is None:
@@ -113,8 +117,8 @@ def _run_once(fn, world, args, kwargs, timeout):
                     grace_end = grace_end or time.monotonic() + 3.0
         if errors:
             first, *others = errors  # in order of arrival: the first is usually the cause
-            also = f" (also failed: ranks {sorted(others)})" if others else ""
-            raise RankError(f"rank {first} of {world} failed{also}: {errors[first]}")
+            also = "".join(f"\n--- rank {r} also failed: {errors[r]}" for r in others)
+            raise RankError(f"rank {first} of {world} failed: {errors[first]}{also}")
         if pending:
             waiting = sorted(pending.values())
             raise RankError(f"timeout after {timeout:.0f}s: ranks {waiting} of {world} did not finish "

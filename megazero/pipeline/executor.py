@@ -1,0 +1,158 @@
+"""Walks one stage's program with a dispatch table: instruction type -> handler.
+
+The executor owns only the per-step bookkeeping (micro-batches loaded, chunk inputs and outputs,
+received gradients, losses). Everything else is handed in: the stage's model (`stage`, see
+`PipelineModule`), point-to-point transfers (`p2p`, over the pp group), and the optimizer (ZeRO:
+`scale_loss`, `after_backward`, `set_last_microbatch`, `reduce_grads`, `step`).
+
+Megatron's deallocation trick: once an output activation is sent downstream its storage is freed
+(`out.data` becomes a 1-element tensor); the autograd graph stays, and the backward is run through
+the engine directly so the freed shape is never checked.
+
+A failure inside an instruction (a peer died, a collective timed out) is re-raised as
+`PipelineError` naming this rank's position, e.g. "stage 2 (rank 5) waiting at RecvGrad mb 7 from
+stage 3 (instruction 23 of 40)".
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd import Variable
+
+from megazero.pipeline import instructions as I
+
+
+class PipelineError(RuntimeError):
+    """An instruction failed; the message says which stage, rank and instruction."""
+
+
+@dataclass
+class _StepState:
+    data_iter: object
+    num_microbatches: int
+    batches: dict = field(default_factory=dict)   # mb -> micro-batch (dict of tensors)
+    inputs: dict = field(default_factory=dict)    # (mb, chunk) -> input tensor of the chunk
+    outputs: dict = field(default_factory=dict)   # (mb, chunk) -> output (or loss on the last vstage)
+    grads_in: dict = field(default_factory=dict)  # (mb, chunk) -> grad received for the output
+    grads_out: dict = field(default_factory=dict)  # (mb, chunk) -> grad of the input, to send
+    losses: list = field(default_factory=list)
+    last_weight_grad: int = -1                    # program index of the last weight-grad instruction
+    info: dict = field(default_factory=dict)
+
+
+def _run_backward(tensors, grads, inputs=(), keep_graph=False, accumulate=True):
+    """autograd's engine without the shape check (outputs whose storage was freed after sending)."""
+    return Variable._execution_engine.run_backward(
+        tuple(tensors), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
+
+
+class PipelineExecutor:
+    """Runs programs for one pipeline stage. `stage` provides forward_chunk(chunk, x, batch),
+    loss(out, batch), is_first(chunk), is_last(chunk), chunk_parameters(chunk)."""
+
+    def __init__(self, stage, p2p, optimizer, stage_index: int, num_stages: int, rank: int = 0,
+                 on_instruction=None):
+        self.stage, self.p2p, self.opt = stage, p2p, optimizer
+        self.stage_index, self.num_stages, self.rank = stage_index, num_stages, rank
+        self.on_instruction = on_instruction  # callback(ins, start_s, end_s) for traces
+        self.handlers = {
+            I.LoadMicroBatch: self._load, I.Forward: self._forward, I.Backward: self._backward,
+            I.BackwardInput: self._backward_input, I.BackwardWeight: self._backward_weight,
+            I.SendAct: self._send_act, I.RecvAct: self._recv_act, I.SendGrad: self._send_grad,
+            I.RecvGrad: self._recv_grad, I.ReduceGrads: self._reduce, I.OptimizerStep: self._step,
+        }
+
+    def run(self, program, data_iter, num_microbatches: int) -> _StepState:
+        """Execute `program`; returns the step state (losses on the last stage, optimizer info)."""
+        st = _StepState(data_iter, num_microbatches)
+        weight_grads = [i for i, ins in enumerate(program) if isinstance(ins, (I.Backward, I.BackwardWeight))]
+        st.last_weight_grad = weight_grads[-1] if weight_grads else -1
+        for pos, ins in enumerate(program):
+            t0 = time.perf_counter()
+            try:
+                if pos == st.last_weight_grad:
+                    self.opt.set_last_microbatch(True)
+                elif pos < st.last_weight_grad and isinstance(ins, (I.Backward, I.BackwardWeight)):
+                    self.opt.set_last_microbatch(False)
+                self.handlers[type(ins)](ins, st)
+            except Exception as exc:
+                raise PipelineError(f"stage {self.stage_index} (rank {self.rank}) waiting at {ins.describe()} "
+                                    f"(instruction {pos + 1} of {len(program)}): {type(exc).__name__}: {exc}") from exc
+            if self.on_instruction is not None:
+                self.on_instruction(ins, t0, time.perf_counter())
+        return st
+
+    # -- handlers ------------------------------------------------------------------------------
+    def _load(self, ins, st):
+        st.batches[ins.mb] = next(st.data_iter)
+
+    def _forward(self, ins, st):
+        key = (ins.mb, ins.chunk)
+        batch = st.batches.get(ins.mb)
+        x = st.inputs.get(key)
+        out = self.stage.forward_chunk(ins.chunk, x, batch)
+        if self.stage.is_last(ins.chunk):
+            loss = self.stage.loss(out, batch)
+            st.losses.append(loss.detach())
+            out = self.opt.scale_loss(loss / st.num_microbatches)
+        st.outputs[key] = out
+
+    def _grad_pair(self, key, st):
+        out = st.outputs[key]
+        if key in st.grads_in:
+            return out, st.grads_in.pop(key)
+        return out, torch.ones_like(out)  # the (scaled) loss
+
+    def _backward(self, ins, st):
+        key = (ins.mb, ins.chunk)
+        out, grad = self._grad_pair(key, st)
+        _run_backward([out], [grad])
+        self._after_input_grad(key, st)
+        st.outputs.pop(key)
+        self.opt.after_backward()
+
+    def _backward_input(self, ins, st):
+        key = (ins.mb, ins.chunk)
+        x = st.inputs.get(key)
+        out, grad = self._grad_pair(key, st)
+        st.grads_in[("W",) + key] = grad
+        if x is not None and x.requires_grad:
+            (gx,) = _run_backward([out], [grad], inputs=[x], keep_graph=True, accumulate=False)
+            st.grads_out[key] = gx
+
+    def _backward_weight(self, ins, st):
+        key = (ins.mb, ins.chunk)
+        out, grad = st.outputs.pop(key), st.grads_in.pop(("W",) + key)
+        params = [p for p in self.stage.chunk_parameters(ins.chunk) if p.requires_grad]
+        if params:
+            _run_backward([out], [grad], inputs=params)
+        st.inputs.pop(key, None)
+        self.opt.after_backward()
+
+    def _after_input_grad(self, key, st):
+        x = st.inputs.pop(key, None)
+        if x is not None and x.requires_grad:
+            st.grads_out[key] = x.grad
+
+    def _send_act(self, ins, st):
+        out = st.outputs[(ins.mb, ins.chunk)]
+        self.p2p.send(out, ins.peer)
+        out.data = torch.empty((1,), dtype=out.dtype, device=out.device)  # free; the graph stays
+
+    def _recv_act(self, ins, st):
+        x = self.p2p.recv(ins.peer)
+        st.inputs[(ins.mb, ins.chunk)] = x.requires_grad_()
+
+    def _send_grad(self, ins, st):
+        self.p2p.send(st.grads_out.pop((ins.mb, ins.chunk)), ins.peer)
+
+    def _recv_grad(self, ins, st):
+        st.grads_in[(ins.mb, ins.chunk)] = self.p2p.recv(ins.peer)
+
+    def _reduce(self, ins, st):
+        self.opt.reduce_grads()
+
+    def _step(self, ins, st):
+        st.info = self.opt.step()

@@ -1,0 +1,178 @@
+"""PipelineModule: a model given as a list of layer specs, of which each rank builds only its own.
+
+In the spirit of DeepSpeed's pipeline API so users can migrate: `LayerSpec(cls, *args, **kw)`
+defers construction; `TiedLayerSpec(key, cls, ..., tied_weight_attr="weight", forward_fn=None)`
+marks layers that share a weight (input embedding and LM head). With one pipeline stage tied
+layers are one module; across stages each end builds its own copy (same layout-invariant init),
+whose weight carries `tied_name = key` so the ZeRO optimizer sums its gradient over the embedding
+group. Plain `nn.Module`s and functions (``lambda x: x.float()``) are accepted as layers too.
+
+The layers are split into `num_stages * chunks` virtual stages by `partition.py`; stage s holds
+virtual stages s, s + p, s + 2p, ... (Megatron's interleaved layout).
+"""
+from __future__ import annotations
+
+
+import torch
+from torch import nn
+
+from megazero.pipeline import partition as part
+from megazero.pipeline.instructions import virtual_stage
+
+
+class LayerSpec:
+    """Deferred `typename(*args, **kwargs)`."""
+
+    def __init__(self, typename, *args, **kwargs):
+        if not callable(typename):
+            raise TypeError(f"LayerSpec needs a class or factory, got {typename!r}")
+        self.typename, self.args, self.kwargs = typename, args, kwargs
+
+    def build(self) -> nn.Module:
+        return self.typename(*self.args, **self.kwargs)
+
+    @property
+    def name(self) -> str:
+        return getattr(self.typename, "__name__", type(self.typename).__name__)
+
+    def __repr__(self) -> str:
+        return f"LayerSpec({self.name})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer whose `tied_weight_attr` parameter is shared with every other spec of the same key.
+    `forward_fn(module, x)` replaces `module(x)` (e.g. the LM head reusing the embedding)."""
+
+    def __init__(self, key: str, typename, *args, forward_fn=None, tied_weight_attr: str = "weight", **kwargs):
+        super().__init__(typename, *args, **kwargs)
+        self.key, self.forward_fn, self.tied_weight_attr = key, forward_fn, tied_weight_attr
+
+
+def _count_params(layer) -> int:
+    if isinstance(layer, nn.Module):
+        return sum(p.numel() for p in layer.parameters())
+    if isinstance(layer, LayerSpec):
+        with torch.device("meta"):
+            return sum(p.numel() for p in layer.build().parameters())
+    return 0
+
+
+def describe_layers(layers, flops_fn=None) -> list[part.LayerInfo]:
+    """Per-layer (name, parameter count, cost) for partitioning; a layer's cost is `flops_fn(layer)`
+    when given, else its `flops_per_token` attribute, else 2 x its parameters (GEMM FLOPs/token)."""
+    out = []
+    for layer in layers:
+        name = layer.name if isinstance(layer, LayerSpec) else getattr(type(layer), "__name__", "fn")
+        if isinstance(layer, LayerSpec) and not isinstance(layer.typename, type):
+            name = getattr(layer.typename, "layer_type", name)
+        n = _count_params(layer)
+        cost = flops_fn(layer) if flops_fn else getattr(layer, "flops_per_token", 2 * n)
+        out.append(part.LayerInfo(name=name, params=n, flops=float(cost)))
+    return out
+
+
+class PipelineModule(nn.Module):
+    """This rank's share of a layer list: `chunks` model chunks of consecutive layers.
+
+    Args:
+        layers: LayerSpec / TiedLayerSpec / nn.Module / callable, in model order.
+        num_stages, stage: pipeline size and this rank's stage (ctx.pp_size, ctx.pp_rank).
+        loss_fn: `loss_fn(output, labels)` on the last virtual stage.
+        partition_method: "uniform", "parameters", "type:<regex>", "flops" or a list of per-(virtual-)
+            stage layer counts.
+        chunks: model chunks per stage (v, for the interleaved schedule).
+        input_key, label_key: micro-batch dict keys of the first layer's input and of the labels.
+    """
+
+    def __init__(self, layers, num_stages: int, stage: int, loss_fn=None, partition_method="parameters",
+                 chunks: int = 1, input_key: str = "input_ids", label_key: str = "labels", flops_fn=None):
+        super().__init__()
+        layers = list(layers)
+        self.num_stages, self.stage_index, self.chunks = num_stages, stage, chunks
+        self.loss_fn, self.input_key, self.label_key = loss_fn, input_key, label_key
+        infos = describe_layers(layers, flops_fn)
+        self.bounds = part.partition(infos, num_stages, partition_method, chunks)
+        self.local_chunks = nn.ModuleList()
+        self._forward_fns: list[list] = []
+        self.layer_ranges = []
+        tied_modules: dict[str, nn.Module] = {}
+        for c in range(chunks):
+            lo, hi = self.bounds[virtual_stage(stage, c, num_stages)], self.bounds[virtual_stage(stage, c, num_stages) + 1]
+            self.layer_ranges.append((lo, hi))
+            mods, fns = nn.ModuleList(), []
+            for spec in layers[lo:hi]:
+                mod, fn = self._build(spec, tied_modules)
+                mods.append(mod if isinstance(mod, nn.Module) else _Fn(mod))
+                fns.append(fn)
+            self.local_chunks.append(mods)
+            self._forward_fns.append(fns)
+
+    @staticmethod
+    def _build(spec, tied_modules):
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in tied_modules:
+                mod = spec.build()
+                weight = _get_attr(mod, spec.tied_weight_attr)
+                weight.tied_name = spec.key
+                tied_modules[spec.key] = mod
+            return tied_modules[spec.key], spec.forward_fn
+        if isinstance(spec, LayerSpec):
+            return spec.build(), None
+        return spec, None
+
+    # -- the stage protocol used by the executor ------------------------------------------------------
+    def is_first(self, chunk: int) -> bool:
+        return virtual_stage(self.stage_index, chunk, self.num_stages) == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return virtual_stage(self.stage_index, chunk, self.num_stages) == self.num_stages * self.chunks - 1
+
+    def forward_chunk(self, chunk: int, x, batch=None):
+        """Run local chunk `chunk` on `x` (the micro-batch's input on the first virtual stage)."""
+        if self.is_first(chunk):
+            x = batch[self.input_key]
+        for mod, fn in zip(self.local_chunks[chunk], self._forward_fns[chunk]):
+            x = fn(mod, x) if fn is not None else mod(x)
+        return x
+
+    def loss(self, out, batch):
+        if self.loss_fn is None:
+            raise ValueError("PipelineModule needs loss_fn on the last stage")
+        return self.loss_fn(out, batch[self.label_key])
+
+    def chunk_parameters(self, chunk: int):
+        seen = set()
+        for p in self.local_chunks[chunk].parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield p
+
+    def units(self) -> list[nn.Module]:
+        """The layer modules in forward order (ZeRO-3 gathers parameters per unit)."""
+        return [m for chunk in self.local_chunks for m in chunk if any(True for _ in m.parameters())]
+
+    def forward(self, batch):
+        """Whole-model forward for a single stage holding every layer (pp=1, chunks=1)."""
+        if self.num_stages != 1 or self.chunks != 1:
+            raise RuntimeError("PipelineModule.forward runs only with one stage and one chunk; use an engine")
+        return self.loss(self.forward_chunk(0, None, batch), batch)
+
+
+class _Fn(nn.Module):
+    """Wraps a plain function as a parameter-free layer."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def _get_attr(mod: nn.Module, dotted: str):
+    obj = mod
+    for part_name in dotted.split("."):
+        obj = getattr(obj, part_name)
+    return obj
+
+

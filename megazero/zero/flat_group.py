@@ -1,0 +1,229 @@
+"""One flat buffer group of ZeRO: its parameters, gradients, fp32 master copy and optimizer state.
+
+Each data-parallel rank *owns* one slice of every bucket (the whole bucket at stage 0, the r-th of
+dp_size equal slices at stages 1-3; see flat_buffer.py). Everything the optimizer touches is kept per
+bucket over that owned range: `grad_owned[b]` (fp32, the reduced gradient), `master[b]` (fp32
+weights), `exp_avg[b]`, `exp_avg_sq[b]`.
+
+Storage by stage (Ψ = this group's parameters, Nd = dp size):
+- working params: a full flat buffer the parameters are views of (stages 0-2), or only the owned
+  shard (stage 3, `shard_params=True`), gathered per bucket when a layer runs.
+- gradients: a full fp32 flat buffer accumulated over micro-batches and reduced once per step
+  (stages 0-1, `full_grads=True`), or an fp32 owned shard that each micro-batch's bucket is
+  reduce-scattered into (stages 2-3).
+- master: a view of the working buffer when the working dtype is fp32 and the optimizer is not
+  offloaded (no copy, as in the ZeRO paper's fp32 accounting), else a separate fp32 tensor (on the
+  CPU when offloaded, pinned if CUDA exists).
+"""
+from __future__ import annotations
+
+import torch
+
+from megazero import comm
+from megazero.comm import GroupHandle
+from megazero.zero.flat_buffer import FlatLayout, build_layout
+
+
+def _flat_views(flat: torch.Tensor, ranges: list[tuple[int, int]], base: int = 0) -> list[torch.Tensor]:
+    return [flat[s - base:e - base] for s, e in ranges]
+
+
+class FlatGroup:
+    """Flat storage and per-bucket communication for one list of parameters.
+
+    Communicates over `dp_group` only: all-reduce (stage 0) or reduce-scatter (1-3) of gradient
+    buckets, all-gather of updated (stages 1-2) or used (stage 3) parameter buckets.
+    """
+
+    def __init__(self, name: str, params: list[torch.nn.Parameter], dp_group: GroupHandle, stage: int,
+                 bucket_size: int, boundaries=(), shard_params: bool = False, offload: bool = False):
+        self.name, self.params, self.dp, self.stage = name, params, dp_group, stage
+        self.shard_params = shard_params
+        self.full_grads = stage <= 1
+        self.offload = offload
+        self.layout: FlatLayout = build_layout([p.numel() for p in params], dp_group.size, bucket_size,
+                                               boundaries)
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.shapes = [p.shape for p in params]  # kept: stage 3 empties the parameters' data
+        lay = self.layout
+        self.owned = [(b.start, b.end) if stage == 0 else b.shard(dp_group.rank, dp_group.size)
+                      for b in lay.buckets]
+        self.segments = [lay.segments_between(b, *self.owned[b.index]) for b in lay.buckets]
+        self._build_params()
+        self._build_grads()
+        self._build_master()
+        self.pending = [0] * len(lay.buckets)  # grads still expected in the current micro-batch
+        self.reset_pending()
+        self._bucket_grad: dict[int, torch.Tensor] = {}  # stage 2-3: bucket-sized fp32 temporaries
+        self._inflight: list = []  # (work, bucket, temp shard) of async reduce-scatters
+
+    # -- construction -------------------------------------------------------------------
+    def _build_params(self) -> None:
+        lay = self.layout
+        if not self.shard_params:
+            self.param_flat = torch.zeros(lay.total, dtype=self.dtype, device=self.device)
+            for i, p in enumerate(self.params):
+                s, e = lay.param_range(i)
+                self.param_flat[s:e].copy_(p.data.reshape(-1))
+                p.data = self.param_flat[s:e].view_as(p)
+            self.param_owned = _flat_views(self.param_flat, self.owned)
+            return
+        shard = torch.zeros(lay.shard_numel, dtype=self.dtype,
+                            device="cpu" if self.offload else self.device)
+        self.param_owned, pos = [], 0
+        for b in lay.buckets:
+            n = b.numel // self.dp.size
+            view = shard[pos:pos + n]
+            lo = self.owned[b.index][0]
+            for seg in self.segments[b.index]:
+                src = self.params[seg.param].data.reshape(-1)[seg.param_start:seg.param_start + seg.numel]
+                view[seg.buf_start - lo:seg.buf_end - lo].copy_(src)
+            self.param_owned.append(view)
+            pos += n
+        self.param_shard = shard
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def _build_grads(self) -> None:
+        lay = self.layout
+        if self.full_grads:
+            self.grad_flat = torch.zeros(lay.total, dtype=torch.float32, device=self.device)
+            self.grad_owned = _flat_views(self.grad_flat, self.owned)
+        else:
+            self.grad_shard = torch.zeros(lay.shard_numel, dtype=torch.float32, device=self.device)
+            sizes = [e - s for s, e in self.owned]
+            self.grad_owned = list(torch.split(self.grad_shard, sizes))
+
+    def _build_master(self) -> None:
+        sizes = [e - s for s, e in self.owned]
+        self.separate_master = self.dtype != torch.float32 or self.offload
+        dev = "cpu" if self.offload else self.device
+        pin = self.offload and torch.cuda.is_available()
+        if self.separate_master:
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=dev, pin_memory=pin)
+            self.master = list(torch.split(flat, sizes))
+            for m, w in zip(self.master, self.param_owned):
+                m.copy_(w)
+            self.master_flat = flat
+        else:
+            self.master = self.param_owned
+        self.state_flat = torch.zeros(2, sum(sizes), dtype=torch.float32, device=dev, pin_memory=pin)
+        self.exp_avg = list(torch.split(self.state_flat[0], sizes))
+        self.exp_avg_sq = list(torch.split(self.state_flat[1], sizes))
+
+    # -- gradients --------------------------------------------------------------------------
+    def reset_pending(self) -> None:
+        for b in self.layout.buckets:
+            self.pending[b.index] = sum(1 for i in b.params if self.params[i].requires_grad)
+
+    def add_grad(self, i: int, grad: torch.Tensor) -> int | None:
+        """Accumulate parameter i's micro-batch gradient; return its bucket index if now complete."""
+        s, e = self.layout.param_range(i)
+        b = self.layout.bucket_of(i)
+        if self.full_grads:
+            self.grad_flat[s:e].add_(grad.reshape(-1))
+        else:
+            bk = self.layout.buckets[b]
+            buf = self._bucket_grad.get(b)
+            if buf is None:
+                buf = self._bucket_grad[b] = torch.zeros(bk.numel, dtype=torch.float32, device=self.device)
+            buf[s - bk.start:e - bk.start].add_(grad.reshape(-1))
+        self.pending[b] -= 1
+        return b if self.pending[b] == 0 else None
+
+    def reduce_bucket(self, b: int, async_op: bool = False) -> None:
+        """Reduce bucket b's gradient over dp (averaged): all-reduce at stage 0, else reduce-scatter
+        into this rank's owned slice. Stage 2-3 add into the shard accumulator and free the bucket."""
+        n, bk = self.dp.size, self.layout.buckets[b]
+        if self.full_grads:
+            full = self.grad_flat[bk.start:bk.end]
+            full.div_(n)
+            if self.stage == 0:
+                work = comm.all_reduce(full, self.dp, async_op=async_op)
+                self._inflight.append((work, b, None))
+            else:
+                tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
+                work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
+                self._inflight.append((work, b, tmp))
+        else:
+            full = self._bucket_grad.pop(b, None)
+            if full is None:  # no parameter of this bucket got a gradient this micro-batch
+                return
+            full.div_(n)
+            tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
+            work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
+            self._inflight.append((work, b, tmp))
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish every launched reduction and place its result in `grad_owned`."""
+        for work, b, tmp in self._inflight:
+            if work is not None:
+                work.wait()
+            if tmp is not None:
+                if self.full_grads:
+                    self.grad_owned[b].copy_(tmp)
+                else:
+                    self.grad_owned[b].add_(tmp)
+        self._inflight.clear()
+
+    def flush(self) -> None:
+        """Stage 2-3: reduce every bucket still holding gradients (e.g. with unused parameters)."""
+        for b in list(self._bucket_grad):
+            self.reduce_bucket(b)
+        self.wait()
+        self.reset_pending()
+
+    def zero_grads(self) -> None:
+        if self.full_grads:
+            self.grad_flat.zero_()
+        else:
+            self.grad_shard.zero_()
+            self._bucket_grad.clear()
+        self.reset_pending()
+
+    # -- parameters --------------------------------------------------------------------------
+    def publish_master(self) -> None:
+        """Copy the updated fp32 master into the working params and, at stages 1-2, all-gather
+        every bucket over dp so all ranks hold the full updated parameters."""
+        for b, (m, w) in enumerate(zip(self.master, self.param_owned)):
+            if self.separate_master:
+                w.copy_(m)
+        if self.stage in (1, 2) and not self.shard_params:
+            for bk in self.layout.buckets:
+                shard = self.param_owned[bk.index].clone()
+                comm.all_gather(self.param_flat[bk.start:bk.end], shard, self.dp)
+
+    def gather_bucket(self, b: int, async_op: bool = False):
+        """Stage 3: all-gather bucket b's parameters over dp into a new full buffer and point its
+        parameters at it. Returns (work, buffer)."""
+        bk = self.layout.buckets[b]
+        full = torch.empty(bk.numel, dtype=self.dtype, device=self.device)
+        shard = self.param_owned[b].to(self.device, non_blocking=True)
+        work = comm.all_gather(full, shard, self.dp, async_op=async_op)
+        return work, full
+
+    def attach_bucket(self, b: int, full: torch.Tensor) -> None:
+        bk = self.layout.buckets[b]
+        for i in bk.params:
+            s, e = self.layout.param_range(i)
+            self.params[i].data = full[s - bk.start:e - bk.start].view(self.shapes[i])
+
+    def release_bucket(self, b: int) -> None:
+        for i in self.layout.buckets[b].params:
+            self.params[i].data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    # -- accounting -----------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes this group holds right now, by kind."""
+        def nbytes(t):
+            return t.numel() * t.element_size()
+        params = nbytes(self.param_shard) if self.shard_params else nbytes(self.param_flat)
+        gathered = sum(p.data.numel() * p.element_size() for p in self.params) if self.shard_params else 0
+        grads = nbytes(self.grad_flat) if self.full_grads else nbytes(self.grad_shard)
+        buckets = sum(nbytes(t) for t in self._bucket_grad.values())
+        return {"params": params + gathered, "grads": grads,
+                "master": nbytes(self.master_flat) if self.separate_master else 0,
+                "optimizer_states": nbytes(self.state_flat), "comm_buffers": buckets}

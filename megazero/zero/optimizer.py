@@ -1,0 +1,282 @@
+"""ZeRO stages 0-3 on the data-parallel axis, composing with tensor and pipeline parallelism.
+
+`ZeroOptimizer(params, ctx, ...)` flattens the parameters of one model-parallel rank (its pipeline
+stage's TP shard) into `FlatGroup`s, accumulates gradients in fp32 through post-accumulate-grad
+hooks, reduces them over `ctx.dp_group`, and updates the fp32 master shard with the fused Adam of
+`megazero.kernels`.
+
+Communication per optimizer step (Ψ = this rank's parameters, ring volumes, see REFERENCE.md):
+- stage 0: all-reduce of the gradient buckets once per step (2Ψ·(Nd−1)/Nd).
+- stage 1: reduce-scatter once per step + all-gather of the updated params (2Ψ·(Nd−1)/Nd).
+- stage 2: reduce-scatter after every micro-batch's backward (gradients are never held in full
+  across micro-batches) + all-gather after the step: (m+1)Ψ·(Nd−1)/Nd for m micro-batches.
+- stage 3: all-gather of each layer before forward and again before backward, reduce-scatter
+  after its backward: 3Ψ·(Nd−1)/Nd per micro-batch.
+Over other groups: tied embedding/head gradients are summed over `ctx.embedding_group` (their shards
+line up: tied parameters live in their own flat group with the same layout on both stages); the
+overflow flag (max) and the squared gradient norm (sum) are all-reduced over `ctx.world_group`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megazero import comm, kernels
+from megazero.zero.flat_group import FlatGroup
+from megazero.zero.loss_scaler import LossScaler
+from megazero.zero.stage3 import Stage3Gatherer
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The update rule: type adam|adamw|sgd and its hyper-parameters."""
+
+    type: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    bias_correction: bool = True
+
+
+def _no_decay(p: torch.nn.Parameter, shape: torch.Size) -> bool:
+    """Megatron's rule: biases and norm weights (1-D) get no weight decay unless marked otherwise."""
+    return bool(getattr(p, "no_weight_decay", len(shape) < 2))
+
+
+class ZeroOptimizer:
+    """See the module docstring. Use: `scale_loss(loss).backward()` per micro-batch, then
+    `after_backward()` per micro-batch, `step()` once per global batch (it reduces, unscales,
+    checks overflow, clips, updates, publishes and zeroes the gradients)."""
+
+    def __init__(self, params, ctx, stage: int = 0, spec: OptimizerSpec = OptimizerSpec(),
+                 reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
+                 overlap_comm: bool = False, offload_optimizer: bool = False, offload_param: bool = False,
+                 gradient_clipping: float = 0.0, loss_scaler: LossScaler | None = None,
+                 units=None, prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {stage}")
+        if spec.type not in ("adam", "adamw", "sgd"):
+            raise ValueError(f"optimizer.type {spec.type!r} is not one of adam, adamw, sgd")
+        if offload_param and stage != 3:
+            raise ValueError("zero.offload_param needs zero.stage 3")
+        if offload_optimizer and stage == 0:
+            raise ValueError("zero.offload_optimizer needs zero.stage 1, 2 or 3")
+        self.ctx, self.stage, self.spec = ctx, stage, spec
+        self.overlap = overlap_comm
+        self.clip = gradient_clipping
+        self.scaler = loss_scaler or LossScaler.static(1.0)
+        self.param_groups = [{"lr": spec.lr}]
+        self.step_count = 0
+        self._last_microbatch = True
+        self._reduced = False
+        params = [p for p in params if p.requires_grad]
+        seen, unique = set(), []
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                unique.append(p)
+        self.groups = self._make_groups(unique, units, reduce_bucket_size, offload_optimizer, offload_param,
+                                        param_persistence_threshold)
+        self._where = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.groups for p in g.params]
+        self._counted = [self._counted_ranges(g) for g in self.groups]
+        self._runs = [self._decay_runs(g) for g in self.groups]
+        self.gatherer = None
+        if stage == 3 and units:
+            self.gatherer = Stage3Gatherer(units, [g for g in self.groups if g.shard_params], prefetch_bucket_size)
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _make_groups(self, params, units, bucket, offload_opt, offload_param, persist):
+        tied_across_stages = self.ctx.pp_size > 1
+        is_tied = [tied_across_stages and getattr(p, "tied_name", None) is not None for p in params]
+        tied = [p for p, t in zip(params, is_tied) if t]
+        rest = [p for p, t in zip(params, is_tied) if not t]
+        dp = self.ctx.dp_group
+        groups = []
+        if self.stage == 3:
+            unit_of = {}
+            for u, mod in enumerate(units or []):
+                for p in mod.parameters():
+                    unit_of.setdefault(id(p), u)
+            sharded = [p for p in rest if id(p) in unit_of and p.numel() >= persist]
+            persistent = [p for p in rest if not (id(p) in unit_of and p.numel() >= persist)]
+            sharded.sort(key=lambda p: -unit_of[id(p)])  # reverse forward order: fills first in backward
+            cuts = [i for i in range(1, len(sharded)) if unit_of[id(sharded[i])] != unit_of[id(sharded[i - 1])]]
+            if sharded:
+                groups.append(FlatGroup("sharded", sharded, dp, 3, bucket, cuts, True, offload_param or offload_opt))
+            if persistent:
+                groups.append(FlatGroup("persistent", persistent[::-1], dp, 2, bucket, (), False, offload_opt))
+        elif rest:
+            groups.append(FlatGroup("main", rest[::-1], dp, self.stage, bucket, (), False, offload_opt))
+        if tied:
+            tied.sort(key=lambda p: p.tied_name)  # the same layout on first and last stage
+            groups.append(FlatGroup("tied", tied, dp, min(self.stage, 2), bucket, (), False, offload_opt))
+        return groups
+
+    def _counted_ranges(self, g: FlatGroup) -> list[list[tuple[int, int]]]:
+        """Per bucket, local ranges of the owned slice that count in the global gradient norm:
+        each parameter exactly once over dp (stage 0: dp rank 0), tp (replicated: tp rank 0) and pp
+        (tied copies: first stage)."""
+        ctx = self.ctx
+        if (g.stage == 0 and ctx.dp_rank != 0) or (g.name == "tied" and not ctx.is_first_stage):
+            return [[] for _ in g.layout.buckets]
+        out = []
+        for b, segs in enumerate(g.segments):
+            lo = g.owned[b][0]
+            out.append([(s.buf_start - lo, s.buf_end - lo) for s in segs
+                        if getattr(g.params[s.param], "tp_dim", None) is not None or ctx.tp_rank == 0])
+        return out
+
+    def _decay_runs(self, g: FlatGroup) -> list[list[tuple[int, int, bool]]]:
+        """Per bucket, maximal contiguous local ranges of the owned slice with one weight-decay flag."""
+        out = []
+        for b, segs in enumerate(g.segments):
+            lo, runs = g.owned[b][0], []
+            for s in segs:
+                decay = not _no_decay(g.params[s.param], g.shapes[s.param])
+                a, e = s.buf_start - lo, s.buf_end - lo
+                if runs and runs[-1][2] == decay and runs[-1][1] == a:
+                    runs[-1] = (runs[-1][0], e, decay)
+                else:
+                    runs.append((a, e, decay))
+            out.append(runs)
+        return out
+
+    # -- micro-batch hooks ------------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
+
+    def set_last_microbatch(self, last: bool) -> None:
+        """Tell stages 0-1 whether the coming backward is the step's last (overlap launches then)."""
+        self._last_microbatch = last
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        g, i = self._where[id(p)]
+        done = g.add_grad(i, p.grad)
+        p.grad = None
+        if done is not None and self.overlap and (not g.full_grads or self._last_microbatch):
+            g.reduce_bucket(done, async_op=True)
+        if self.gatherer is not None and done is not None and g.shard_params:
+            self.gatherer.bucket_done(g, done)
+
+    def after_backward(self) -> None:
+        """End of one micro-batch's backward: stages 2-3 reduce-scatter what is left, stage 3
+        releases every gathered parameter."""
+        for g in self.groups:
+            if not g.full_grads:
+                g.flush()
+            elif not self._last_microbatch or not self.overlap:
+                g.reset_pending()
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+
+    # -- the step -----------------------------------------------------------------------------------
+    def reduce_grads(self) -> None:
+        """Stages 0-1: reduce every bucket not reduced yet; all: sum tied shards over the embedding
+        group; wait for everything in flight. Idempotent within a step."""
+        if self._reduced:
+            return
+        self._reduced = True
+        for g in self.groups:
+            if g.full_grads:
+                launched = {b for _, b, _ in g._inflight}
+                for b in range(len(g.layout.buckets)):
+                    if b not in launched:
+                        g.reduce_bucket(b, async_op=self.overlap)
+            g.wait()
+            g.reset_pending()
+            if g.name == "tied":
+                for t in g.grad_owned:
+                    comm.all_reduce(t, self.ctx.embedding_group)
+
+    def _all_owned_grads(self):
+        return [t for g in self.groups for t in g.grad_owned]
+
+    def _overflow(self) -> bool:
+        local = any(not torch.isfinite(t).all() for t in self._all_owned_grads())
+        flag = torch.tensor([1.0 if local else 0.0])
+        comm.all_reduce(flag, self.ctx.world_group, op="max")
+        return bool(flag.item() > 0)
+
+    def global_grad_norm(self) -> float:
+        """L2 norm of the full model's gradient, every parameter counted once, over ctx.world_group."""
+        sq = torch.zeros(1, dtype=torch.float64)
+        for g, counted in zip(self.groups, self._counted):
+            for t, ranges in zip(g.grad_owned, counted):
+                for a, e in ranges:
+                    sq += t[a:e].double().pow(2).sum().cpu()
+        comm.all_reduce(sq, self.ctx.world_group)
+        return float(sq.sqrt().item())
+
+    def step(self) -> dict:
+        """Reduce, unscale, agree on overflow, clip and update. Returns {"skipped", "grad_norm",
+        "loss_scale", "lr"}."""
+        self.reduce_grads()
+        scale = self.scaler.scale
+        if scale != 1.0:
+            for t in self._all_owned_grads():
+                t.mul_(1.0 / scale)
+        info = {"loss_scale": scale, "lr": self.param_groups[0]["lr"]}
+        if self.scaler.dynamic and self._overflow():
+            self.scaler.update(True)
+            self.zero_grad()
+            return info | {"skipped": True, "grad_norm": float("nan")}
+        norm = self.global_grad_norm()
+        coef = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
+        self.step_count += 1
+        for g, runs in zip(self.groups, self._runs):
+            self._update_group(g, runs, coef)
+            g.publish_master()
+        self.zero_grad()
+        self.scaler.update(False)
+        return info | {"skipped": False, "grad_norm": norm}
+
+    def _update_group(self, g: FlatGroup, runs, coef: float) -> None:
+        s, lr = self.spec, self.param_groups[0]["lr"]
+        for b, bucket_runs in enumerate(runs):
+            grad = g.grad_owned[b]
+            if g.offload:
+                grad = grad.to("cpu", non_blocking=True)
+            if coef != 1.0:
+                grad = grad * coef
+            for a, e, decay in bucket_runs:
+                wd = s.weight_decay if decay else 0.0
+                p, gr, m, v = g.master[b][a:e], grad[a:e], g.exp_avg[b][a:e], g.exp_avg_sq[b][a:e]
+                if s.type == "sgd":
+                    _sgd(p, gr, m, lr, s.momentum, wd, first=self.step_count == 1)
+                else:
+                    kernels.adam_step(p, gr, m, v, step=self.step_count, lr=lr, beta1=s.betas[0],
+                                      beta2=s.betas[1], eps=s.eps, weight_decay=wd,
+                                      adamw_mode=s.type == "adamw", bias_correction=s.bias_correction)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = False
+        for g in self.groups:
+            g.zero_grads()
+
+    # -- introspection ----------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds right now: params, grads, master, optimizer_states, comm_buffers."""
+        total: dict[str, int] = {}
+        for g in self.groups:
+            for k, v in g.memory().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def num_params(self) -> int:
+        return sum(n for g in self.groups for n in g.layout.numels)
+
+
+def _sgd(p, g, buf, lr, momentum, wd, first):
+    """SGD with optional momentum (torch.optim.SGD semantics, dampening 0)."""
+    d = g + wd * p if wd else g
+    if momentum:
+        if first:
+            buf.copy_(d)
+        else:
+            buf.mul_(momentum).add_(d)
+        d = buf
+    p.add_(d, alpha=-lr)

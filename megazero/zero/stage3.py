@@ -1,0 +1,147 @@
+"""ZeRO-3 parameter gathering: each unit (a layer) all-gathers its parameters over dp just before
+its forward and again just before its backward, and frees them right after.
+
+Hooks on each unit module: forward-pre (gather + prefetch the next units' buckets asynchronously
+up to `prefetch_bucket_size` elements), forward (release), full-backward-pre (gather again +
+prefetch the previous units), and the optimizer's gradient hooks report finished buckets so a
+unit is released as soon as its backward is done. Buckets are reference-counted: a parameter used
+by two units (a tied embedding with pp=1) stays gathered while either needs it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Stage3Gatherer:
+    """Owns the gather/release hooks of the ZeRO-3 `groups` for the modules in `units`
+    (forward order). Communicates over each group's dp group (all-gather)."""
+
+    def __init__(self, units, groups, prefetch_bucket_size: int):
+        self.groups = groups
+        self.prefetch = prefetch_bucket_size
+        where = {id(p): (gi, g.layout.bucket_of(i)) for gi, g in enumerate(groups) for i, p in enumerate(g.params)}
+        self.needs: list[list[tuple[int, int]]] = []
+        for mod in units:
+            keys = sorted({where[id(p)] for p in mod.parameters() if id(p) in where})
+            self.needs.append(keys)
+        self.full: dict[tuple[int, int], torch.Tensor] = {}
+        self.inflight: dict[tuple[int, int], tuple] = {}
+        self.holders: dict[tuple[int, int], int] = {}
+        self.bwd_left: dict[int, set] = {}  # unit -> buckets whose gradients are still expected
+        self.handles = []
+        for u, mod in enumerate(units):
+            self.handles.append(mod.register_forward_pre_hook(self._pre_forward(u)))
+            self.handles.append(mod.register_forward_hook(self._post_forward(u)))
+
+    # -- hooks --------------------------------------------------------------------------------------
+    def _pre_forward(self, u):
+        def hook(mod, args):
+            self._acquire(u)
+            self._prefetch(range(u + 1, len(self.needs)))
+        return hook
+
+    def _post_forward(self, u):
+        def hook(mod, args, out):
+            self._release(u)
+            if torch.is_grad_enabled():
+                return _wrap_outputs(out, lambda: self._pre_backward(u))
+            return None
+        return hook
+
+    def _pre_backward(self, u) -> None:
+        """Runs when the first gradient reaches unit u's outputs."""
+        if u in self.bwd_left:
+            return
+        self._acquire(u)
+        self.bwd_left[u] = set(self.needs[u])
+        self._prefetch(range(u - 1, -1, -1))
+
+    # -- gather / release ---------------------------------------------------------------------------
+    def _launch(self, key) -> None:
+        if key in self.full or key in self.inflight:
+            return
+        gi, b = key
+        self.inflight[key] = self.groups[gi].gather_bucket(b, async_op=True)
+
+    def _prefetch(self, order) -> None:
+        budget = self.prefetch
+        for v in order:
+            for key in self.needs[v]:
+                n = self.groups[key[0]].layout.buckets[key[1]].numel
+                if budget < n:
+                    return
+                budget -= n
+                self._launch(key)
+
+    def _acquire(self, u) -> None:
+        for key in self.needs[u]:
+            if key not in self.full:
+                self._launch(key)
+                work, full = self.inflight.pop(key)
+                if work is not None:
+                    work.wait()
+                self.full[key] = full
+                self.groups[key[0]].attach_bucket(key[1], full)
+            self.holders[key] = self.holders.get(key, 0) + 1
+
+    def _drop(self, key) -> None:
+        self.holders[key] -= 1
+        if self.holders[key] <= 0:
+            self.holders.pop(key)
+            self.full.pop(key, None)
+            self.groups[key[0]].release_bucket(key[1])
+
+    def _release(self, u) -> None:
+        for key in self.needs[u]:
+            if key in self.holders:
+                self._drop(key)
+
+    def bucket_done(self, group, b: int) -> None:
+        """Called by the optimizer when every gradient of `group`'s bucket b has arrived."""
+        key = (self.groups.index(group), b)
+        for u, left in list(self.bwd_left.items()):
+            left.discard(key)
+            if not left:
+                del self.bwd_left[u]
+                self._release(u)
+
+    def release_all(self) -> None:
+        """Free every gathered or in-flight bucket (end of a micro-batch's backward)."""
+        for key, (work, _) in list(self.inflight.items()):
+            if work is not None:
+                work.wait()
+        self.inflight.clear()
+        for key in list(self.full):
+            self.groups[key[0]].release_bucket(key[1])
+        self.full.clear()
+        self.holders.clear()
+        self.bwd_left.clear()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity forward; in backward, calls `callback` before passing the gradient on."""
+
+    @staticmethod
+    def forward(ctx, callback, x):
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.callback()
+        return None, grad
+
+
+def _wrap_outputs(out, callback):
+    """Route every differentiable tensor of a module's output through _PreBackward."""
+    if isinstance(out, torch.Tensor):
+        return _PreBackward.apply(callback, out) if out.requires_grad else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_wrap_outputs(o, callback) for o in out)
+    if isinstance(out, dict):
+        return {k: _wrap_outputs(v, callback) for k, v in out.items()}
+    return out
