@@ -14,6 +14,7 @@ Conventions the executor relies on:
   wrap around from stage p-1 chunk c to stage 0 chunk c+1.
 * ``peer`` is the pipeline stage index (pp coordinate) on the other end of a point-to-point
   transfer; the executor maps it to a global rank with the topology.
+* Messages number instructions from 1 ("instruction 6 of 40"), as the executor does.
 * Sends and receives are *blocking and pairwise*: the k-th send from stage a to stage b is received
   by the k-th receive at b from a, and neither completes before both are posted. Schedules order
   them so that this cannot deadlock; `megazero.pipeline.simulate` checks it.
@@ -187,7 +188,6 @@ Instruction = Union[
     LoadMicroBatch, Forward, Backward, BackwardInput, BackwardWeight,
     SendAct, RecvAct, SendGrad, RecvGrad, ReduceGrads, OptimizerStep,
 ]
-Program = tuple  # tuple[Instruction, ...]: one stage's instructions for one step
 
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 """Instructions that run a model chunk on a micro-batch."""
@@ -268,7 +268,8 @@ def _index(stage: int, program: Sequence[Instruction]) -> dict[tuple, tuple[int,
     for i, ins in enumerate(program):
         key = _key(ins)
         if key in seen:
-            raise ScheduleError(f"stage {stage}: {ins.describe()} appears twice (instructions {seen[key][0]} and {i})")
+            raise ScheduleError(f"stage {stage}: {ins.describe()} appears twice "
+                                f"(instructions {seen[key][0] + 1} and {i + 1})")
         seen[key] = (i, ins)
     return seen
 
@@ -279,14 +280,19 @@ def _require_order(stage: int, idx: dict, first: tuple, then: tuple) -> None:
     if first not in idx:
         raise ScheduleError(f"stage {stage}: {later.describe()} has no {_name(first)} before it")
     if idx[first][0] > idx[then][0]:
-        raise ScheduleError(f"stage {stage}: {idx[first][1].describe()} (instruction {idx[first][0]}) must come "
-                            f"before {later.describe()} (instruction {idx[then][0]})")
+        raise ScheduleError(f"stage {stage}: {idx[first][1].describe()} (instruction {idx[first][0] + 1}) must come "
+                            f"before {later.describe()} (instruction {idx[then][0] + 1})")
 
 
 def _name(key: tuple) -> str:
     names = {"F": "Forward", "B": "Backward", "W": "BackwardWeight", "L": "LoadMicroBatch", "SA": "SendAct",
              "RA": "RecvAct", "SG": "SendGrad", "RG": "RecvGrad"}
-    return " ".join([names.get(key[0], key[0])] + [f"mb {key[1]}"] * (len(key) > 1) + [f"chunk {key[2]}"] * (len(key) > 2 and key[2] > 0))
+    words = [names.get(key[0], key[0])]
+    if len(key) > 1:
+        words.append(f"mb {key[1]}")
+    if len(key) > 2 and key[2]:
+        words.append(f"chunk {key[2]}")
+    return " ".join(words)
 
 
 def _check_compute(stage: int, idx: dict) -> set[tuple[int, int]]:
@@ -370,9 +376,8 @@ def check_programs(programs: Sequence[Sequence[Instruction]]) -> tuple[int, int]
                 expected |= {("F", mb, chunk), ("B", mb, chunk), ("W", mb, chunk)}
                 for first, then, peer in _expected_io(stage, mb, chunk, p, v):
                     comm = first if first[0] in ("RA", "RG") else then
-                    for key in (first, then):
-                        if key not in idx:
-                            raise ScheduleError(f"stage {stage}: {_name(key)} is missing")
+                    if then not in idx:  # `first` is then the chunk's F or B, which exists
+                        raise ScheduleError(f"stage {stage}: {idx[first][1].describe()} has no {_name(then)} after it")
                     _require_order(stage, idx, first, then)
                     if peer is not None and idx[comm][1].peer != peer:
                         raise ScheduleError(f"stage {stage}: {idx[comm][1].describe()} has the wrong peer; "
@@ -380,7 +385,8 @@ def check_programs(programs: Sequence[Sequence[Instruction]]) -> tuple[int, int]
                     expected |= {first, then}
         extra = sorted((idx[k][0] for k in idx if k not in expected))
         if extra:
-            raise ScheduleError(f"stage {stage}: unexpected {program[extra[0]].describe()} (instruction {extra[0]})")
+            raise ScheduleError(f"stage {stage}: unexpected {program[extra[0]].describe()} "
+                                f"(instruction {extra[0] + 1})")
         if tuple(program[-2:]) != (ReduceGrads(), OptimizerStep()):
             raise ScheduleError(f"stage {stage}: the program must end with ReduceGrads, OptimizerStep "
                                 f"(it ends with {render(program[-2:])})")

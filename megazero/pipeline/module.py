@@ -63,8 +63,7 @@ def describe_layers(layers, flops_fn=None) -> list[part.LayerInfo]:
     out = []
     for layer in layers:
         name = layer.name if isinstance(layer, LayerSpec) else getattr(type(layer), "__name__", "fn")
-        if isinstance(layer, LayerSpec) and not isinstance(layer.typename, type):
-            name = getattr(layer.typename, "layer_type", name)
+        name = getattr(layer, "layer_type", name)  # a spec may name the type it builds
         n = _count_params(layer)
         cost = flops_fn(layer) if flops_fn else getattr(layer, "flops_per_token", 2 * n)
         out.append(part.LayerInfo(name=name, params=n, flops=float(cost)))

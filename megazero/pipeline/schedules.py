@@ -105,7 +105,7 @@ def _zb_h1_order(p: int, m: int, stage: int) -> list[Instruction]:
 # -- lowering: compute orders -> programs ------------------------------------------------------------
 
 class _Recorder:
-    """Runs compute orders in unit time with blocking transfers and records each stage's program.
+    """Runs compute orders in simulated time with blocking transfers; records each stage's program.
 
     A transfer happens as soon as its tensor exists and both stages are between instructions (idle
     or just finished one); a stage whose next instruction has its input starts it at once rather than
@@ -132,10 +132,12 @@ class _Recorder:
             vs = virtual_stage(s, ins.chunk, self.p)
             if isinstance(ins, Forward) and vs < self.last:
                 dst, dst_chunk = stage_and_chunk(vs + 1, self.p)
-                self.pending[(0, vs, ins.mb)] = (s, dst, SendAct(ins.mb, ins.chunk, dst), RecvAct(ins.mb, dst_chunk, s))
+                self.pending[(0, vs, ins.mb)] = (s, dst, SendAct(ins.mb, ins.chunk, dst),
+                                                 RecvAct(ins.mb, dst_chunk, s))
             if isinstance(ins, BACKWARD_INPUT) and vs > 0:
                 dst, dst_chunk = stage_and_chunk(vs - 1, self.p)
-                self.pending[(1, vs, ins.mb)] = (s, dst, SendGrad(ins.mb, ins.chunk, dst), RecvGrad(ins.mb, dst_chunk, s))
+                self.pending[(1, vs, ins.mb)] = (s, dst, SendGrad(ins.mb, ins.chunk, dst),
+                                                 RecvGrad(ins.mb, dst_chunk, s))
 
     def transfer(self) -> None:
         """Every pending transfer whose two stages are both between instructions happens now."""
@@ -305,7 +307,8 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int 
         for arg, want, got in (("num_stages", num_stages, len(programs)), ("num_microbatches", num_microbatches, m),
                                ("chunks", chunks, v)):
             if want != got:
-                raise ScheduleError(f"schedule file {os.fspath(name)!r} has {arg}={got}, but {arg}={want} was asked for")
+                raise ScheduleError(f"schedule file {os.fspath(name)!r} has {arg}={got}, "
+                                    f"but {arg}={want} was asked for")
         return programs
     if name not in SCHEDULES:
         close = difflib.get_close_matches(str(name), SCHEDULES, n=1)

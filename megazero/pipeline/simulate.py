@@ -69,8 +69,8 @@ CostFn = Callable[[int, Instruction], float]
 
 
 class DeadlockError(ScheduleError):
-    """Every unfinished stage waits on a peer. `positions[s]` is (index, instruction) of stage s's
-    blocked instruction, or None for a stage that finished."""
+    """Every unfinished stage waits on a peer. `positions[s]` is (0-based index, instruction) of stage
+    s's blocked instruction, or None for a stage that finished."""
 
     def __init__(self, message: str, positions: tuple[tuple[int, Instruction] | None, ...]) -> None:
         super().__init__(message)
@@ -125,19 +125,20 @@ class SimResult:
         """The chain of (stage, span) that determines the makespan: each starts when the previous ends."""
         import networkx as nx  # lazy: only the critical path needs it
 
+        sink = (-1, -1)  # after every stage's last instruction
         graph = nx.DiGraph()
         for s, spans in enumerate(self.timeline):
             for i in range(1, len(spans)):
                 graph.add_edge((s, i - 1), (s, i), weight=_duration(spans[i - 1]))
             if spans:
-                graph.add_edge((s, len(spans) - 1), "end", weight=_duration(spans[-1]))
+                graph.add_edge((s, len(spans) - 1), sink, weight=_duration(spans[-1]))
         for msg in self.messages:  # a rendezvous starts after both sides' previous instructions
             for (a, ia), (b, ib) in (((msg.src, msg.src_index), (msg.dst, msg.dst_index)),
                                      ((msg.dst, msg.dst_index), (msg.src, msg.src_index))):
                 if ia > 0:
                     graph.add_edge((a, ia - 1), (b, ib), weight=_duration(self.timeline[a][ia - 1]))
         path = nx.dag_longest_path(graph, weight="weight")
-        return [(s, self.timeline[s][i]) for s, i in path if s != "end" and not isinstance(s, str)]
+        return [(s, self.timeline[s][i]) for s, i in path if (s, i) != sink]
 
 
 def _duration(span: Span) -> float:
@@ -170,7 +171,7 @@ def _deadlock(programs: Sequence[Sequence[Instruction]], pcs: list[int]) -> Dead
         else:
             positions.append((pcs[s], program[pcs[s]]))
             parts.append(f"stage {s} blocked at {program[pcs[s]].describe()} "
-                         f"(instruction {pcs[s]} of {len(program)})")
+                         f"(instruction {pcs[s] + 1} of {len(program)})")
     return DeadlockError("deadlock with blocking send/recv: " + "; ".join(parts), tuple(positions))
 
 
@@ -192,10 +193,13 @@ def _run(programs: Sequence[Sequence[Instruction]], cost: CostFn):
                     clock[s], pcs[s], remaining, progress = end, pcs[s] + 1, remaining - 1, True
                     continue
                 q = ins.peer
+                if not 0 <= q < p or q == s:
+                    raise ScheduleError(f"stage {s}: {ins.describe()} names no other stage (stages are 0..{p - 1})")
                 other = programs[q][pcs[q]] if pcs[q] < len(programs[q]) else None
                 if not isinstance(other, P2P) or other.peer != s or isinstance(other, SENDS) == isinstance(ins, SENDS):
                     break  # the peer is not (yet) at the other end of this link
-                send_stage, send, recv_stage, recv = (s, ins, q, other) if isinstance(ins, SENDS) else (q, other, s, ins)
+                is_send = isinstance(ins, SENDS)
+                send_stage, send, recv_stage, recv = (s, ins, q, other) if is_send else (q, other, s, ins)
                 _check_pair(send_stage, send, recv_stage, recv, p)
                 start = max(clock[s], clock[q])
                 end = start + cost(send_stage, send)

@@ -12,14 +12,21 @@ VALID = ("constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR")
 
 
 def lr_at(step: int, kind: str, lr: float, warmup_steps: int = 0, total_steps: int = 0,
-          min_lr: float = 0.0, warmup_min_lr: float = 0.0) -> float:
-    """Learning rate for optimizer step `step` (0-based: the first update uses step 0)."""
+          min_lr: float = 0.0, warmup_min_lr: float = 0.0, warmup_type: str = "linear") -> float:
+    """Learning rate for optimizer step `step` (0-based: the first update uses step 0). Warmup is
+    linear, or logarithmic (DeepSpeed's WarmupLR default: log(step+1)/log(warmup_steps))."""
     if kind not in VALID:
         raise ValueError(f"scheduler.type {kind!r} is not one of {', '.join(VALID)}")
+    if warmup_type not in ("linear", "log"):
+        raise ValueError(f"scheduler.warmup_type {warmup_type!r} is not one of linear, log")
     if kind == "constant":
         return lr
     if warmup_steps > 0 and step < warmup_steps:
-        return warmup_min_lr + (lr - warmup_min_lr) * (step + 1) / warmup_steps
+        if warmup_type == "log":
+            frac = math.log(step + 1) / math.log(warmup_steps) if warmup_steps > 1 else 1.0
+        else:
+            frac = (step + 1) / warmup_steps
+        return warmup_min_lr + (lr - warmup_min_lr) * frac
     if kind == "WarmupLR":
         return lr
     span = max(1, total_steps - warmup_steps)
@@ -33,11 +40,12 @@ class LRScheduler:
     """Sets `optimizer.param_groups[*]["lr"]` from `lr_at` each time `step()` is called."""
 
     def __init__(self, optimizer, kind: str = "constant", lr: float | None = None, warmup_steps: int = 0,
-                 total_steps: int = 0, min_lr: float = 0.0, warmup_min_lr: float = 0.0):
+                 total_steps: int = 0, min_lr: float = 0.0, warmup_min_lr: float = 0.0,
+                 warmup_type: str = "linear"):
         self.optimizer = optimizer
         self.kwargs = dict(kind=kind, lr=lr if lr is not None else optimizer.param_groups[0]["lr"],
                            warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr,
-                           warmup_min_lr=warmup_min_lr)
+                           warmup_min_lr=warmup_min_lr, warmup_type=warmup_type)
         lr_at(0, **self.kwargs)  # validates the kind
         self.last_step = 0
         self._apply()

@@ -83,6 +83,8 @@ class ZeroOptimizer:
         self._where = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.groups for p in g.params]
         self._counted = [self._counted_ranges(g) for g in self.groups]
+        self._sp_ranges = [self._ranges_where(g, lambda p: getattr(p, "sequence_parallel", False))
+                           for g in self.groups]
         self._runs = [self._decay_runs(g) for g in self.groups]
         self.gatherer = None
         if stage == 3 and units:
@@ -129,6 +131,12 @@ class ZeroOptimizer:
             out.append([(s.buf_start - lo, s.buf_end - lo) for s in segs
                         if getattr(g.params[s.param], "tp_dim", None) is not None or ctx.tp_rank == 0])
         return out
+
+    @staticmethod
+    def _ranges_where(g: FlatGroup, pred) -> list[list[tuple[int, int]]]:
+        """Per bucket, local ranges of the owned slice that belong to parameters matching `pred`."""
+        return [[(s.buf_start - g.owned[b][0], s.buf_end - g.owned[b][0]) for s in segs if pred(g.params[s.param])]
+                for b, segs in enumerate(g.segments)]
 
     def _decay_runs(self, g: FlatGroup) -> list[list[tuple[int, int, bool]]]:
         """Per bucket, maximal contiguous local ranges of the owned slice with one weight-decay flag."""
@@ -191,6 +199,22 @@ class ZeroOptimizer:
             if g.name == "tied":
                 for t in g.grad_owned:
                     comm.all_reduce(t, self.ctx.embedding_group)
+        self._sum_sequence_parallel_grads()
+
+    def _sum_sequence_parallel_grads(self) -> None:
+        """Sequence-parallel parameters (norms on sequence shards) get partial gradients on each TP
+        rank: sum their owned slices over ctx.tp_group in one flat all-reduce (TP ranks share the
+        flat layout, so the slices line up)."""
+        views = [t[a:e] for g, per_bucket in zip(self.groups, self._sp_ranges)
+                 for t, ranges in zip(g.grad_owned, per_bucket) for a, e in ranges]
+        if not views or self.ctx.tp_size == 1:
+            return
+        flat = torch.cat(views)
+        comm.all_reduce(flat, self.ctx.tp_group)
+        pos = 0
+        for v in views:
+            v.copy_(flat[pos:pos + v.numel()])
+            pos += v.numel()
 
     def _all_owned_grads(self):
         return [t for g in self.groups for t in g.grad_owned]

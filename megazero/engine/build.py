@@ -1,0 +1,90 @@
+"""From a resolved Config to the objects a run needs: model, optimizer, LR schedule, data.
+
+Pure wiring; every part is usable alone (see each part's module).
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from megazero.config import Config
+from megazero.models.pipe import build_pipeline_model
+from megazero.pipeline.module import PipelineModule
+from megazero.spec import load_spec
+from megazero.zero.loss_scaler import LossScaler
+from megazero.zero.lr_schedule import LRScheduler
+from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    return DTYPES[cfg.precision]
+
+
+def model_spec(cfg: Config):
+    """The ModelSpec named by model.spec with the config's architecture overrides (and seq_len)."""
+    overrides = cfg.model.architecture()
+    if cfg.model.seq_len is not None:
+        overrides["seq_len"] = cfg.model.seq_len
+    return load_spec(cfg.model.spec, overrides)
+
+
+def build_model(cfg: Config, ctx, device=None, wrap_block=None) -> PipelineModule:
+    """This rank's PipelineModule of the configured model spec."""
+    spec = model_spec(cfg)
+    return build_pipeline_model(spec, ctx, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
+                                dtype=compute_dtype(cfg), partition=cfg.pipeline.partition,
+                                chunks=cfg.pipeline.chunks, device=device, wrap_block=wrap_block)
+
+
+def loss_scaler(cfg: Config) -> LossScaler:
+    if cfg.precision != "fp16":
+        return LossScaler.static(1.0)
+    f = cfg.fp16
+    if f.loss_scale > 0:
+        return LossScaler.static(f.loss_scale)
+    return LossScaler.dynamic_from(f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.min_loss_scale)
+
+
+def optimizer_spec(cfg: Config) -> OptimizerSpec:
+    o = cfg.optimizer
+    kind = o.type
+    if kind in ("adam", "adamw"):
+        kind = "adamw" if o.adamw_mode else "adam"
+    return OptimizerSpec(kind, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                         momentum=o.momentum)
+
+
+def zero_units(model: nn.Module) -> list[nn.Module]:
+    """ZeRO-3 gathering units: a PipelineModule's layers, else every module that owns parameters."""
+    if isinstance(model, PipelineModule):
+        return model.units()
+    return [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+
+
+def build_optimizer(cfg: Config, model: nn.Module, ctx, params=None) -> ZeroOptimizer:
+    z = cfg.zero
+    return ZeroOptimizer(
+        list(params if params is not None else model.parameters()), ctx, stage=z.stage, spec=optimizer_spec(cfg),
+        reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
+        overlap_comm=bool(z.overlap_comm), offload_optimizer=z.offload_optimizer.device == "cpu",
+        offload_param=z.offload_param.device == "cpu", gradient_clipping=cfg.gradient_clipping,
+        loss_scaler=loss_scaler(cfg), units=zero_units(model) if z.stage == 3 else None,
+        prefetch_bucket_size=z.prefetch_bucket_size, param_persistence_threshold=z.param_persistence_threshold)
+
+
+def build_scheduler(cfg: Config, optimizer) -> LRScheduler:
+    s = cfg.scheduler
+    return LRScheduler(optimizer, s.type, cfg.optimizer.lr, s.warmup_steps, s.total_steps or cfg.train.steps,
+                       s.min_lr, s.warmup_min_lr, s.warmup_type)
+
+
+def synthetic_batches(vocab: int, micro_batch: int, seq_len: int, seed: int, dp_rank: int):
+    """Endless random-token micro-batches (data.path unset: tests and benchmarks)."""
+    gen = torch.Generator().manual_seed(seed * 7919 + dp_rank)
+    for _ in itertools.count():
+        tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=gen)
+        yield {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}

@@ -1,0 +1,67 @@
+"""Process-group start-up for torchrun, Slurm (srun) and single-process runs.
+
+`init_distributed(timeout_s, backend)` reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT) or Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with MASTER_ADDR /
+MASTER_PORT exported by the batch script), picks NCCL when CUDA is available and gloo otherwise
+(or the configured backend), gives each local rank max(1, cores // local ranks) torch threads,
+and initialises the default group with the configured timeout. Without any of these variables
+it runs as a single process (world size 1) and creates no process group.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+
+
+def _env_int(*names: str, default: int | None = None) -> int | None:
+    for n in names:
+        if os.environ.get(n, "") != "":
+            return int(os.environ[n])
+    return default
+
+
+def detect() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun or Slurm variables."""
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=None)
+    if local_world is None:
+        local_world = world if world <= (os.cpu_count() or 1) else 1
+    return rank, world, local, local_world
+
+
+def init_distributed(timeout_s: float = 300, backend: str = "auto") -> DistInfo:
+    """Initialise the default process group (if not already) and return this process' facts."""
+    rank, world, local, local_world = detect()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    device = torch.device("cuda", local % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    chosen = None
+    if dist.is_initialized():
+        chosen = dist.get_backend()
+        rank, world = dist.get_rank(), dist.get_world_size()
+    elif world > 1:
+        chosen = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun, "
+                               "or export them in your Slurm script (see the README)")
+        dist.init_process_group(chosen, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if use_cuda else None)
+    return DistInfo(rank, world, local, local_world, device, chosen)

@@ -1,0 +1,79 @@
+"""The MLP and the pre-norm transformer block.
+
+MLP: GPT ``fc1`` (column-parallel) -> GeLU / ReLU -> ``fc2`` (row-parallel); Llama SwiGLU
+``down(silu(gate(x)) * up(x))`` with gate and up column-parallel. The column-parallel GEMMs of one
+MLP share ONE entry into the TP region, so an MLP does one all-reduce forward and one backward
+(all-gather + reduce-scatter under sequence parallelism).
+
+Block (global index i): ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``; the norms run on the
+replicated (or, under sequence parallelism, sequence-sharded) residual stream.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.models.attention import SelfAttention
+from megazero.models.common import LayerContext, Norm
+from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megazero.tensor_parallel.mappings import enter_tp_region
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class MLP(nn.Module):
+    """Feed-forward network of global layer `index`.
+
+    Logical parameters: ``layers.i.mlp.fc1`` (ffn, h) and ``layers.i.mlp.fc2`` (h, ffn) for GeLU/ReLU;
+    ``layers.i.mlp.gate``, ``.up`` (ffn, h) and ``.down`` (h, ffn) for SwiGLU. Input and output
+    (s, b, h) [(s/t, b, h) under sequence parallelism]; hidden dropout at site ``layers.i.mlp.dropout``.
+    """
+
+    def __init__(self, lc: LayerContext, index: int):
+        super().__init__()
+        spec = lc.spec
+        self.tp_group, self.sequence_parallel, self.activation = lc.tp_group, lc.sequence_parallel, spec.activation
+        p = f"layers.{index}.mlp"
+        col = dict(tp_group=lc.tp_group, bias=spec.bias, sequence_parallel=lc.sequence_parallel, comm_input=False)
+        row = dict(tp_group=lc.tp_group, bias=spec.bias, input_is_parallel=True,
+                   sequence_parallel=lc.sequence_parallel)
+        if spec.activation == "swiglu":
+            self.gate = ColumnParallelLinear(spec.hidden, spec.ffn, **col, **lc.linear_kwargs(f"{p}.gate"))
+            self.up = ColumnParallelLinear(spec.hidden, spec.ffn, **col, **lc.linear_kwargs(f"{p}.up"))
+            self.down = RowParallelLinear(spec.ffn, spec.hidden, **row, **lc.linear_kwargs(f"{p}.down", lc.output_std))
+        else:
+            self.fc1 = ColumnParallelLinear(spec.hidden, spec.ffn, **col, **lc.linear_kwargs(f"{p}.fc1"))
+            self.fc2 = RowParallelLinear(spec.ffn, spec.hidden, **row, **lc.linear_kwargs(f"{p}.fc2", lc.output_std))
+        self.dropout = lc.hidden_dropout(f"{p}.dropout", spec.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp_group, self.sequence_parallel)  # (s, b, h): one f for the MLP
+        if self.activation == "swiglu":
+            y = self.down(F.silu(self.gate(x)) * self.up(x))  # inner (s, b, ffn/t)
+        else:
+            y = self.fc2(_ACTIVATIONS[self.activation](self.fc1(x)))
+        return self.dropout(y)
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm decoder block, global index `index`: hidden (s, b, h) -> hidden (same shape;
+    (s/t, b, h) under sequence parallelism). TP communication per micro-batch: 2 all-reduces of
+    (s, b, h) forward and 2 backward, i.e. 8·b·s·h·(t−1)/t elements per rank counted by comm stats
+    (with sequence parallelism: all-gathers + reduce-scatters of the same total)."""
+
+    def __init__(self, lc: LayerContext, index: int):
+        super().__init__()
+        self.index = index
+        self.attn_norm = Norm(lc, f"layers.{index}.attn_norm")
+        self.attn = SelfAttention(lc, index)
+        self.mlp_norm = Norm(lc, f"layers.{index}.mlp_norm")
+        self.mlp = MLP(lc, index)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))

@@ -1,0 +1,79 @@
+"""The first and last layers of the language model: token embedding and final norm + LM head.
+
+`EmbeddingLayer`: tokens (b, s) -> hidden (s, b, h) [(s/t, b, h) under sequence parallelism].
+Vocabulary-parallel word embedding (one all-reduce over the TP group forward, or a reduce-scatter
+along the sequence under sequence parallelism), plus learned positions (``position='learned'``),
+then hidden dropout (site ``embedding.dropout``).
+
+`HeadLayer`: hidden -> vocabulary-parallel logits (s, b, Vp/t) of the padded vocabulary Vp. Final
+norm, then one entry into the TP region (f, or the sequence all-gather), then the local GEMM with
+this rank's rows of the output embedding. With tied embeddings the head's weight is the logical
+parameter ``embedding.word.weight`` (``tied_name = "embedding.word"``): `CausalLM` (pp=1) shares the
+embedding's parameter object; a pipeline's last stage builds its own copy, which layout-invariant init
+makes equal to the first stage's, and sums the two gradients over the embedding group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.models.common import LayerContext, Norm
+from megazero.tensor_parallel import VocabParallelEmbedding, make_param
+from megazero.tensor_parallel.mappings import enter_tp_region
+
+TIED_EMBEDDING = "embedding.word"
+
+
+class EmbeddingLayer(nn.Module):
+    """Token (+ learned position) embedding; see the module docstring."""
+
+    def __init__(self, lc: LayerContext):
+        super().__init__()
+        spec = lc.spec
+        self.tp_group, self.sequence_parallel = lc.tp_group, lc.sequence_parallel
+        self.word = VocabParallelEmbedding(spec.vocab, spec.hidden, lc.tp_group, vocab_align=spec.vocab_align,
+                                           sequence_parallel=lc.sequence_parallel, name=TIED_EMBEDDING,
+                                           seed=lc.seed, init_std=spec.init_std, device=lc.device,
+                                           dtype=lc.dtype)
+        if spec.tie_embeddings:
+            self.word.weight.tied_name = TIED_EMBEDDING
+        self.position = None
+        if spec.position == "learned":
+            self.position = lc.replicated_param((spec.seq_len, spec.hidden), "embedding.position.weight", "normal")
+        self.dropout = lc.hidden_dropout("embedding.dropout", spec.dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        h = self.word(tokens.t())  # (s, b, h), or (s/t, b, h) under sequence parallelism
+        if self.position is not None:
+            if s > self.position.shape[0]:
+                raise ValueError(f"sequence length {s} exceeds the spec's seq_len={self.position.shape[0]} "
+                                 f"(learned positions)")
+            pos = self.position[:s]  # (s, h)
+            if self.sequence_parallel and self.tp_group.size > 1:
+                pos = pos.chunk(self.tp_group.size, dim=0)[self.tp_group.rank]  # (s/t, h)
+            h = h + pos.unsqueeze(1)
+        return self.dropout(h)
+
+
+class HeadLayer(nn.Module):
+    """Final norm + vocabulary-parallel LM head; see the module docstring."""
+
+    def __init__(self, lc: LayerContext):
+        super().__init__()
+        spec = lc.spec
+        t = lc.tp_size
+        self.tp_group, self.sequence_parallel = lc.tp_group, lc.sequence_parallel
+        self.vocab, self.padded_vocab = spec.vocab, spec.padded_vocab(t)
+        self.norm = Norm(lc, "head.norm")
+        name = f"{TIED_EMBEDDING}.weight" if spec.tie_embeddings else "head.weight"
+        self.weight = make_param((self.padded_vocab // t, spec.hidden), logical_name=name,
+                                 full_shape=(spec.vocab, spec.hidden), tp_dim=0, tp_rank=lc.tp_rank, tp_size=t,
+                                 init="normal", seed=lc.seed, std=spec.init_std, device=lc.device, dtype=lc.dtype)
+        if spec.tie_embeddings:
+            self.weight.tied_name = TIED_EMBEDDING
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(self.norm(hidden), self.tp_group, self.sequence_parallel)  # (s, b, h)
+        return F.linear(x, self.weight)  # (s, b, Vp/t)
