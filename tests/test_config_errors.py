@@ -198,11 +198,11 @@ def test_all_problems_reported_at_once():
 
 
 @pytest.mark.parametrize("override,key", [
-    ("zero.stage=1", "zero.stage"),
-    ("precision=bf16", "precision"),
-    ("parallel.sequence_parallel=true", "parallel.sequence_parallel"),
+    ("zero.sub_group_size=1000", "zero.sub_group_size"),
+    ("fp16.consecutive_hysteresis=true", "fp16.consecutive_hysteresis"),
+    ("zero.round_robin_gradients=true", "zero.round_robin_gradients"),
     ("trace.enabled=true", "trace.enabled"),
-    ("pipeline.schedule=zb-h1", "pipeline.schedule"),
+    ("zero.gather_16bit_weights_on_model_save=true", "zero.gather_16bit_weights_on_model_save"),
 ])
 def test_not_supported_yet_names_key(override, key):
     overrides = [override] + (["parallel.tp=2"] if "sequence" in override else [])

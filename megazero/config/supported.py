@@ -22,13 +22,6 @@ class Unsupported(NamedTuple):
 
 
 NOT_SUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("parallel.sequence_parallel", lambda v: bool(v), "sequence parallelism"),
-    Unsupported("precision", lambda v: v != "fp32", "mixed precision (bf16/fp16)"),
-    Unsupported("gradient_clipping", lambda v: v > 0, "gradient clipping"),
-    Unsupported("zero.stage", lambda v: v > 0, "ZeRO stages 1-3"),
-    Unsupported("zero.offload_optimizer.device", lambda v: v != "none", "optimizer offload"),
-    Unsupported("zero.offload_param.device", lambda v: v != "none", "parameter offload"),
-    Unsupported("zero.overlap_comm", lambda v: bool(v), "overlapping gradient reduction with backward"),
     Unsupported("zero.contiguous_gradients", lambda v: v is False, "non-contiguous gradients"),
     Unsupported("zero.reduce_scatter", lambda v: v is False, "all-reduce instead of reduce-scatter"),
     Unsupported("zero.allgather_partitions", lambda v: v is False, "broadcast instead of all-gather"),
@@ -38,9 +31,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("zero.max_reuse_distance", lambda v: v != 1_000_000_000, "ZeRO-3 parameter reuse distance"),
     Unsupported("zero.gather_16bit_weights_on_model_save", lambda v: bool(v), "consolidated 16-bit weights"),
     Unsupported("fp16.consecutive_hysteresis", lambda v: bool(v), "consecutive loss-scale hysteresis"),
-    Unsupported("optimizer.type", lambda v: v == "sgd", "the SGD optimizer"),
-    Unsupported("scheduler.type", lambda v: v != "constant", "learning-rate schedules"),
-    Unsupported("scheduler.warmup_type", lambda v: v != "linear", "log warmup"),
     Unsupported("activation_checkpointing.policy", lambda v: v != "none", "activation checkpointing"),
     Unsupported("activation_checkpointing.partition_activations", lambda v: bool(v), "partitioned activations"),
     Unsupported("activation_checkpointing.cpu_checkpointing", lambda v: bool(v), "CPU activation checkpoints"),
@@ -50,9 +40,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("activation_checkpointing.synchronize_checkpoint_boundary", lambda v: bool(v),
                 "synchronised checkpoint boundaries"),
     Unsupported("activation_checkpointing.profile", lambda v: bool(v), "checkpoint profiling"),
-    Unsupported("pipeline.schedule", lambda v: v != "1f1b", "pipeline schedules other than 1f1b"),
-    Unsupported("pipeline.chunks", lambda v: v != 1, "interleaved model chunks"),
-    Unsupported("pipeline.partition", lambda v: v != "uniform", "non-uniform pipeline partitioning"),
     Unsupported("data.tokenizer", lambda v: v != "byte", "the BPE tokenizer"),
     Unsupported("checkpoint.save_interval", lambda v: v > 0, "saving checkpoints"),
     Unsupported("checkpoint.load", lambda v: v is not None, "loading checkpoints"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from megazero.config import Config, ConfigError, assert_supported, build_config, load_config, resolve
+from megazero.config import Config, ConfigError, assert_supported, load_config, resolve
 from megazero.engine.build import (build_model, build_optimizer, build_scheduler, compute_dtype,
                                    synthetic_batches)
 from megazero.engine.module import ModuleEngine
@@ -26,13 +26,38 @@ from megazero.topology import Topology
 __all__ = ["initialize", "load_run_config", "PipelineEngine", "ModuleEngine"]
 
 
+def dict_to_overrides(tree: dict, prefix: str = "") -> list[str]:
+    """{"zero": {"stage": 2}} -> ["zero.stage=2"]: a dict config goes through the same checks as
+    a file (unknown keys, types)."""
+    out = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out += dict_to_overrides(value, name + ".")
+        else:
+            out.append(f"{name}={_yaml_scalar(value)}")
+    return out
+
+
+def _yaml_scalar(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_yaml_scalar(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{}"
+    return str(v)
+
+
 def load_run_config(config, overrides=(), world_size: int | None = None) -> Config:
     """A resolved, validated Config from a path, dict or Config (no process group needed)."""
     world = world_size if world_size is not None else detect()[1]
     if isinstance(config, Config):
         cfg = resolve(config, world)
     elif isinstance(config, dict):
-        cfg = resolve(build_config(config, list(overrides)), world)
+        cfg = load_config(None, dict_to_overrides(config) + list(overrides), world_size=world)
     else:
         cfg = load_config(config, list(overrides), world_size=world)
     assert_supported(cfg)
@@ -102,7 +127,8 @@ def _dataloader(training_data, cfg: Config, ctx, module, engine):
         return None
     spec = module.spec
     if cfg.data.path is None:
-        return synthetic_batches(spec.vocab, t.micro_batch_size, spec.seq_len, t.seed, ctx.dp_rank)
+        return synthetic_batches(spec.vocab, t.micro_batch_size, t.gradient_accumulation_steps, spec.seq_len, t.seed,
+                                 ctx.dp_rank, ctx.dp_size)
     from megazero.data import build_data_iterator
 
     return build_data_iterator(cfg.data.path, spec.seq_len, t.micro_batch_size, t.gradient_accumulation_steps,

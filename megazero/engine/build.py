@@ -82,9 +82,18 @@ def build_scheduler(cfg: Config, optimizer) -> LRScheduler:
                        s.min_lr, s.warmup_min_lr, s.warmup_type)
 
 
-def synthetic_batches(vocab: int, micro_batch: int, seq_len: int, seed: int, dp_rank: int):
-    """Endless random-token micro-batches (data.path unset: tests and benchmarks)."""
-    gen = torch.Generator().manual_seed(seed * 7919 + dp_rank)
-    for _ in itertools.count():
-        tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=gen)
-        yield {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+def synthetic_batches(vocab: int, micro_batch: int, gas: int, seq_len: int, seed: int, dp_rank: int,
+                      dp_size: int, start_step: int = 0):
+    """Endless random-token micro-batches (data.path unset: tests, benchmarks, parity checks).
+
+    Global step k draws one global batch of dp_size·gas·micro_batch samples from a generator
+    seeded by (seed, k); dp rank r takes samples [r·gas·mb, (r+1)·gas·mb) in micro-batches of mb,
+    in order — the same split as the real data sampler, so every layout sees the same global batch.
+    """
+    for step in itertools.count(start_step):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        tokens = torch.randint(0, vocab, (dp_size * gas * micro_batch, seq_len + 1), generator=gen)
+        mine = tokens[dp_rank * gas * micro_batch:(dp_rank + 1) * gas * micro_batch]
+        for j in range(gas):
+            mb = mine[j * micro_batch:(j + 1) * micro_batch]  # (micro_batch, seq_len + 1)
+            yield {"input_ids": mb[:, :-1], "labels": mb[:, 1:]}

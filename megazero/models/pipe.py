@@ -32,6 +32,7 @@ def build_pipeline_model(spec: ModelSpec, ctx, *, seed: int = 0, sequence_parall
         ls = LayerSpec(_wrap, b, device, wrap_block if b.kind == "block" else None)
         ls.layer_type = {"embedding": "EmbeddingLayer", "block": "TransformerBlock", "head": "HeadLayer"}[b.kind]
         ls.flops_per_token = _flops_per_token(spec, b.kind)
+        ls.num_params = b.num_params
         layers.append(ls)
     tp_group = ctx.tp_group
 

@@ -37,6 +37,7 @@ class _StepState:
     outputs: dict = field(default_factory=dict)   # (mb, chunk) -> output (or loss on the last vstage)
     grads_in: dict = field(default_factory=dict)  # (mb, chunk) -> grad received for the output
     grads_out: dict = field(default_factory=dict)  # (mb, chunk) -> grad of the input, to send
+    weight_grads: dict = field(default_factory=dict)  # (mb, chunk) -> [(param, grad)] held for W
     losses: list = field(default_factory=list)
     last_weight_grad: int = -1                    # program index of the last weight-grad instruction
     info: dict = field(default_factory=dict)
@@ -114,21 +115,25 @@ class PipelineExecutor:
         self.opt.after_backward()
 
     def _backward_input(self, ins, st):
+        """Zero-bubble B: one backward pass that produces the input grad (sent upstream at once)
+        and the weight grads, which are held back, unaccumulated, until W."""
         key = (ins.mb, ins.chunk)
-        x = st.inputs.get(key)
+        x = st.inputs.pop(key, None)
         out, grad = self._grad_pair(key, st)
-        st.grads_in[("W",) + key] = grad
-        if x is not None and x.requires_grad:
-            (gx,) = _run_backward([out], [grad], inputs=[x], keep_graph=True, accumulate=False)
-            st.grads_out[key] = gx
+        st.outputs.pop(key)
+        params = [p for p in self.stage.chunk_parameters(ins.chunk) if p.requires_grad]
+        wants_x = x is not None and x.requires_grad
+        inputs = ([x] if wants_x else []) + params
+        grads = _run_backward([out], [grad], inputs=inputs, accumulate=False) if inputs else ()
+        if wants_x:
+            st.grads_out[key] = grads[0]
+        st.weight_grads[key] = list(zip(params, grads[1:] if wants_x else grads))
 
     def _backward_weight(self, ins, st):
-        key = (ins.mb, ins.chunk)
-        out, grad = st.outputs.pop(key), st.grads_in.pop(("W",) + key)
-        params = [p for p in self.stage.chunk_parameters(ins.chunk) if p.requires_grad]
-        if params:
-            _run_backward([out], [grad], inputs=params)
-        st.inputs.pop(key, None)
+        """Zero-bubble W: hand the held weight grads to the optimizer's accumulation."""
+        for p, g in st.weight_grads.pop((ins.mb, ins.chunk)):
+            if g is not None:
+                self.opt.accumulate_grad(p, g)
         self.opt.after_backward()
 
     def _after_input_grad(self, key, st):

@@ -51,6 +51,8 @@ class TiedLayerSpec(LayerSpec):
 def _count_params(layer) -> int:
     if isinstance(layer, nn.Module):
         return sum(p.numel() for p in layer.parameters())
+    if callable(getattr(layer, "num_params", None)):  # a spec that can count without building
+        return layer.num_params()
     if isinstance(layer, LayerSpec):
         with torch.device("meta"):
             return sum(p.numel() for p in layer.build().parameters())

@@ -18,6 +18,7 @@ overflow flag (max) and the squared gradient norm (sum) are all-reduced over `ct
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -162,9 +163,14 @@ class ZeroOptimizer:
         self._last_microbatch = last
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        grad, p.grad = p.grad, None
+        self.accumulate_grad(p, grad)
+
+    def accumulate_grad(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Add one micro-batch's gradient of `p` (what autograd's hook does; zero-bubble W passes
+        call it directly) and launch the bucket's reduction when the bucket is complete."""
         g, i = self._where[id(p)]
-        done = g.add_grad(i, p.grad)
-        p.grad = None
+        done = g.add_grad(i, grad)
         if done is not None and self.overlap and (not g.full_grads or self._last_microbatch):
             g.reduce_bucket(done, async_op=True)
         if self.gatherer is not None and done is not None and g.shard_params:
@@ -282,6 +288,23 @@ class ZeroOptimizer:
             g.zero_grads()
 
     # -- introspection ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Within the block every parameter holds its full (this rank's TP shard) value; at stage 3
+        this all-gathers every sharded bucket over dp and releases them after."""
+        sharded = [g for g in self.groups if g.shard_params]
+        held = []
+        try:
+            for g in sharded:
+                for b in range(len(g.layout.buckets)):
+                    work, full = g.gather_bucket(b)
+                    g.attach_bucket(b, full)
+                    held.append((g, b))
+            yield
+        finally:
+            for g, b in held:
+                g.release_bucket(b)
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now: params, grads, master, optimizer_states, comm_buffers."""
         total: dict[str, int] = {}
@@ -289,6 +312,19 @@ class ZeroOptimizer:
             for k, v in g.memory().items():
                 total[k] = total.get(k, 0) + v
         return total
+
+    def reduced_gradients(self) -> dict:
+        """{parameter: its reduced fp32 gradient (this TP shard's shape)} after `reduce_grads`, for
+        stages 0-1 (which keep full gradients). For inspection and tests; the loss scale is not
+        removed."""
+        if self.stage > 1:
+            raise RuntimeError(f"zero.stage={self.stage} keeps only a gradient shard; use stage 0 or 1")
+        out = {}
+        for g in self.groups:
+            for i, p in enumerate(g.params):
+                s, e = g.layout.param_range(i)
+                out[p] = g.grad_flat[s:e].view(g.shapes[i])
+        return out
 
     def num_params(self) -> int:
         return sum(n for g in self.groups for n in g.layout.numels)

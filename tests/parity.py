@@ -1,0 +1,67 @@
+"""Shared worker for layout-parity tests: train a config on the ranks of `run_ranks` and report
+per-step losses, grad norms, and this rank's full parameters by logical name.
+
+Every layout of the same config (same seed, same global batch) must give the single-process
+numbers: `compare` checks per-step losses (relative), grad norms (relative) and final parameters
+(absolute; the debug models' parameters are O(0.02-1))."""
+import torch
+import torch.distributed as dist
+
+import megazero
+from megazero.tensor_parallel import gather_full_grads, gather_full_params
+
+
+def train_worker(config: dict, steps: int, overrides=()):
+    engine, optimizer, data, _ = megazero.initialize(config=config, overrides=list(overrides))
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(engine.train_batch(data))
+        norms.append(engine.last_info.get("grad_norm"))
+    ctx = engine.ctx
+    with optimizer.full_parameters():
+        params = gather_full_params(engine.module, ctx.tp_group)
+    params = {k: v.float() for k, v in params.items()} if ctx.dp_rank == 0 and ctx.tp_rank == 0 else {}
+    return losses, norms, params
+
+
+def grad_worker(config: dict, overrides=()):
+    """One step's loss (on this rank) and the reduced gradients gathered to full shape by logical
+    name (this rank's stage; dp rank 0, tp rank 0 report). Needs zero.stage 0 or 1."""
+    engine, optimizer, data, _ = megazero.initialize(config=config, overrides=list(overrides))
+    captured = {}
+
+    def capture():
+        optimizer.reduce_grads()
+        for p, g in optimizer.reduced_gradients().items():
+            p.grad = g.clone()
+        captured.update(gather_full_grads(engine.module, engine.ctx.tp_group))
+        for p in engine.module.parameters():
+            p.grad = None
+        return {"skipped": False}
+    optimizer.step = capture
+    loss = engine.train_batch(data)
+    ctx = engine.ctx
+    return loss, ({k: v.float() for k, v in captured.items()} if ctx.dp_rank == 0 and ctx.tp_rank == 0 else {})
+
+
+def merge(results):
+    """(losses, norms of rank 0, every stage's parameters merged)."""
+    params = {}
+    for _, _, p in results:
+        params.update(p)
+    losses, norms, _ = results[0]
+    return losses, norms, params
+
+
+def compare(result, reference, loss_rtol=1e-5, param_atol=1e-5, norm_rtol=1e-6):
+    losses, norms, params = result
+    ref_losses, ref_norms, ref_params = reference
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= loss_rtol * abs(b), f"step {i}: loss {a} vs {b}"
+    for i, (a, b) in enumerate(zip(norms, ref_norms)):
+        if a is not None and b is not None:
+            assert abs(a - b) <= norm_rtol * abs(b), f"step {i}: grad norm {a} vs {b}"
+    assert set(params) == set(ref_params), set(params) ^ set(ref_params)
+    worst = max((params[k] - ref_params[k]).abs().max().item() for k in params)
+    assert worst <= param_atol, f"largest parameter difference {worst}"
+    return worst
