@@ -7,6 +7,9 @@ STAMP := $(VENV)/.megazero-installed
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
+DEMO_DATA := data/stdlib
+NPROC ?= 8
+
 .PHONY: test demo install clean
 
 install: $(STAMP)
@@ -20,6 +23,12 @@ $(STAMP): setup.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+$(DEMO_DATA).idx: $(STAMP)
+	$(PY) tools/preprocess_data.py --python-stdlib --max-bytes 3M --output-prefix $(DEMO_DATA)
+
+demo: $(STAMP) $(DEMO_DATA).idx
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m megazero.train configs/demo.yaml $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

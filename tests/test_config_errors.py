@@ -201,7 +201,7 @@ def test_all_problems_reported_at_once():
     ("zero.sub_group_size=1000", "zero.sub_group_size"),
     ("fp16.consecutive_hysteresis=true", "fp16.consecutive_hysteresis"),
     ("zero.round_robin_gradients=true", "zero.round_robin_gradients"),
-    ("trace.enabled=true", "trace.enabled"),
+    ("zero.max_reuse_distance=5", "zero.max_reuse_distance"),
     ("zero.gather_16bit_weights_on_model_save=true", "zero.gather_16bit_weights_on_model_save"),
 ])
 def test_not_supported_yet_names_key(override, key):

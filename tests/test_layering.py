@@ -20,7 +20,7 @@ LAYERS = {
     "tensor_parallel": 2, "pipeline": 2, "zero": 2, "activation_checkpoint": 2, "memory": 2,
     "models": 3, "spec": 3,
     "pipeline.executor": 4, "engine": 4, "data": 4, "checkpoint": 4, "train": 4, "trace": 4,
-    "metrics": 4, "launch": 4, "": 4,  # the package __init__ may expose the top-level API
+    "metrics": 4, "launch": 4, "trainer_loop": 4, "": 4,  # the package __init__ may expose the top-level API
 }
 FORBIDDEN = ("model_specs", "tools", "benchmarks")
 

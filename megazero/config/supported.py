@@ -41,12 +41,7 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 "synchronised checkpoint boundaries"),
     Unsupported("activation_checkpointing.profile", lambda v: bool(v), "checkpoint profiling"),
     Unsupported("data.tokenizer", lambda v: v != "byte", "the BPE tokenizer"),
-    Unsupported("checkpoint.save_interval", lambda v: v > 0, "saving checkpoints"),
-    Unsupported("checkpoint.load", lambda v: v is not None, "loading checkpoints"),
     Unsupported("train.eval_interval", lambda v: v > 0, "evaluation"),
-    Unsupported("log.wall_clock_breakdown", lambda v: bool(v), "wall-clock breakdown"),
-    Unsupported("log.memory_breakdown", lambda v: bool(v), "memory breakdown"),
-    Unsupported("trace.enabled", lambda v: bool(v), "tracing"),
 )
 
 

@@ -116,7 +116,9 @@ class ZeroOptimizer:
             groups.append(FlatGroup("main", rest[::-1], dp, self.stage, bucket, (), False, offload_opt))
         if tied:
             tied.sort(key=lambda p: p.tied_name)  # the same layout on first and last stage
-            groups.append(FlatGroup("tied", tied, dp, min(self.stage, 2), bucket, (), False, offload_opt))
+            shard = self.stage == 3
+            groups.append(FlatGroup("tied", tied, dp, self.stage, bucket, (), shard,
+                                    offload_opt or (shard and offload_param)))
         return groups
 
     def _counted_ranges(self, g: FlatGroup) -> list[list[tuple[int, int]]]:
@@ -289,21 +291,54 @@ class ZeroOptimizer:
 
     # -- introspection ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def full_parameters(self):
+    def full_parameters(self, writeback: bool = False):
         """Within the block every parameter holds its full (this rank's TP shard) value; at stage 3
-        this all-gathers every sharded bucket over dp and releases them after."""
-        sharded = [g for g in self.groups if g.shard_params]
+        this all-gathers every sharded bucket over dp and releases them after. With `writeback`,
+        values written into the parameters inside the block are kept (stage 3 copies each rank's
+        owned slice back into its shard) and the fp32 master is refreshed from them."""
         held = []
         try:
-            for g in sharded:
-                for b in range(len(g.layout.buckets)):
-                    work, full = g.gather_bucket(b)
-                    g.attach_bucket(b, full)
-                    held.append((g, b))
+            for g in self.groups:
+                if g.shard_params:
+                    for b in range(len(g.layout.buckets)):
+                        _, full = g.gather_bucket(b)
+                        g.attach_bucket(b, full)
+                        held.append((g, b, full))
             yield
+            if writeback:
+                for g, b, full in held:
+                    start = g.layout.buckets[b].start
+                    lo, hi = g.owned[b]
+                    g.param_owned[b].copy_(full[lo - start:hi - start])
+                for g in self.groups:
+                    if g.separate_master:
+                        for m, w in zip(g.master, g.param_owned):
+                            m.copy_(w)
         finally:
-            for g, b in held:
+            for g, b, _ in held:
                 g.release_bucket(b)
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (layout-specific): master shard, moments, step, scaler."""
+        return {"step_count": self.step_count, "scaler": self.scaler.state_dict(), "lr": self.param_groups[0]["lr"],
+                "groups": [{"name": g.name, "numel": g.layout.total, "master": [m.detach().clone() for m in g.master],
+                            "state": g.state_flat.detach().clone()} for g in self.groups]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore `state_dict()` from the same layout (same groups and sizes) and republish the
+        working parameters from the master."""
+        mine = [(g.name, g.layout.total) for g in self.groups]
+        theirs = [(g["name"], g["numel"]) for g in sd["groups"]]
+        if mine != theirs:
+            raise ValueError(f"optimizer state was saved for flat groups {theirs}, this layout has {mine}")
+        self.step_count = sd["step_count"]
+        self.scaler.load_state_dict(sd["scaler"])
+        self.param_groups[0]["lr"] = sd["lr"]
+        for g, saved in zip(self.groups, sd["groups"]):
+            for m, src in zip(g.master, saved["master"]):
+                m.copy_(src)
+            g.state_flat.copy_(saved["state"])
+            g.publish_master()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now: params, grads, master, optimizer_states, comm_buffers."""

@@ -1,0 +1,93 @@
+"""What a user sees while training: per-instruction timers (wall_clock_breakdown), FLOPs and MFU
+(REFERENCE.md's Megatron formulas), the one-screen start summary, and the JSON-lines metrics file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+
+from megazero.pipeline import instructions as I
+
+CATEGORY = {
+    I.Forward: "forward", I.Backward: "backward", I.BackwardInput: "backward", I.BackwardWeight: "backward",
+    I.SendAct: "pipeline_p2p", I.RecvAct: "pipeline_p2p", I.SendGrad: "pipeline_p2p", I.RecvGrad: "pipeline_p2p",
+    I.ReduceGrads: "dp_reduction", I.OptimizerStep: "optimizer", I.LoadMicroBatch: "data",
+}
+
+
+class Timers:
+    """Accumulates seconds per category from the executor's per-instruction callback; optionally
+    forwards every event to a tracer."""
+
+    def __init__(self, tracer=None):
+        self.totals: dict[str, float] = defaultdict(float)
+        self.tracer = tracer
+
+    def __call__(self, ins, start: float, end: float) -> None:
+        self.totals[CATEGORY.get(type(ins), "other")] += end - start
+        if self.tracer is not None:
+            self.tracer.event(ins, start, end)
+
+    def pop(self) -> dict[str, float]:
+        """Seconds per category since the last pop (milliseconds in the report)."""
+        out = {k: round(v * 1000, 2) for k, v in sorted(self.totals.items())}
+        self.totals.clear()
+        return out
+
+
+def model_flops_per_step(global_batch: int, seq: int, layers: int, hidden: int, vocab: int,
+                         recompute: bool = False) -> float:
+    """Megatron's GEMM FLOPs per step: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)); with full activation
+    recompute 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (hardware FLOPs)."""
+    b, s, l, h, v = global_batch, seq, layers, hidden, vocab
+    if recompute:
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+
+def mfu(flops_per_step: float, step_time_s: float, devices: int, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation: flops / (time x devices x peak); None without a configured peak."""
+    if not peak_tflops or step_time_s <= 0:
+        return None
+    return flops_per_step / (step_time_s * devices * peak_tflops * 1e12)
+
+
+class MetricsWriter:
+    """One JSON object per optimizer step, appended to `path` (rank 0 only)."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._f = open(path, "w")
+        else:
+            self._f = None
+
+    def write(self, record: dict) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(record, sort_keys=True) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n}"
+
+
+class StepClock:
+    def __init__(self):
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        return dt

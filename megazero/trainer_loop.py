@@ -1,0 +1,136 @@
+"""The training loop behind `megazero.train`: initialize, train `train.steps` steps, report.
+
+Communication beyond the engine's: the per-step metrics are already agreed on every rank by
+`train_batch` (loss) and the optimizer (grad norm, loss scale); the memory breakdown is gathered
+to rank 0 over the world group when asked for.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import megazero
+from megazero import checkpoint
+from megazero.metrics import MetricsWriter, StepClock, Timers, format_bytes, mfu, model_flops_per_step
+from megazero.pipeline.schedules import get_schedule
+from megazero.pipeline.simulate import simulate
+from megazero.trace import Tracer
+
+
+def _summary(cfg, engine, optimizer) -> str:
+    ctx, t, spec = engine.ctx, cfg.train, engine.module.spec
+    p, m, v = ctx.pp_size, t.gradient_accumulation_steps, cfg.pipeline.chunks
+    bubble = simulate(get_schedule(cfg.pipeline.schedule, p, m, v)).bubble_fraction if p > 1 else 0.0
+    return "\n".join([
+        f"megazero {megazero.__version__} | run {cfg.name} -> {cfg.run_dir}",
+        f"layout   pp={p} x tp={ctx.tp_size} x dp={ctx.dp_size} = {ctx.topology.world_size} ranks, "
+        f"ZeRO-{cfg.zero.stage}, {cfg.precision}, schedule {cfg.pipeline.schedule}"
+        + (f" (v={v})" if v > 1 else ""),
+        f"model    {cfg.model.spec}: {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}, "
+        f"vocab {spec.vocab}, seq {spec.seq_len}; {spec.num_params() / 1e6:.2f}M params, "
+        f"rank 0 holds {optimizer.num_params() / 1e6:.3f}M",
+        f"batch    global {t.global_batch_size} = micro {t.micro_batch_size} x accumulation {m} x dp "
+        f"{ctx.dp_size}; micro-batches per flush {m}; bubble {bubble:.1%} (simulated, unit costs)",
+    ])
+
+
+def run(cfg, rank: int) -> int:
+    tracer_box = []
+    timers = Timers()
+    engine, optimizer, data, scheduler = megazero.initialize(config=cfg, on_instruction=timers)
+    ctx = engine.ctx
+    if cfg.trace.enabled:
+        timers.tracer = Tracer(os.path.join(cfg.run_dir, "trace", f"rank{ctx.global_rank}.json"), ctx.global_rank,
+                               ctx.pp_rank, ctx.dp_rank, ctx.tp_rank)
+        tracer_box.append(timers.tracer)
+    start_step = 0
+    if cfg.checkpoint.load:
+        start_step, exact = checkpoint.load(cfg.checkpoint.load, engine.module, optimizer, ctx, scheduler)
+        if rank == 0:
+            print(f"loaded {cfg.checkpoint.load} (step {start_step}; optimizer state "
+                  f"{'restored' if exact else 'fresh: the layout differs'})")
+    lead = rank == 0 or cfg.log.all_ranks
+    writer = MetricsWriter(cfg.log.metrics_file if rank == 0 else None)
+    if rank == 0:
+        print(_summary(cfg, engine, optimizer), flush=True)
+    spec, t = engine.module.spec, cfg.train
+    flops = model_flops_per_step(t.global_batch_size, spec.seq_len, spec.layers, spec.hidden, spec.vocab)
+    tokens = t.global_batch_size * spec.seq_len
+    bar = _progress(cfg, rank, start_step)
+    clock = StepClock()
+    for step in range(start_step + 1, cfg.train.steps + 1):
+        loss = engine.train_batch(data)
+        dt = clock.lap()
+        info = engine.last_info
+        record = {"step": step, "loss": loss, "grad_norm": info.get("grad_norm"), "lr": info.get("lr"),
+                  "loss_scale": info.get("loss_scale"), "skipped": info.get("skipped", False),
+                  "tokens_per_s": tokens / dt, "step_time_s": dt,
+                  "mfu": mfu(flops, dt, ctx.topology.world_size, cfg.log.peak_tflops)}
+        if cfg.log.wall_clock_breakdown:
+            record["time_ms"] = timers.pop()
+        writer.write(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            mfu="-" if record["mfu"] is None else f"{record['mfu']:.1%}",
+                            scale=f"{record['loss_scale']:g}")
+        if lead and cfg.log.interval and step % cfg.log.interval == 0:
+            _log_line(cfg, rank, record, optimizer, bar)
+        if tracer_box:
+            tracer_box[0].next_step()
+        if cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps):
+            path = checkpoint.save(cfg.checkpoint.dir, step, engine.module, optimizer, ctx, scheduler, _plain(cfg))
+            if rank == 0:
+                _say(bar, f"saved checkpoint {path}")
+    if bar is not None:
+        bar.close()
+    writer.close()
+    for tr in tracer_box:
+        tr.save()
+    if rank == 0:
+        print(f"done: {cfg.train.steps} steps; metrics {cfg.log.metrics_file}", flush=True)
+    _finish()
+    return 0
+
+
+def _log_line(cfg, rank, record, optimizer, bar) -> None:
+    parts = [f"[rank {rank}] step {record['step']}: loss {record['loss']:.4f}"]
+    if record["grad_norm"] is not None:
+        parts.append(f"grad_norm {record['grad_norm']:.3f}")
+    parts.append(f"lr {record['lr']:.2e}")
+    if "time_ms" in record:
+        parts.append("time_ms " + " ".join(f"{k}={v:.1f}" for k, v in record["time_ms"].items()))
+    if cfg.log.memory_breakdown:
+        parts.append("memory " + " ".join(f"{k}={format_bytes(v)}" for k, v in optimizer.memory_breakdown().items()))
+    _say(bar, " | ".join(parts))
+
+
+def _say(bar, text: str) -> None:
+    if bar is not None:
+        bar.write(text)
+    else:
+        print(text, flush=True)
+
+
+def _progress(cfg, rank, start):
+    if rank != 0 or not cfg.log.progress_bar:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _plain(cfg):
+    from megazero.config import to_dict
+
+    return to_dict(cfg)
+
+
+def _finish() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
