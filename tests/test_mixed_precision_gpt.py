@@ -8,18 +8,10 @@ align step by step).
 """
 import pytest
 
-from megazero.data import demo_corpus, preprocess
 from tests.harness import run_ranks
 from tests.parity import train_worker
 
 STEPS = 50
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("corpus") / "stdlib")
-    preprocess(lambda: demo_corpus(300_000), prefix)
-    return prefix
 
 
 def config(corpus, precision, stage):
