@@ -44,8 +44,9 @@ def test_defaults_are_valid_and_supported():
 
 def test_unresolved_without_world_size():
     cfg = load_config(DEBUG)
-    assert cfg.parallel.dp is None and cfg.train.global_batch_size is None
-    assert load_config(DEBUG, ["parallel.dp=1"]).train.global_batch_size == 8  # world = pp*tp*dp = 4
+    assert cfg.parallel.dp is None and cfg.train.gradient_accumulation_steps is None
+    assert cfg.train.global_batch_size == 16  # the file's value, not derived yet
+    assert load_config(DEBUG, ["parallel.dp=1"]).train.gradient_accumulation_steps == 8  # 16 = 2 x 8 x dp 1
 
 
 def test_model_dotlist_overrides():
@@ -63,7 +64,7 @@ def test_overrides_beat_file_and_lists_replace():
                               "name=other"], world_size=8)
     assert cfg.train.steps == 7 and cfg.parallel.order == ["dp", "pp", "tp"]
     assert cfg.optimizer.betas == [0.8, 0.9] and cfg.run_dir == "runs/other"
-    assert cfg.optimizer.lr == 3e-4  # untouched file value
+    assert cfg.optimizer.lr == 1e-3  # untouched file value
 
 
 def test_yaml_numbers_and_nulls(tmp_path):
