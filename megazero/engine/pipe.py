@@ -16,6 +16,8 @@ from megazero.pipeline import instructions as I
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipeP2P
 from megazero.pipeline.schedules import get_schedule
+from megazero.tensor_parallel.weight_grad import WeightGradStore
+from megazero.tensor_parallel.weight_grad import attach as attach_wgrad_store
 
 
 def forward_only_program(num_stages: int, num_microbatches: int, stage: int, chunks: int = 1):
@@ -46,8 +48,12 @@ class PipelineEngine:
         self.program = get_schedule(schedule, ctx.pp_size, num_microbatches, chunks)[ctx.pp_rank]
         self.eval_program = forward_only_program(ctx.pp_size, num_microbatches, ctx.pp_rank, chunks)
         self.p2p = PipeP2P(ctx.pp_group, act_shape, dtype) if ctx.pp_size > 1 else None
+        store = None
+        if any(isinstance(i, I.BackwardWeight) for i in self.program):  # zero bubble: split B and W
+            store = WeightGradStore()
+            attach_wgrad_store(module, store)
         self.executor = PipelineExecutor(module, self.p2p, optimizer, ctx.pp_rank, ctx.pp_size,
-                                         rank=ctx.global_rank, on_instruction=on_instruction)
+                                         rank=ctx.global_rank, on_instruction=on_instruction, wgrad_store=store)
         self.global_steps = 0
         self.last_info: dict = {}
 

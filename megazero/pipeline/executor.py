@@ -54,8 +54,9 @@ class PipelineExecutor:
     loss(out, batch), is_first(chunk), is_last(chunk), chunk_parameters(chunk)."""
 
     def __init__(self, stage, p2p, optimizer, stage_index: int, num_stages: int, rank: int = 0,
-                 on_instruction=None):
+                 on_instruction=None, wgrad_store=None):
         self.stage, self.p2p, self.opt = stage, p2p, optimizer
+        self.wgrad_store = wgrad_store  # zero bubble: linear layers defer their weight GEMMs to W
         self.stage_index, self.num_stages, self.rank = stage_index, num_stages, rank
         self.on_instruction = on_instruction  # callback(ins, start_s, end_s) for traces
         self.handlers = {
@@ -115,8 +116,9 @@ class PipelineExecutor:
         self.opt.after_backward()
 
     def _backward_input(self, ins, st):
-        """Zero-bubble B: one backward pass that produces the input grad (sent upstream at once)
-        and the weight grads, which are held back, unaccumulated, until W."""
+        """Zero-bubble B: the input grad (sent upstream at once). Linear layers holding the
+        `wgrad_store` defer their weight-grad GEMMs to W; the other (small) parameter grads are
+        computed here and held back, unaccumulated, until W."""
         key = (ins.mb, ins.chunk)
         x = st.inputs.pop(key, None)
         out, grad = self._grad_pair(key, st)
@@ -124,14 +126,20 @@ class PipelineExecutor:
         params = [p for p in self.stage.chunk_parameters(ins.chunk) if p.requires_grad]
         wants_x = x is not None and x.requires_grad
         inputs = ([x] if wants_x else []) + params
-        grads = _run_backward([out], [grad], inputs=inputs, accumulate=False) if inputs else ()
+        if self.wgrad_store is not None:
+            with self.wgrad_store.defer():
+                grads = _run_backward([out], [grad], inputs=inputs, accumulate=False) if inputs else ()
+            deferred = self.wgrad_store.take()
+        else:
+            grads, deferred = (_run_backward([out], [grad], inputs=inputs, accumulate=False) if inputs else ()), []
         if wants_x:
             st.grads_out[key] = grads[0]
-        st.weight_grads[key] = list(zip(params, grads[1:] if wants_x else grads))
+        st.weight_grads[key] = (list(zip(params, grads[1:] if wants_x else grads)), deferred)
 
     def _backward_weight(self, ins, st):
-        """Zero-bubble W: hand the held weight grads to the optimizer's accumulation."""
-        for p, g in st.weight_grads.pop((ins.mb, ins.chunk)):
+        """Zero-bubble W: the deferred weight-grad GEMMs, then every held gradient to the optimizer."""
+        ready, deferred = st.weight_grads.pop((ins.mb, ins.chunk))
+        for p, g in ready + [self.wgrad_store.compute(e) for e in deferred]:
             if g is not None:
                 self.opt.accumulate_grad(p, g)
         self.opt.after_backward()

@@ -18,6 +18,7 @@ from torch import nn
 from megazero.comm import GroupHandle
 from megazero.tensor_parallel import mappings
 from megazero.tensor_parallel.init import local_size, make_param, padded_size
+from megazero.tensor_parallel.weight_grad import linear
 
 
 class ColumnParallelLinear(nn.Module):
@@ -49,11 +50,12 @@ class ColumnParallelLinear(nn.Module):
                                  std=init_std, **common)
         self.bias = make_param((out_local,), logical_name=f"{name}.bias", full_shape=(out_features,),
                                tp_dim=0, init="zeros", **common) if bias else None
+        self.wgrad_store = None  # a WeightGradStore defers the weight-grad GEMM (zero-bubble W)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm_input:
             x = mappings.enter_tp_region(x, self.tp_group, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)  # (..., out/t)
+        y = linear(x, self.weight, self.bias, self.wgrad_store)  # (..., out/t)
         if self.gather_output:
             y = mappings.gather_from_tp_region(y, self.tp_group)  # (..., out)
         return y
@@ -95,11 +97,12 @@ class RowParallelLinear(nn.Module):
             self.bias = make_param((out_features,), logical_name=f"{name}.bias", full_shape=(out_features,),
                                    tp_dim=None, init="zeros", **common)
             self.bias.sequence_parallel = sequence_parallel
+        self.wgrad_store = None  # a WeightGradStore defers the weight-grad GEMM (zero-bubble W)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = mappings.scatter_to_tp_region(x, self.tp_group)
-        y = F.linear(x, self.weight)  # (s, b, out) partial sum over the TP group
+        y = linear(x, self.weight, None, self.wgrad_store)  # (s, b, out) partial sum over the TP group
         y = mappings.exit_tp_region(y, self.tp_group, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
