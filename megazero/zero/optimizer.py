@@ -271,7 +271,7 @@ class ZeroOptimizer:
         for b, bucket_runs in enumerate(runs):
             grad = g.grad_owned[b]
             if g.offload:
-                grad = grad.to("cpu", non_blocking=True)
+                grad = grad.to("cpu")  # blocking: Adam reads it right away
             if coef != 1.0:
                 grad = grad * coef
             for a, e, decay in bucket_runs:

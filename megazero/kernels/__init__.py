@@ -1,0 +1,50 @@
+"""megazero.kernels: the dispatch point for fused kernels. The rest of megazero calls only this module.
+
+Each op runs, in order of preference: megazero's built extension (csrc/, built lazily on first use or ahead of
+time with MEGAZERO_BUILD_OPS=1) -> NVIDIA apex if the user has it -> the PyTorch reference twin
+(megazero.kernels.reference), which is the op's specification. Importing this package compiles nothing.
+MEGAZERO_KERNELS=reference forces the twins; =strict turns a failed build into an error (see loader).
+
+    layer_norm(x, weight, bias=None, eps=1e-5)          rms_norm(x, weight, eps=1e-5)
+    scaled_masked_softmax(scores, mask, scale)          scaled_upper_triang_masked_softmax(scores, scale)
+    adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, ...)      CPUAdam(params, lr=1e-3, ...)
+    kernel_info()  -> which backend each op uses, per device type
+"""
+from __future__ import annotations
+
+from .adam import CPUAdam, adam_step
+from .norm import layer_norm, rms_norm
+from .softmax import scaled_masked_softmax, scaled_upper_triang_masked_softmax
+
+__all__ = ["CPUAdam", "adam_step", "kernel_info", "layer_norm", "rms_norm", "scaled_masked_softmax",
+           "scaled_upper_triang_masked_softmax"]
+
+OPS = ("layer_norm", "rms_norm", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax", "adam_step")
+
+
+def kernel_info() -> dict:
+    """{"mode": ..., "cpu": {op: backend}, "cuda": {op: backend}} for inputs each kernel takes.
+
+    Loads (and if needed builds) the extensions, as the first real call would. Backends: "megazero_cuda",
+    "megazero_cpu_adam[<isa>]", "apex", "reference", or "unavailable (...)" on the CUDA side without a device.
+    """
+    import torch
+
+    from . import loader
+
+    cpu = {op: "reference" for op in OPS}
+    ops = loader.cpu_adam()
+    if ops is not None:
+        cpu["adam_step"] = f"megazero_cpu_adam[{ops.best_isa()}]"
+    if not torch.cuda.is_available():
+        cuda = {op: "unavailable (no CUDA device)" for op in OPS}
+    elif loader.cuda_ops() is not None:
+        cuda = {op: "megazero_cuda" for op in OPS}
+    else:
+        apex_modules = {"layer_norm": "apex.normalization.fused_layer_norm",
+                        "rms_norm": "apex.normalization.fused_layer_norm",
+                        "scaled_masked_softmax": "apex.transformer.functional.fused_softmax",
+                        "scaled_upper_triang_masked_softmax": "apex.transformer.functional.fused_softmax",
+                        "adam_step": "amp_C"}
+        cuda = {op: "apex" if loader.apex(mod) is not None else "reference" for op, mod in apex_modules.items()}
+    return {"mode": loader.mode(), "cpu": cpu, "cuda": cuda}

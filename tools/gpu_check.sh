@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# GPU check for megazero's fused kernels, bounded under 8 minutes in total:
+#   1. build the CUDA extension (JIT, strict: a failed build is an error, not a fallback)   <= 4 min
+#   2. run the kernel tests marked gpu (CUDA kernels vs reference twins; Adam vs the CPU kernel) <= 2.5 min
+#   3. run the GPU kernel benchmark (time, GB/s as % of measured copy bandwidth, vs torch and apex) <= 1 min
+# Writes its outputs (kernel_info.json, pytest.log, gpu_kernels.json) to $OUT or ./runs/gpu_check.
+# Usage: tools/gpu_check.sh            (PYTHON=... to pick the interpreter; default .venv/bin/python)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-.venv/bin/python}"
+[ -x "$PY" ] || PY="$(command -v python3)"
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "gpu_check: no CUDA device visible to $PY (torch $("$PY" -c 'import torch; print(torch.__version__)')); nothing to check" >&2
+  exit 2
+fi
+DEST="${OUT:-runs/gpu_check}"
+mkdir -p "$DEST"
+export MEGAZERO_KERNELS=strict
+# Build for the GPU that is here only (fast); override with TORCH_CUDA_ARCH_LIST.
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+  TORCH_CUDA_ARCH_LIST="$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}.{n}")')"
+  export TORCH_CUDA_ARCH_LIST
+fi
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+
+echo "== 1/3 build ($("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'), arch $TORCH_CUDA_ARCH_LIST)"
+start=$(date +%s)
+timeout 240 "$PY" -c 'import json, megazero.kernels as K; print(json.dumps(K.kernel_info(), indent=1))' \
+  | tee "$DEST/kernel_info.json"
+echo "   build + load: $(( $(date +%s) - start )) s"
+
+echo "== 2/3 tests marked gpu"
+status=0
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/test_kernels_gpu.py 2>&1 \
+  | tee "$DEST/pytest.log" | tail -n 25 || status=$?
+
+echo "== 3/3 benchmark"
+timeout 60 "$PY" benchmarks/gpu_kernels.py | tee "$DEST/gpu_kernels.json"
+echo "== done in $(( $(date +%s) - start )) s; outputs in $DEST"
+exit "$status"
