@@ -3,14 +3,18 @@
 One process (pp = tp = dp = 1) trains the same GPT (dropout on) under each policy through
 `megazero.initialize`; the engines are built once and timed round-robin (repeat r times policy 1..n,
 `--steps` train_batch calls each), so drift on a shared machine affects every policy alike.
-Printed JSON, per policy: seconds per step (median, min, max, interquartile range over repeats);
-overhead against none from paired repeats (repeat r's time / none's time in the same repeat − 1:
-median, min, max, IQR), robust to slow drift of the machine's load, and min time / min time of none
-− 1 (``best_overhead``, robust to bursts of other load); and the peak saved-activation
-bytes of one step (megazero.memory: kept for backward, host, recompute working set). Expectation (REFERENCE.md FLOPs): full recompute adds one forward, about
-96/72 − 1 = 33% of the step's GEMM FLOPs; selective recomputes only the attention core.
+Printed JSON, per policy and clock ("wall", and "cpu": process CPU time, which a loaded machine's
+preemption does not inflate; with --threads 1 it tracks the work done): seconds per step (median,
+min, max, interquartile range over repeats);
+the overhead against none from paired repeats (repeat r's time / none's time in the same repeat − 1:
+median, min, max, IQR), robust to slow drift of the machine's load; ``best_overhead`` = min time /
+min time of none − 1, robust to bursts of other load; and the peak saved-activation bytes of one
+step (megazero.memory: kept for backward on the device and the host, recompute working set).
+Expectation (REFERENCE.md FLOPs): full recompute adds one forward, about 96/72 − 1 = 33% of the
+step's GEMM FLOPs (more on CPU, where the recomputed element-wise ops weigh more); selective
+recomputes only the attention core.
 
-    .venv/bin/python benchmarks/checkpoint_overhead.py --repeats 7 --steps 3
+    .venv/bin/python benchmarks/checkpoint_overhead.py --repeats 15 --steps 2
 """
 from __future__ import annotations
 
@@ -45,11 +49,12 @@ def build(args, ac: dict):
     return engine, data
 
 
-def time_steps(engine, data, steps: int) -> float:
-    start = time.perf_counter()
+def time_steps(engine, data, steps: int) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) per step."""
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         engine.train_batch(data)
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
 
 def spread(xs: list[float], unit: str = "_s") -> dict:
@@ -83,15 +88,20 @@ def main(argv=None) -> dict:
             engine.train_batch(data)
         peaks[n] = {"peak_saved_device_bytes": meter.peak["device"], "peak_saved_host_bytes": meter.peak["host"],
                     "peak_recompute_bytes": meter.peak["recompute"]}
-    times = {n: [] for n in names}
+    times = {(n, clock): [] for n in names for clock in ("wall", "cpu")}
     for _ in range(args.repeats):
         for n, (engine, data) in engines.items():
-            times[n].append(time_steps(engine, data, args.steps))
+            wall, cpu = time_steps(engine, data, args.steps)
+            times[n, "wall"].append(wall)
+            times[n, "cpu"].append(cpu)
     result = {"config": vars(args), "policies": {}}
     for n in names:
-        paired = [t / b - 1 for t, b in zip(times[n], times["none"])]
-        best = min(times[n]) / min(times["none"]) - 1  # the least-disturbed runs of each
-        result["policies"][n] = spread(times[n]) | spread(paired, "_overhead") | {"best_overhead": best} | peaks[n]
+        result["policies"][n] = dict(peaks[n])
+        for clock in ("wall", "cpu"):
+            ts, base = times[n, clock], times["none", clock]
+            paired = [t / b - 1 for t, b in zip(ts, base)]
+            best = min(ts) / min(base) - 1  # the least-disturbed runs of each
+            result["policies"][n][clock] = spread(ts) | spread(paired, "_overhead") | {"best_overhead": best}
     print(json.dumps(result, indent=1))
     return result
 

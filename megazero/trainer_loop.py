@@ -13,6 +13,7 @@ import torch
 
 import megazero
 from megazero import checkpoint
+from megazero.memory import SavedActivationMeter, memory_report
 from megazero.metrics import MetricsWriter, StepClock, Timers, format_bytes, mfu, model_flops_per_step
 from megazero.pipeline.schedules import get_schedule
 from megazero.pipeline.simulate import simulate
@@ -60,8 +61,13 @@ def run(cfg, rank: int) -> int:
     tokens = t.global_batch_size * spec.seq_len
     bar = _progress(cfg, rank, start_step)
     clock = StepClock()
+    meter = SavedActivationMeter(engine.module) if cfg.log.memory_breakdown else None
     for step in range(start_step + 1, cfg.train.steps + 1):
-        loss = engine.train_batch(data)
+        if meter is not None:  # saved-activation bytes of this step (peak in flight on this stage)
+            with meter.measure():
+                loss = engine.train_batch(data)
+        else:
+            loss = engine.train_batch(data)
         dt = clock.lap()
         info = engine.last_info
         record = {"step": step, "loss": loss, "grad_norm": info.get("grad_norm"), "lr": info.get("lr"),
@@ -77,7 +83,7 @@ def run(cfg, rank: int) -> int:
                             mfu="-" if record["mfu"] is None else f"{record['mfu']:.1%}",
                             scale=f"{record['loss_scale']:g}")
         if lead and cfg.log.interval and step % cfg.log.interval == 0:
-            _log_line(cfg, rank, record, optimizer, bar)
+            _log_line(cfg, rank, record, optimizer, bar, meter, engine)
         if tracer_box:
             tracer_box[0].next_step()
         if cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps):
@@ -95,7 +101,7 @@ def run(cfg, rank: int) -> int:
     return 0
 
 
-def _log_line(cfg, rank, record, optimizer, bar) -> None:
+def _log_line(cfg, rank, record, optimizer, bar, meter=None, engine=None) -> None:
     parts = [f"[rank {rank}] step {record['step']}: loss {record['loss']:.4f}"]
     if record["grad_norm"] is not None:
         parts.append(f"grad_norm {record['grad_norm']:.3f}")
@@ -103,7 +109,8 @@ def _log_line(cfg, rank, record, optimizer, bar) -> None:
     if "time_ms" in record:
         parts.append("time_ms " + " ".join(f"{k}={v:.1f}" for k, v in record["time_ms"].items()))
     if cfg.log.memory_breakdown:
-        parts.append("memory " + " ".join(f"{k}={format_bytes(v)}" for k, v in optimizer.memory_breakdown().items()))
+        mem = memory_report(optimizer, meter, getattr(engine.module, "activation_checkpointer", None))
+        parts.append("memory " + " ".join(f"{k}={format_bytes(v)}" for k, v in mem.items()))
     _say(bar, " | ".join(parts))
 
 

@@ -161,20 +161,33 @@ def check_scheduler(cfg: Config) -> list[str]:
 
 
 def check_activation_checkpointing(cfg: Config) -> list[str]:
-    a = cfg.activation_checkpointing
-    errs = choice("activation_checkpointing.policy", a.policy, CHECKPOINT_POLICY_CHOICES)
-    errs += at_least("activation_checkpointing.every_k_layers", a.every_k_layers, 1)
-    errs += at_least("activation_checkpointing.number_checkpoints", a.number_checkpoints, 1)
+    a, key = cfg.activation_checkpointing, "activation_checkpointing"
+    errs = choice(f"{key}.policy", a.policy, CHECKPOINT_POLICY_CHOICES)
+    errs += at_least(f"{key}.every_k_layers", a.every_k_layers, 1)
+    errs += at_least(f"{key}.number_checkpoints", a.number_checkpoints, 1)
     if a.cpu_checkpointing and not a.partition_activations:
-        errs.append("activation_checkpointing.cpu_checkpointing: needs activation_checkpointing.partition_activations")
+        errs.append(f"{key}.cpu_checkpointing: needs {key}.partition_activations")
     if a.contiguous_memory_optimization and a.number_checkpoints is None:
-        errs.append("activation_checkpointing.contiguous_memory_optimization: needs "
-                    "activation_checkpointing.number_checkpoints")
+        errs.append(f"{key}.contiguous_memory_optimization: needs {key}.number_checkpoints")
+    if a.every_k_layers != 1 and a.number_checkpoints is not None:
+        errs.append(f"{key}.every_k_layers={a.every_k_layers} and {key}.number_checkpoints={a.number_checkpoints} "
+                    f"both choose the checkpointed segments; set one of them")
     if a.policy == "none":
-        for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
-            if getattr(a, key):
-                errs.append(f"activation_checkpointing.{key}: has no effect with activation_checkpointing.policy"
-                            f"=none; set activation_checkpointing.policy=full (or selective)")
+        for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                  "synchronize_checkpoint_boundary", "profile"):
+            if getattr(a, k):
+                errs.append(f"{key}.{k}: has no effect with {key}.policy=none; set {key}.policy=full (or selective)")
+    if a.policy != "full":
+        for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+            if getattr(a, k) and a.policy == "selective":
+                errs.append(f"{key}.{k}: acts on checkpointed layer inputs, which {key}.policy=selective does not "
+                            f"keep; set {key}.policy=full")
+        if a.every_k_layers != 1 or a.number_checkpoints is not None:
+            errs.append(f"{key}.every_k_layers / number_checkpoints: choose the segments of {key}.policy=full; "
+                        f"has no effect with policy={a.policy}")
+    if a.partition_activations and cfg.parallel.sequence_parallel:
+        errs.append(f"{key}.partition_activations: with parallel.sequence_parallel the layer inputs are already "
+                    f"split across the TP group (each rank holds a different sequence chunk); unset one of them")
     return errs
 
 

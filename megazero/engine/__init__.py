@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from megazero.activation_checkpoint import max_live_forwards
 from megazero.config import Config, ConfigError, assert_supported, load_config, resolve
 from megazero.engine.build import (build_model, build_optimizer, build_scheduler, compute_dtype,
                                    synthetic_batches)
@@ -76,6 +77,11 @@ def initialize(model=None, config=None, model_parameters=None, training_data=Non
     init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
     ctx = ParallelContext(topology, timeout_s=cfg.comm.timeout_s)
     module = _model(model, cfg, ctx)
+    policy = cfg.activation_checkpointing.policy
+    if policy != "none" and getattr(module, "activation_checkpointer", None) is None:
+        raise ConfigError(f"activation_checkpointing.policy={policy}: the model was passed in already built, so "
+                          f"initialize cannot checkpoint it; build it with build_pipeline_model(..., "
+                          f"activation_checkpointer=ActivationCheckpointer.from_config(...)) or pass a model spec")
     optimizer = build_optimizer(cfg, module, ctx, model_parameters)
     scheduler = lr_scheduler if lr_scheduler is not None else build_scheduler(cfg, optimizer)
     t = cfg.train
@@ -85,6 +91,9 @@ def initialize(model=None, config=None, model_parameters=None, training_data=Non
         engine = PipelineEngine(module, ctx, optimizer, scheduler, t.gradient_accumulation_steps,
                                 cfg.pipeline.schedule, cfg.pipeline.chunks, shape, compute_dtype(cfg),
                                 on_instruction=on_instruction)
+        checkpointer = getattr(module, "activation_checkpointer", None)
+        if checkpointer is not None:  # the contiguous checkpoint buffer holds the micro-batches in flight
+            checkpointer.set_in_flight(max_live_forwards(engine.program))
     else:
         engine = ModuleEngine(module, ctx, optimizer, scheduler, t.gradient_accumulation_steps)
     engine.cfg = cfg

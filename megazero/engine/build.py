@@ -9,6 +9,7 @@ import itertools
 import torch
 from torch import nn
 
+from megazero.activation_checkpoint import ActivationCheckpointer
 from megazero.config import Config
 from megazero.models.pipe import build_pipeline_model
 from megazero.pipeline.module import PipelineModule
@@ -33,11 +34,16 @@ def model_spec(cfg: Config):
 
 
 def build_model(cfg: Config, ctx, device=None, wrap_block=None) -> PipelineModule:
-    """This rank's PipelineModule of the configured model spec."""
+    """This rank's PipelineModule of the configured model spec. Unless `wrap_block` is given, the
+    blocks are checkpointed as ``activation_checkpointing`` says (``model.activation_checkpointer``)."""
     spec = model_spec(cfg)
+    checkpointer = None
+    if wrap_block is None:
+        checkpointer = ActivationCheckpointer.from_config(cfg.activation_checkpointing, ctx.tp_group)
     return build_pipeline_model(spec, ctx, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
                                 dtype=compute_dtype(cfg), partition=cfg.pipeline.partition,
-                                chunks=cfg.pipeline.chunks, device=device, wrap_block=wrap_block)
+                                chunks=cfg.pipeline.chunks, device=device, wrap_block=wrap_block,
+                                activation_checkpointer=checkpointer)
 
 
 def loss_scaler(cfg: Config) -> LossScaler:

@@ -12,6 +12,8 @@ with head-major rows (head n occupies rows [n·d, (n+1)·d)), their biases, and 
 
 Positions: RoPE (rotate-half convention of GPT-NeoX/Llama) on q and k, or ALiBi (BLOOM slopes) added
 to the scores. The causal softmax runs through `megazero.kernels.scaled_upper_triang_masked_softmax`.
+The attention core (`SelfAttention._core`: scores, softmax, attention dropout, context) is what
+selective activation checkpointing recomputes (`core_checkpoint`).
 """
 from __future__ import annotations
 
@@ -84,6 +86,9 @@ class SelfAttention(nn.Module):
             slopes = alibi_slopes(spec.heads)[lc.tp_rank * self.local_heads:(lc.tp_rank + 1) * self.local_heads]
             self.register_buffer("alibi", torch.tensor(slopes, dtype=torch.float32,
                                                        device=lc.device), persistent=False)
+        # None, or ``fn(core, q, k, v)`` that runs the core as a recompute region (selective checkpointing,
+        # set by megazero.activation_checkpoint)
+        self.core_checkpoint = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.tp_group, self.sequence_parallel)  # (s, b, h): one f for q, k, v
@@ -98,6 +103,16 @@ class SelfAttention(nn.Module):
         if self.local_kv != self.local_heads:  # grouped-query: local head i reads local KV head i // group
             group = self.local_heads // self.local_kv
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if self.core_checkpoint is not None:
+            ctx = self.core_checkpoint(self._core, q, k, v)  # selective recompute: keeps q, k, v
+        else:
+            ctx = self._core(q, k, v)  # (b, a/t, s, d)
+        ctx = rearrange(ctx, "b n s d -> s b (n d)")  # (s, b, a·d/t)
+        return self.dropout(self.out(ctx))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core: scores, causal softmax, attention dropout, context; q, k, v (b, a/t, s, d)."""
+        d, s = self.head_dim, q.shape[2]
         scale = 1.0 / math.sqrt(d)
         scores = torch.matmul(q, k.transpose(-1, -2))  # (b, a/t, s, s)
         if self.position == "alibi":
@@ -108,6 +123,4 @@ class SelfAttention(nn.Module):
             scale = 1.0
         probs = kernels.scaled_upper_triang_masked_softmax(scores, scale)  # (b, a/t, s, s)
         probs = self.probs_dropout(probs)
-        ctx = torch.matmul(probs, v)  # (b, a/t, s, d)
-        ctx = rearrange(ctx, "b n s d -> s b (n d)")  # (s, b, a·d/t)
-        return self.dropout(self.out(ctx))
+        return torch.matmul(probs, v)  # (b, a/t, s, d)

@@ -20,10 +20,17 @@ from megazero.tensor_parallel import RNGStatesTracker
 
 def build_pipeline_model(spec: ModelSpec, ctx, *, seed: int = 0, sequence_parallel: bool = False,
                          dtype: torch.dtype = torch.float32, partition="uniform", chunks: int = 1,
-                         label_smoothing: float = 0.0, device=None, wrap_block=None) -> PipelineModule:
+                         label_smoothing: float = 0.0, device=None, wrap_block=None,
+                         activation_checkpointer=None) -> PipelineModule:
     """This rank's PipelineModule for `spec` on the groups of `ctx` (tp_group for the layers, the
     pipeline coordinates for the partition). `wrap_block(module) -> module` may wrap each
-    transformer block (activation checkpointing)."""
+    transformer block. `activation_checkpointer` (a `megazero.activation_checkpoint.ActivationCheckpointer`,
+    exclusive with wrap_block) wraps the blocks, groups them into segments per chunk, and is kept as
+    ``model.activation_checkpointer``."""
+    if activation_checkpointer is not None:
+        if wrap_block is not None:
+            raise ValueError("build_pipeline_model: pass wrap_block or activation_checkpointer, not both")
+        wrap_block = activation_checkpointer.wrap_block
     tracker = RNGStatesTracker(seed, ctx.tp_rank, ctx.pp_rank)
     builders = layer_builders(spec, ctx.tp_group, seed=seed, sequence_parallel=sequence_parallel,
                               tracker=tracker, dtype=dtype, pp_rank=ctx.pp_rank)
@@ -48,6 +55,9 @@ def build_pipeline_model(spec: ModelSpec, ctx, *, seed: int = 0, sequence_parall
         if emb and head:
             head[0].weight = emb[0].word.weight  # one parameter; both uses' gradients are summed
     model.spec = spec
+    model.activation_checkpointer = activation_checkpointer
+    if activation_checkpointer is not None:
+        activation_checkpointer.attach(model.local_chunks)
     model.activation_shape = lambda micro_batch, seq_len: (
         seq_len // ctx.tp_size if sequence_parallel and ctx.tp_size > 1 else seq_len, micro_batch, spec.hidden)
     return model

@@ -52,13 +52,16 @@ class _DeferrableLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, store):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.store = bias is not None, store
+        # the weight is kept as the Parameter itself (not a saved tensor): saved-tensor hooks
+        # (checkpointing, the memory meter) would hand back a plain tensor, and W must name the
+        # parameter it accumulates into
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.has_bias, ctx.store = weight, bias is not None, store
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         gx = gy.matmul(weight)  # (..., in)
         gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias else None
         if ctx.store.deferring:

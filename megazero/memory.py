@@ -1,0 +1,221 @@
+"""Measured memory: activations saved for backward (per layer and peak per stage) and the combined report.
+
+`SavedActivationMeter` installs `torch.autograd.graph.saved_tensors_hooks` and sees every tensor
+autograd keeps for backward while it is active (forward and backward of a pipeline step alike):
+
+* It counts unique storages, by their full size: a saved view of a bigger buffer holds that buffer,
+  and two saves of one storage (a LayerNorm output feeding q, k and v) hold it once. A storage leaves
+  the count when the last saved tensor on it is released by autograd (after its node's backward).
+* Parameters (and views of them, such as a transposed weight) are model state, not activations: they
+  are not counted.
+* Bytes are "host" for tensors tagged with `megazero.activation_checkpoint.HOST_TAG` (CPU
+  checkpoints, also in CPU-only runs where host and device are one memory) or on the CPU while the
+  model computes on an accelerator; the rest are "device".
+* Per layer: bytes of storages first saved while that layer's forward runs (labels ``embedding``,
+  ``layers.<i>``, ``head``; ``other`` outside any layer, e.g. the loss), summed over the measured
+  window. Measure one micro-batch's forward for per-layer, per-micro-batch figures.
+* Peak: the most bytes alive at once during the window, per kind and in total: over a pipeline
+  step, the in-flight activations of this stage.
+
+Tensors inside an activation-checkpoint region are replaced by placeholders (the region's own hooks
+are innermost), so they are not counted; the checkpoint's kept input is, through the region's anchor.
+The tensors a recompute rebuilds are counted as kind "recompute" (device memory, alive from the
+recompute until backward uses them) when the meter is given the model: it registers with the
+model's ``activation_checkpointer``. Peaks: "device" and "host" (kept for backward: the in-flight
+activations), "recompute" (the recompute working set), "device_total" (device + recompute) and
+"total".
+
+Under any saved-tensor hooks (this meter's, a checkpoint region's) autograd hands unpacked saved
+tensors back as new tensor objects: a saved parameter returns as a plain tensor on the parameter's
+storage. Backward code must not identify parameters by their unpacked saved tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from megazero.activation_checkpoint import HOST_TAG
+
+KINDS = ("device", "host", "recompute")
+
+
+def layer_modules(model) -> list[tuple[str, nn.Module]]:
+    """(label, module) of each layer: a PipelineModule's local layers, a model's ``stages()``, else the model."""
+    if hasattr(model, "local_chunks"):
+        mods = [m for chunk in model.local_chunks for m in chunk]
+    elif callable(getattr(model, "stages", None)):
+        mods = list(model.stages())
+    else:
+        mods = [model]
+    return [(_label(m), m) for m in mods]
+
+
+def _label(mod: nn.Module) -> str:
+    index = getattr(mod, "index", None)
+    if index is not None:
+        return f"layers.{index}"
+    name = type(mod).__name__
+    return {"EmbeddingLayer": "embedding", "HeadLayer": "head"}.get(name, name)
+
+
+def _is_param(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+class _Held:
+    """What the meter's pack hook returns: the tensor, and a release of its storage count on deletion."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor, meter, key):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        if self.key is not None:
+            self.meter._drop(self.key)
+
+
+class SavedActivationMeter:
+    """Measures saved-for-backward bytes while active (``with meter:``); see the module docstring.
+
+    Args:
+        model: whose layers label the per-layer counts (optional).
+        device: the compute device (default: the model's first parameter's, else CPU).
+    """
+
+    def __init__(self, model=None, device=None):
+        self.layers = layer_modules(model) if model is not None else []
+        self.checkpointer = getattr(model, "activation_checkpointer", None)
+        if device is None and model is not None:
+            device = next((p.device for p in model.parameters()), None)
+        self.device = torch.device(device if device is not None else "cpu")
+        self._lock = threading.Lock()
+        self._stack: list[str] = []
+        self._handles: list = []
+        self._hooks = None
+        self._live: dict = {}  # storage key -> [saved tensors on it, bytes, kind]
+        self.live = {k: 0 for k in KINDS}
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget peaks and per-layer counts (storages still alive stay counted as live)."""
+        with self._lock:
+            self.peak = {k: 0 for k in KINDS} | {"device_total": 0, "total": 0}
+            self.per_layer: dict[str, dict[str, int]] = {}
+            self._update_peak()
+
+    # -- activation -------------------------------------------------------------------------------
+    def __enter__(self) -> "SavedActivationMeter":
+        for label, mod in self.layers:
+            self._handles.append(mod.register_forward_pre_hook(self._push(label)))
+            self._handles.append(mod.register_forward_hook(self._pop, always_call=True))
+        if self.checkpointer is not None:
+            self.checkpointer.observers.append(self)
+        self._hooks = saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+        if self.checkpointer is not None:
+            self.checkpointer.observers.remove(self)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def measure(self):
+        """``with meter.measure():`` resets the counts, then measures the block."""
+        self.reset()
+        with self:
+            yield self
+
+    def _push(self, label):
+        def hook(mod, args):
+            self._stack.append(label)
+        return hook
+
+    def _pop(self, mod, args, out):
+        if self._stack:
+            self._stack.pop()
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> _Held:
+        host = getattr(t, HOST_TAG, False) or (t.device.type == "cpu" and self.device.type != "cpu")
+        return self._count(t, "host" if host else "device", self._stack[-1] if self._stack else "other")
+
+    def hold(self, t: torch.Tensor) -> _Held:
+        """Count `t`, rebuilt by a checkpoint recompute, until the returned holder is dropped."""
+        return self._count(t, "recompute", None)
+
+    def _count(self, t: torch.Tensor, kind: str, label: str | None) -> _Held:
+        if _is_param(t) or t.layout != torch.strided:
+            return _Held(t, self, None)
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is not None:
+                entry[0] += 1
+            else:
+                n = storage.nbytes()
+                self._live[key] = [1, n, kind]
+                self.live[kind] += n
+                if label is not None:
+                    layer = self.per_layer.setdefault(label, {k: 0 for k in KINDS[:2]})
+                    layer[kind] += n
+                self._update_peak()
+        return _Held(t, self, key)
+
+    @staticmethod
+    def _unpack(held: _Held) -> torch.Tensor:
+        return held.tensor
+
+    def _drop(self, key) -> None:
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._live[key]
+                self.live[entry[2]] -= entry[1]
+
+    def _update_peak(self) -> None:
+        for k in KINDS:
+            self.peak[k] = max(self.peak[k], self.live[k])
+        self.peak["device_total"] = max(self.peak["device_total"], self.live["device"] + self.live["recompute"])
+        self.peak["total"] = max(self.peak["total"], sum(self.live.values()))
+
+    # -- results ----------------------------------------------------------------------------------
+    def layer_bytes(self, kind: str = "device") -> dict[str, int]:
+        """{label: bytes of `kind` ("device", "host" or "total" of both) kept for backward} over the window."""
+        if kind == "total":
+            return {label: sum(v.values()) for label, v in self.per_layer.items()}
+        return {label: v[kind] for label, v in self.per_layer.items()}
+
+    def report(self) -> dict:
+        """{"peak_<kind>" for each peak, "live_<kind>" for each kind, "per_layer"}."""
+        with self._lock:
+            return ({f"peak_{k}": v for k, v in self.peak.items()} | {f"live_{k}": v for k, v in self.live.items()}
+                    | {"per_layer": {k: dict(v) for k, v in self.per_layer.items()}})
+
+
+def memory_report(optimizer=None, meter: SavedActivationMeter | None = None, checkpointer=None) -> dict[str, int]:
+    """This rank's memory in bytes, by kind: the ZeRO optimizer's model states (`memory_breakdown`:
+    params, grads, master, optimizer_states, comm_buffers), the activations a `meter` saw at their peak
+    (``activations``: device bytes kept for backward plus the recompute working set;
+    ``activations_host``: host checkpoints), and a checkpointer's contiguous buffer (``checkpoint_buffer``)."""
+    out: dict[str, int] = dict(optimizer.memory_breakdown()) if optimizer is not None else {}
+    if meter is not None:
+        out["activations"] = meter.peak["device_total"]
+        out["activations_host"] = meter.peak["host"]
+    pool = getattr(checkpointer, "pool", None)
+    if pool is not None:
+        out["checkpoint_buffer"] = pool.nbytes
+    return out
