@@ -26,7 +26,7 @@ from torch import nn
 from megazero import kernels
 from megazero.models.common import LayerContext
 from megazero.tensor_parallel import TP_STREAM, ColumnParallelLinear, Dropout, RowParallelLinear, ShardInfo
-from megazero.tensor_parallel.mappings import enter_tp_region
+from megazero.tensor_parallel.mappings import enter_column_region
 
 
 def alibi_slopes(heads: int) -> list[float]:
@@ -91,11 +91,13 @@ class SelfAttention(nn.Module):
         self.core_checkpoint = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp_group, self.sequence_parallel)  # (s, b, h): one f for q, k, v
+        # (s, b, h): one f (or sequence all-gather) for q, k, v; under sequence parallelism the
+        # three GEMMs keep only the shard and gather it again in backward
+        x, rg = enter_column_region(x, self.tp_group, self.sequence_parallel, 3)
         d = self.head_dim
-        q = rearrange(self.q(x), "s b (n d) -> b n s d", d=d)  # (b, a/t, s, d)
-        k = rearrange(self.k(x), "s b (n d) -> b n s d", d=d)  # (b, kv/t, s, d)
-        v = rearrange(self.v(x), "s b (n d) -> b n s d", d=d)
+        q = rearrange(self.q(x, rg), "s b (n d) -> b n s d", d=d)  # (b, a/t, s, d)
+        k = rearrange(self.k(x, rg), "s b (n d) -> b n s d", d=d)  # (b, kv/t, s, d)
+        v = rearrange(self.v(x, rg), "s b (n d) -> b n s d", d=d)
         s = q.shape[2]
         if self.position == "rope":
             cos, sin = rope_cos_sin(s, d, self.rope_theta, q.device)

@@ -17,7 +17,7 @@ from torch import nn
 from megazero.models.attention import SelfAttention
 from megazero.models.common import LayerContext, Norm
 from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megazero.tensor_parallel.mappings import enter_tp_region
+from megazero.tensor_parallel.mappings import enter_column_region
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -52,11 +52,12 @@ class MLP(nn.Module):
         self.dropout = lc.hidden_dropout(f"{p}.dropout", spec.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp_group, self.sequence_parallel)  # (s, b, h): one f for the MLP
+        # (s, b, h): one f (or sequence all-gather) for the MLP; see SelfAttention.forward
+        x, rg = enter_column_region(x, self.tp_group, self.sequence_parallel, 2 if self.activation == "swiglu" else 1)
         if self.activation == "swiglu":
-            y = self.down(F.silu(self.gate(x)) * self.up(x))  # inner (s, b, ffn/t)
+            y = self.down(F.silu(self.gate(x, rg)) * self.up(x, rg))  # inner (s, b, ffn/t)
         else:
-            y = self.fc2(_ACTIVATIONS[self.activation](self.fc1(x)))
+            y = self.fc2(_ACTIVATIONS[self.activation](self.fc1(x, rg)))
         return self.dropout(y)
 
 

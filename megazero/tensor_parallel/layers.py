@@ -52,10 +52,12 @@ class ColumnParallelLinear(nn.Module):
                                tp_dim=0, init="zeros", **common) if bias else None
         self.wgrad_store = None  # a WeightGradStore defers the weight-grad GEMM (zero-bubble W)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, regather=None) -> torch.Tensor:
+        """`regather`: the region's handle from `mappings.enter_column_region` (then x is the
+        already gathered input, and only the shard is kept for backward)."""
         if self.comm_input:
-            x = mappings.enter_tp_region(x, self.tp_group, self.sequence_parallel)
-        y = linear(x, self.weight, self.bias, self.wgrad_store)  # (..., out/t)
+            x, regather = mappings.enter_column_region(x, self.tp_group, self.sequence_parallel, 1)
+        y = linear(x, self.weight, self.bias, self.wgrad_store, regather)  # (..., out/t)
         if self.gather_output:
             y = mappings.gather_from_tp_region(y, self.tp_group)  # (..., out)
         return y

@@ -198,6 +198,19 @@ def enter_tp_region(x: torch.Tensor, group: GroupHandle, sequence_parallel: bool
     return copy_to_tp_region(x, group)
 
 
+def enter_column_region(x: torch.Tensor, group: GroupHandle, sequence_parallel: bool, uses: int,
+                        regather: bool = True):
+    """`enter_tp_region` for a region of `uses` column-parallel GEMMs; returns (input, handle). With
+    sequence parallelism and `regather`, the handle lets the GEMMs save only this rank's shard and
+    all-gather it again in backward (see `weight_grad.Regather`); otherwise the handle is None."""
+    from megazero.tensor_parallel.weight_grad import Regather
+
+    full = enter_tp_region(x, group, sequence_parallel)
+    if sequence_parallel and regather and group.size > 1:
+        return full, Regather(x, group, uses, lambda shard, g: _all_gather_dim(shard, 0, g))
+    return full, None
+
+
 def exit_tp_region(x: torch.Tensor, group: GroupHandle, sequence_parallel: bool) -> torch.Tensor:
     """The exit of a row-parallel region: g, or the sequence reduce-scatter under sequence parallelism."""
     if sequence_parallel:

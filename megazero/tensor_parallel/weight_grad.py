@@ -1,4 +1,5 @@
-"""Deferred weight gradients for zero-bubble pipeline schedules (Qi et al., ICLR 2024).
+"""Deferred weight gradients for zero-bubble pipeline schedules (Qi et al., ICLR 2024), and the
+sequence-parallel re-gather of column-parallel inputs (Korthikanti et al. 2022).
 
 A linear layer's backward has two GEMMs: the input gradient (gx = gy·W, on the critical path:
 the previous stage waits for it) and the weight gradient (gW = gyᵀ·x, needed only by the
@@ -9,6 +10,12 @@ holds it computes only gx (and its bias gradient) and leaves (weight, x, gy) in 
 
 The store is an object the pipeline engine creates per stage and hands to the stage's layers
 (`attach(module, store)`), never a global.
+
+Under sequence parallelism the input of a column-parallel region is all-gathered along the
+sequence. Saving the gathered (s, b, h) tensor for the weight gradients costs t times the shard;
+with a `Regather` handle the linear layers save only this rank's shard (s/t, b, h) and all-gather
+it again over the TP group in backward, once per region (shared by q, k and v, or gate and up):
+the memory of Korthikanti et al.'s TP+SP row at the cost of one more all-gather per region.
 """
 from __future__ import annotations
 
@@ -47,36 +54,57 @@ class WeightGradStore:
         return weight, gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))  # (out, in)
 
 
-class _DeferrableLinear(torch.autograd.Function):
-    """y = x·Wᵀ (+ b); backward defers gW to the store while it is deferring."""
+class Regather:
+    """One column-parallel region's input under sequence parallelism: the shard (s/t, b, h) and the
+    gather back to (s, b, h) over `group` in backward, done once and shared by the region's `uses`
+    linear layers (communicates: one all-gather along dim 0 over the TP group)."""
+
+    def __init__(self, shard: torch.Tensor, group, uses: int, gather_fn):
+        self.shard, self.group, self.left, self.gather_fn = shard, group, uses, gather_fn
+        self._full = None
+
+    def full(self, shard: torch.Tensor) -> torch.Tensor:
+        if self._full is None:
+            self._full = self.gather_fn(shard, self.group)  # (s, b, h)
+        out = self._full
+        self.left -= 1
+        if self.left <= 0:
+            self._full = None
+        return out
+
+
+class _Linear(torch.autograd.Function):
+    """y = x·Wᵀ (+ b). Backward defers gW to `store` while it is deferring; with `regather`, x is
+    not saved: the region's shard is, and x is gathered again for gW."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store):
+    def forward(ctx, x, weight, bias, store, regather):
         # the weight is kept as the Parameter itself (not a saved tensor): saved-tensor hooks
         # (checkpointing, the memory meter) would hand back a plain tensor, and W must name the
         # parameter it accumulates into
-        ctx.save_for_backward(x)
-        ctx.weight, ctx.has_bias, ctx.store = weight, bias is not None, store
+        ctx.save_for_backward(regather.shard if regather is not None else x)
+        ctx.weight, ctx.has_bias, ctx.store, ctx.regather = weight, bias is not None, store, regather
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
-        (x,), weight = ctx.saved_tensors, ctx.weight
+        (saved,), weight = ctx.saved_tensors, ctx.weight
+        x = ctx.regather.full(saved) if ctx.regather is not None else saved  # (..., in)
         gx = gy.matmul(weight)  # (..., in)
         gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias else None
-        if ctx.store.deferring:
+        if ctx.store is not None and ctx.store.deferring:
             ctx.store.push(weight, x, gy)
             gw = None
         else:
             gw = gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
-def linear(x, weight, bias=None, store: WeightGradStore | None = None):
-    """F.linear, or its deferrable twin when a store is attached."""
-    if store is None:
+def linear(x, weight, bias=None, store: WeightGradStore | None = None, regather: Regather | None = None):
+    """F.linear, or its twin when a store is attached or the input is re-gathered in backward."""
+    if store is None and regather is None:
         return F.linear(x, weight, bias)
-    return _DeferrableLinear.apply(x, weight, bias, store)
+    return _Linear.apply(x, weight, bias, store, regather)
 
 
 def attach(module: torch.nn.Module, store: WeightGradStore | None) -> int:
