@@ -15,12 +15,12 @@ makes equal to the first stage's, and sums the two gradients over the embedding 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megazero.models.common import LayerContext, Norm
 from megazero.tensor_parallel import VocabParallelEmbedding, make_param
 from megazero.tensor_parallel.mappings import enter_tp_region
+from megazero.tensor_parallel.weight_grad import linear
 
 TIED_EMBEDDING = "embedding.word"
 
@@ -76,4 +76,4 @@ class HeadLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(self.norm(hidden), self.tp_group, self.sequence_parallel)  # (s, b, h)
-        return F.linear(x, self.weight)  # (s, b, Vp/t)
+        return linear(x, self.weight)  # (s, b, Vp/t); see weight_grad.linear (ZeRO-3)

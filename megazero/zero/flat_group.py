@@ -84,6 +84,7 @@ class FlatGroup:
         self.param_shard = shard
         for p in self.params:
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            p.zero3_sharded = True  # megazero's linear layers then never save views of gathered data
 
     def _build_grads(self) -> None:
         lay = self.layout
