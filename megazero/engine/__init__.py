@@ -74,9 +74,9 @@ def initialize(model=None, config=None, model_parameters=None, training_data=Non
     if isinstance(model, nn.Module) and not isinstance(model, PipelineModule) and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"parallel.tp={p.tp}, parallel.pp={p.pp}: a plain nn.Module runs with tp = pp = 1 "
                           f"only; build it from megazero layers (a model spec or a PipelineModule)")
-    init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
+    info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
     ctx = ParallelContext(topology, timeout_s=cfg.comm.timeout_s)
-    module = _model(model, cfg, ctx)
+    module = _model(model, cfg, ctx, info.device)
     policy = cfg.activation_checkpointing.policy
     if policy != "none" and getattr(module, "activation_checkpointer", None) is None:
         raise ConfigError(f"activation_checkpointing.policy={policy}: the model was passed in already built, so "
@@ -90,7 +90,7 @@ def initialize(model=None, config=None, model_parameters=None, training_data=Non
         shape = module.activation_shape(t.micro_batch_size, seq) if hasattr(module, "activation_shape") else None
         engine = PipelineEngine(module, ctx, optimizer, scheduler, t.gradient_accumulation_steps,
                                 cfg.pipeline.schedule, cfg.pipeline.chunks, shape, compute_dtype(cfg),
-                                on_instruction=on_instruction)
+                                on_instruction=on_instruction, device=info.device)
         checkpointer = getattr(module, "activation_checkpointer", None)
         if checkpointer is not None:  # the contiguous checkpoint buffer holds the micro-batches in flight
             checkpointer.set_in_flight(max_live_forwards(engine.program))
@@ -100,19 +100,19 @@ def initialize(model=None, config=None, model_parameters=None, training_data=Non
     return engine, optimizer, _dataloader(training_data, cfg, ctx, module, engine), scheduler
 
 
-def _model(model, cfg: Config, ctx):
+def _model(model, cfg: Config, ctx, device):
     if model is None or isinstance(model, str):
         if isinstance(model, str):
             cfg = _with_spec(cfg, model)
         if cfg.model.spec is None:
             raise ConfigError("model.spec: no model given; pass model=... or set model.spec "
                               "(e.g. model.spec=model_specs/gpt.py:debug)")
-        return build_model(cfg, ctx)
+        return build_model(cfg, ctx, device=device)  # each rank builds its own layers on its device
     if isinstance(model, PipelineModule):
-        return model
+        return model.to(device)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a spec string, a PipelineModule or an nn.Module, got {type(model).__name__}")
-    return model.to(compute_dtype(cfg))
+    return model.to(device=device, dtype=compute_dtype(cfg))
 
 
 def _with_spec(cfg: Config, spec: str) -> Config:

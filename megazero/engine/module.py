@@ -47,7 +47,7 @@ class ModuleEngine:
     def train_batch(self, data_iter, loss_fn=None) -> float:
         """gas micro-batches of forward/backward and one step; `loss_fn(module, batch) -> loss`
         (default: the module returns the loss, or an object with `.loss`). Mean loss over dp."""
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.optimizer.device)
         for _ in range(self.gas):
             batch = next(data_iter)
             out = loss_fn(self.module, batch) if loss_fn else self.module(**batch)

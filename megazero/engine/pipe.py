@@ -42,18 +42,20 @@ class PipelineEngine:
     """Trains a PipelineModule with a ZeroOptimizer; see the module docstring."""
 
     def __init__(self, module, ctx, optimizer, lr_scheduler, num_microbatches: int, schedule: str = "1f1b",
-                 chunks: int = 1, act_shape=None, dtype=torch.float32, on_instruction=None):
+                 chunks: int = 1, act_shape=None, dtype=torch.float32, on_instruction=None, device="cpu"):
         self.module, self.ctx, self.optimizer, self.lr_scheduler = module, ctx, optimizer, lr_scheduler
         self.num_microbatches, self.chunks = num_microbatches, chunks
         self.program = get_schedule(schedule, ctx.pp_size, num_microbatches, chunks)[ctx.pp_rank]
         self.eval_program = forward_only_program(ctx.pp_size, num_microbatches, ctx.pp_rank, chunks)
-        self.p2p = PipeP2P(ctx.pp_group, act_shape, dtype) if ctx.pp_size > 1 else None
+        self.device = torch.device(device)
+        self.p2p = PipeP2P(ctx.pp_group, act_shape, dtype, self.device) if ctx.pp_size > 1 else None
         store = None
         if any(isinstance(i, I.BackwardWeight) for i in self.program):  # zero bubble: split B and W
             store = WeightGradStore()
             attach_wgrad_store(module, store)
         self.executor = PipelineExecutor(module, self.p2p, optimizer, ctx.pp_rank, ctx.pp_size,
-                                         rank=ctx.global_rank, on_instruction=on_instruction, wgrad_store=store)
+                                         rank=ctx.global_rank, on_instruction=on_instruction, wgrad_store=store,
+                                         device=self.device)
         self.global_steps = 0
         self.last_info: dict = {}
 
@@ -80,7 +82,7 @@ class PipelineEngine:
 
     def _agree_loss(self, losses) -> float:
         """Mean over micro-batches (last stage), over dp (all-reduce), to every stage (broadcast)."""
-        t = torch.zeros(1, dtype=torch.float64)
+        t = torch.zeros(1, dtype=torch.float64, device=self.device)
         if losses:
             t += torch.stack([l.double() for l in losses]).mean()
         comm.all_reduce(t, self.ctx.dp_group)

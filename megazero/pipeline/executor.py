@@ -54,8 +54,9 @@ class PipelineExecutor:
     loss(out, batch), is_first(chunk), is_last(chunk), chunk_parameters(chunk)."""
 
     def __init__(self, stage, p2p, optimizer, stage_index: int, num_stages: int, rank: int = 0,
-                 on_instruction=None, wgrad_store=None):
+                 on_instruction=None, wgrad_store=None, device="cpu"):
         self.stage, self.p2p, self.opt = stage, p2p, optimizer
+        self.device = torch.device(device)
         self.wgrad_store = wgrad_store  # zero bubble: linear layers defer their weight GEMMs to W
         self.stage_index, self.num_stages, self.rank = stage_index, num_stages, rank
         self.on_instruction = on_instruction  # callback(ins, start_s, end_s) for traces
@@ -88,7 +89,9 @@ class PipelineExecutor:
 
     # -- handlers ------------------------------------------------------------------------------
     def _load(self, ins, st):
-        st.batches[ins.mb] = next(st.data_iter)
+        batch = next(st.data_iter)
+        st.batches[ins.mb] = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+                              for k, v in batch.items()}
 
     def _forward(self, ins, st):
         key = (ins.mb, ins.chunk)

@@ -82,6 +82,7 @@ class ZeroOptimizer:
         self.groups = self._make_groups(unique, units, reduce_bucket_size, offload_optimizer, offload_param,
                                         param_persistence_threshold)
         self._where = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        self.device = unique[0].device if unique else torch.device("cpu")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.groups for p in g.params]
         self._counted = [self._counted_ranges(g) for g in self.groups]
         self._sp_ranges = [self._ranges_where(g, lambda p: getattr(p, "sequence_parallel", False))
@@ -229,17 +230,17 @@ class ZeroOptimizer:
 
     def _overflow(self) -> bool:
         local = any(not torch.isfinite(t).all() for t in self._all_owned_grads())
-        flag = torch.tensor([1.0 if local else 0.0])
+        flag = torch.tensor([1.0 if local else 0.0], device=self.device)  # NCCL needs device tensors
         comm.all_reduce(flag, self.ctx.world_group, op="max")
         return bool(flag.item() > 0)
 
     def global_grad_norm(self) -> float:
         """L2 norm of the full model's gradient, every parameter counted once, over ctx.world_group."""
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g, counted in zip(self.groups, self._counted):
             for t, ranges in zip(g.grad_owned, counted):
                 for a, e in ranges:
-                    sq += t[a:e].double().pow(2).sum().cpu()
+                    sq += t[a:e].double().pow(2).sum().to(self.device)
         comm.all_reduce(sq, self.ctx.world_group)
         return float(sq.sqrt().item())
 
