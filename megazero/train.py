@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 from megazero.config import ConfigError
 from megazero.spec import SpecError

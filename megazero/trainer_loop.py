@@ -7,9 +7,7 @@ to rank 0 over the world group when asked for.
 from __future__ import annotations
 
 import os
-import time
 
-import torch
 
 import megazero
 from megazero import checkpoint
@@ -38,14 +36,12 @@ def _summary(cfg, engine, optimizer) -> str:
 
 
 def run(cfg, rank: int) -> int:
-    tracer_box = []
     timers = Timers()
     engine, optimizer, data, scheduler = megazero.initialize(config=cfg, on_instruction=timers)
     ctx = engine.ctx
     if cfg.trace.enabled:
         timers.tracer = Tracer(os.path.join(cfg.run_dir, "trace", f"rank{ctx.global_rank}.json"), ctx.global_rank,
                                ctx.pp_rank, ctx.dp_rank, ctx.tp_rank)
-        tracer_box.append(timers.tracer)
     start_step = 0
     if cfg.checkpoint.load:
         start_step, exact = checkpoint.load(cfg.checkpoint.load, engine.module, optimizer, ctx, scheduler)
@@ -84,8 +80,8 @@ def run(cfg, rank: int) -> int:
                             scale=f"{record['loss_scale']:g}")
         if lead and cfg.log.interval and step % cfg.log.interval == 0:
             _log_line(cfg, rank, record, optimizer, bar, meter, engine)
-        if tracer_box:
-            tracer_box[0].next_step()
+        if timers.tracer is not None:
+            timers.tracer.next_step()
         if cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps):
             path = checkpoint.save(cfg.checkpoint.dir, step, engine.module, optimizer, ctx, scheduler, _plain(cfg))
             if rank == 0:
@@ -93,8 +89,8 @@ def run(cfg, rank: int) -> int:
     if bar is not None:
         bar.close()
     writer.close()
-    for tr in tracer_box:
-        tr.save()
+    if timers.tracer is not None:
+        timers.tracer.save()
     if rank == 0:
         print(f"done: {cfg.train.steps} steps; metrics {cfg.log.metrics_file}", flush=True)
     _finish()

@@ -4,8 +4,6 @@ per-step losses, grad norms, and this rank's full parameters by logical name.
 Every layout of the same config (same seed, same global batch) must give the single-process
 numbers: `compare` checks per-step losses (relative), grad norms (relative) and final parameters
 (absolute; the debug models' parameters are O(0.02-1))."""
-import torch
-import torch.distributed as dist
 
 import megazero
 from megazero.tensor_parallel import gather_full_grads, gather_full_params

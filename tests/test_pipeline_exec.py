@@ -89,9 +89,6 @@ def pipe_worker(schedule, n_blocks, m, chunks=1, kill_rank=None):
     model = PipelineModule(layers(n_blocks), pp, ctx.pp_rank, loss_fn, "uniform", chunks=chunks)
     opt = ZeroOptimizer(list(model.parameters()), ctx, stage=0, spec=OptimizerSpec("sgd", lr=0.0))
     grads = {}
-
-    def capture(p):  # read the reduced gradient before the optimizer zeroes it
-        pass
     program = get_schedule(schedule, pp, m, chunks)[ctx.pp_rank]
     ex = PipelineExecutor(model, PipeP2P(ctx.pp_group, (MB, SEQ, HID), torch.float32), opt, ctx.pp_rank, pp,
                           rank=ctx.global_rank)

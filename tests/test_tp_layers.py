@@ -5,7 +5,6 @@ grid). Relative error of a tensor = max|a - b| / max|b|; fp32 tolerance 1e-5 (me
 """
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.parallel_context import ParallelContext

@@ -5,7 +5,6 @@ Tolerances (fp32): per-step losses within 1e-5 relative, final parameters within
 (the parameters are O(0.1-1)); the differences come only from the order of float additions in
 the data-parallel reduction.
 """
-import math
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ import torch.distributed as dist
 
 from megazero.parallel_context import ParallelContext
 from megazero.topology import Topology
-from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
 from tests.harness import run_ranks
 
@@ -116,6 +114,7 @@ def test_stage_parity_with_torch_adamw(stage, dp):
     (1, dict(overlap_comm=True)), (2, dict(overlap_comm=True)), (3, dict(overlap_comm=True)),
     (0, dict(overlap_comm=True)), (1, dict(offload_optimizer=True)), (2, dict(offload_optimizer=True)),
     (3, dict(offload_optimizer=True, offload_param=True, param_persistence_threshold=40)),
+    (1, dict(allgather_bucket_size=450)), (2, dict(allgather_bucket_size=1)),
 ])
 def test_overlap_and_offload_parity(stage, kw):
     ref = reference(ADAM)
@@ -127,3 +126,26 @@ def test_sgd_parity():
     ref = reference(SGD)
     for res in run_ranks(zero_worker, 2, 2, SGD, timeout=120):
         _close(res, ref)
+
+
+def gather_calls_worker(allgather_bucket_size):
+    ctx = ParallelContext(Topology(dp=dist.get_world_size()))
+    model = make_model()
+    opt = ZeroOptimizer(list(model.parameters()), ctx, stage=1, spec=ADAM, reduce_bucket_size=20,
+                        allgather_bucket_size=allgather_bucket_size)
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(x.chunk(2)[ctx.dp_rank]), y.chunk(2)[ctx.dp_rank]).backward()
+    opt.after_backward()
+    ctx.stats.reset()
+    opt.step()
+    ag = ctx.stats.total("dp", "all_gather")
+    return ag.calls, ag.elements, len(opt.groups[0].layout.buckets)
+
+
+def test_allgather_bucket_size_coalesces_the_parameter_all_gathers():
+    """One all-gather per reduce bucket at the smallest size, one for everything at the largest;
+    the volume is the same either way."""
+    (small, vol_small, buckets), _ = run_ranks(gather_calls_worker, 2, 1, timeout=60)
+    (large, vol_large, _), _ = run_ranks(gather_calls_worker, 2, 10**9, timeout=60)
+    assert buckets >= 4 and small == buckets and large == 1
+    assert vol_small == vol_large

@@ -11,7 +11,7 @@ from megazero.topology import Topology
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
 from tests.harness import run_ranks
-from tests.test_zero import BATCH, batch, make_model
+from tests.test_zero import batch, make_model
 
 SPEC = OptimizerSpec("adamw", lr=5e-3, weight_decay=0.01)
 

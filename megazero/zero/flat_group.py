@@ -186,16 +186,37 @@ class FlatGroup:
         self.reset_pending()
 
     # -- parameters --------------------------------------------------------------------------
-    def publish_master(self) -> None:
-        """Copy the updated fp32 master into the working params and, at stages 1-2, all-gather
-        every bucket over dp so all ranks hold the full updated parameters."""
-        for b, (m, w) in enumerate(zip(self.master, self.param_owned)):
-            if self.separate_master:
+    def publish_master(self, allgather_bucket_size: int) -> None:
+        """Copy the updated fp32 master into the working params and, at stages 1-2, all-gather the
+        updated shards over dp so every rank holds the full parameters. Consecutive buckets are
+        coalesced into one all-gather of at most `allgather_bucket_size` elements (at least one
+        bucket each); the volume is the same, (Nd−1)/Nd of the buffer."""
+        if self.separate_master:
+            for m, w in zip(self.master, self.param_owned):
                 w.copy_(m)
-        if self.stage in (1, 2) and not self.shard_params:
-            for bk in self.layout.buckets:
-                shard = self.param_owned[bk.index].clone()
-                comm.all_gather(self.param_flat[bk.start:bk.end], shard, self.dp)
+        if self.stage not in (1, 2) or self.shard_params:
+            return
+        group: list = []
+        for bk in self.layout.buckets:
+            if group and sum(b.numel for b in group) + bk.numel > allgather_bucket_size:
+                self._gather_buckets(group)
+                group = []
+            group.append(bk)
+        if group:
+            self._gather_buckets(group)
+
+    def _gather_buckets(self, buckets) -> None:
+        """One all-gather over dp of these buckets' owned shards into their full ranges."""
+        n = self.dp.size
+        shard = torch.cat([self.param_owned[b.index] for b in buckets])  # (Σ numel/n,)
+        full = torch.empty(n * shard.numel(), dtype=self.dtype, device=self.device)
+        comm.all_gather(full, shard, self.dp)
+        per_rank = full.view(n, shard.numel())  # rank r's shards of every bucket, in bucket order
+        pos = 0
+        for b in buckets:
+            k = b.numel // n
+            self.param_flat[b.start:b.end].view(n, k).copy_(per_rank[:, pos:pos + k])  # (n, numel/n)
+            pos += k
 
     def gather_bucket(self, b: int, async_op: bool = False):
         """Stage 3: all-gather bucket b's parameters over dp into a new full buffer and point its

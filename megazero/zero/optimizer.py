@@ -67,6 +67,9 @@ class ZeroOptimizer:
             raise ValueError("zero.offload_optimizer needs zero.stage 1, 2 or 3")
         self.ctx, self.stage, self.spec = ctx, stage, spec
         self.overlap = overlap_comm
+        if allgather_bucket_size < 1 or reduce_bucket_size < 1:
+            raise ValueError("zero.reduce_bucket_size and zero.allgather_bucket_size must be >= 1 element")
+        self.allgather_bucket_size = allgather_bucket_size
         self.clip = gradient_clipping
         self.scaler = loss_scaler or LossScaler.static(1.0)
         self.param_groups = [{"lr": spec.lr}]
@@ -262,7 +265,7 @@ class ZeroOptimizer:
         self.step_count += 1
         for g, runs in zip(self.groups, self._runs):
             self._update_group(g, runs, coef)
-            g.publish_master()
+            g.publish_master(self.allgather_bucket_size)
         self.zero_grad()
         self.scaler.update(False)
         return info | {"skipped": False, "grad_norm": norm}
@@ -339,7 +342,7 @@ class ZeroOptimizer:
             for m, src in zip(g.master, saved["master"]):
                 m.copy_(src)
             g.state_flat.copy_(saved["state"])
-            g.publish_master()
+            g.publish_master(self.allgather_bucket_size)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now: params, grads, master, optimizer_states, comm_buffers."""
