@@ -28,7 +28,7 @@ $(DEMO_DATA).idx: $(STAMP)
 	$(PY) tools/preprocess_data.py --python-stdlib --max-bytes 3M --output-prefix $(DEMO_DATA)
 
 demo: $(STAMP) $(DEMO_DATA).idx
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m megazero.train configs/demo.yaml $(ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m megazero.run.train configs/demo.yaml $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

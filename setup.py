@@ -7,7 +7,7 @@ from setuptools import find_packages, setup
 def _ext_modules():
     if os.environ.get("MEGAZERO_BUILD_OPS") != "1":
         return [], {}
-    from megazero.kernels.build import aot_extensions  # noqa: E402  (needs torch at build time)
+    from megazero.runtime.kernels.build import aot_extensions  # noqa: E402  (needs torch at build time)
 
     return aot_extensions()
 
@@ -19,7 +19,7 @@ setup(
     version="0.1.0",
     description="3D-parallel (PP x TP x DP/ZeRO) training of large transformers, debuggable on CPU",
     packages=find_packages(include=["megazero", "megazero.*"]),
-    package_data={"megazero": ["csrc/**/*", "csrc/*"]},
+    package_data={"megazero.runtime.kernels": ["csrc/**/*", "csrc/*"]},
     python_requires=">=3.10",
     # An unpinned torch: a user's CUDA build already satisfies it and is never replaced.
     install_requires=["torch>=2.4", "einops>=0.7", "networkx>=3.0", "omegaconf>=2.3", "tqdm>=4.60"],

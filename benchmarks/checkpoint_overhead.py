@@ -9,7 +9,7 @@ min, max, interquartile range over repeats);
 the overhead against none from paired repeats (repeat r's time / none's time in the same repeat − 1:
 median, min, max, IQR), robust to slow drift of the machine's load; ``best_overhead`` = min time /
 min time of none − 1, robust to bursts of other load; and the peak saved-activation bytes of one
-step (megazero.memory: kept for backward on the device and the host, recompute working set).
+step (megazero.run.memory: kept for backward on the device and the host, recompute working set).
 Expectation (REFERENCE.md FLOPs): full recompute adds one forward, about 96/72 − 1 = 33% of the
 step's GEMM FLOPs (more on CPU, where the recomputed element-wise ops weigh more); selective
 recomputes only the attention core.
@@ -26,7 +26,7 @@ import time
 import torch
 
 import megazero
-from megazero.memory import SavedActivationMeter
+from megazero.run.memory import SavedActivationMeter
 
 POLICIES = {
     "none": {"policy": "none"},

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megazero.kernels import adam_step, loader  # noqa: E402
+from megazero.runtime.kernels import adam_step, loader  # noqa: E402
 
 BYTES_PER_PARAM = 28
 HERE = Path(__file__).resolve().parent
@@ -61,7 +61,7 @@ class Stream:
 
 
 class Megazero:
-    """megazero.kernels.adam_step on the flat shard (the call ZeRO-Offload makes)."""
+    """megazero.runtime.kernels.adam_step on the flat shard (the call ZeRO-Offload makes)."""
 
     def __init__(self, n: int, copy_dtype: torch.dtype | None = None):
         self.p, self.g = torch.randn(n), torch.randn(n)

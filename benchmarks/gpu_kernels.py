@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megazero import kernels as K  # noqa: E402
-from megazero.kernels import loader, reference  # noqa: E402
+from megazero.runtime import kernels as K  # noqa: E402
+from megazero.runtime.kernels import loader, reference  # noqa: E402
 
 
 def timer(device: str, fn, iters: int, repeats: int = 5) -> float:

@@ -1,9 +1,9 @@
 """GPT-2 / GPT-3 family specs: pre-LayerNorm, GeLU (tanh approximation, GPT-2's "gelu_new") MLP of 4h,
 learned positions (or ALiBi, as BLOOM), biases everywhere, input and output embedding tied.
 
-Load with `megazero.spec.load_spec("model_specs/gpt.py:<flavor>", overrides)`.
+Load with `megazero.core.spec.load_spec("model_specs/gpt.py:<flavor>", overrides)`.
 """
-from megazero.spec import ModelSpec
+from megazero.core.spec import ModelSpec
 
 
 def gpt(layers: int, hidden: int, heads: int, vocab: int = 50257, seq_len: int = 1024, **kw) -> ModelSpec:

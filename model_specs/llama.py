@@ -1,9 +1,9 @@
 """Llama family specs: pre-RMSNorm, SwiGLU MLP, rotary positions (RoPE), grouped-query attention
 (kv_heads < heads), no biases, untied output head.
 
-Load with `megazero.spec.load_spec("model_specs/llama.py:<flavor>", overrides)`.
+Load with `megazero.core.spec.load_spec("model_specs/llama.py:<flavor>", overrides)`.
 """
-from megazero.spec import ModelSpec
+from megazero.core.spec import ModelSpec
 
 
 def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn_hidden: int, vocab: int = 32000,

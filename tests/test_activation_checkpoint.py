@@ -167,7 +167,7 @@ def _tiny(seed=0, p=0.5):
 
 def _checkpointer(**options):
     from megazero.activation_checkpoint import ActivationCheckpointer, CheckpointOptions
-    from megazero.comm import single_rank_group
+    from megazero.runtime.comm import single_rank_group
 
     return ActivationCheckpointer(CheckpointOptions(**({"policy": "full"} | options)), single_rank_group("tp"))
 
@@ -231,9 +231,9 @@ def test_no_grad_forward_is_not_checkpointed_and_mismatched_recompute_is_an_erro
 
 
 def test_transformer_blocks_in_segments_match_and_run_in_order():
-    from megazero.comm import single_rank_group
+    from megazero.runtime.comm import single_rank_group
     from megazero.models.lm import layer_builders
-    from megazero.spec import load_spec
+    from megazero.core.spec import load_spec
 
     spec = load_spec("model_specs/gpt.py:debug", {"layers": 3, "dropout": 0.2, "attention_dropout": 0.2})
 
@@ -262,7 +262,7 @@ def test_transformer_blocks_in_segments_match_and_run_in_order():
 
 def test_segments_and_in_flight_micro_batches():
     from megazero.activation_checkpoint import max_live_forwards, segment_sizes
-    from megazero.pipeline.schedules import get_schedule
+    from megazero.core.schedules import get_schedule
 
     assert segment_sizes(4, 1, None) == [1, 1, 1, 1] and segment_sizes(5, 2, None) == [2, 2, 1]
     assert segment_sizes(4, 1, 3) == [1, 2, 1] and segment_sizes(2, 1, 5) == [1, 1]
@@ -299,14 +299,14 @@ def test_contiguous_pool_errors_name_the_key():
     (["activation_checkpointing.profile=true"], "profile: has no effect with activation_checkpointing.policy=none"),
 ])
 def test_config_errors(overrides, message):
-    from megazero.config import ConfigError, load_config
+    from megazero.core.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides, world_size=2)
 
 
 def test_checkpointing_keys_are_supported():
-    from megazero.config import assert_supported, load_config
+    from megazero.core.config import assert_supported, load_config
 
     cfg = load_config(None, ["activation_checkpointing.policy=full", "parallel.tp=2",
                              "activation_checkpointing.partition_activations=true",
@@ -320,7 +320,7 @@ def test_checkpointing_keys_are_supported():
 
 def prebuilt_worker():
     import megazero
-    from megazero.config import ConfigError
+    from megazero.core.config import ConfigError
 
     try:
         megazero.initialize(model=torch.nn.Linear(4, 4), config={"activation_checkpointing": {"policy": "full"}})

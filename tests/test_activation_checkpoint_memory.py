@@ -1,4 +1,4 @@
-"""Saved-activation bytes, measured with megazero.memory.SavedActivationMeter, against ../shared/REFERENCE.md.
+"""Saved-activation bytes, measured with megazero.run.memory.SavedActivationMeter, against ../shared/REFERENCE.md.
 
 Per layer (one micro-batch of the debug GPT: s=32, b=2, h=64, a=8, FFN 4h, dropout on the hidden
 states and the attention probabilities, fp32 on CPU), for no recompute, TP, TP+SP, selective (with and
@@ -92,7 +92,7 @@ def config(tp, sp, ac, pp=1, gas=1, layers=2, schedule="1f1b"):
 def layer_worker(names):
     """{row: (device bytes, host bytes) saved by layers.0, tp all-gather bytes of the step)}."""
     import megazero
-    from megazero.memory import SavedActivationMeter
+    from megazero.run.memory import SavedActivationMeter
 
     out = {}
     for name in names:
@@ -138,7 +138,7 @@ def peak_worker(ac, gas, schedule):
     """(this stage, its peak in-flight saved bytes over one step, saved bytes per micro-batch, peak
     bytes of recomputed tensors, whether the stage holds blocks)."""
     import megazero
-    from megazero.memory import SavedActivationMeter
+    from megazero.run.memory import SavedActivationMeter
 
     engine, _, data, _ = megazero.initialize(config=config(1, False, ac, pp=4, gas=gas, layers=4,
                                                             schedule=schedule))

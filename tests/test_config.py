@@ -1,4 +1,4 @@
-"""megazero.config: loading, overrides, the batch rule, resolve, not-supported-yet, bubble, explain CLI."""
+"""megazero.core.config: loading, overrides, the batch rule, resolve, not-supported-yet, bubble, explain CLI."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megazero.config import (NOT_SUPPORTED, Config, ConfigError, ModelConfig, Unsupported, all_keys,
+from megazero.core.config import (NOT_SUPPORTED, Config, ConfigError, ModelConfig, Unsupported, all_keys,
                              assert_supported, bubble_fraction, derive_batch, get_key, load_config, resolve,
                              to_yaml, unsupported, validate)
-from megazero.config.__main__ import main
+from megazero.core.config.__main__ import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(REPO, "configs", "debug_gpt.yaml")
@@ -213,12 +213,12 @@ def test_bubble_fraction_rejects_unknown_schedule_and_sizes():
 
 
 def test_import_does_not_pull_torch():
-    code = "import sys, megazero.config; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, megazero.core.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
 
 
 def test_explain_cli_subprocess():
-    out = subprocess.run([sys.executable, "-m", "megazero.config", "explain", DEBUG, "model.layers=6",
+    out = subprocess.run([sys.executable, "-m", "megazero.core.config", "explain", DEBUG, "model.layers=6",
                           "--world-size", "8"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "layers: 6" in out.stdout and "global_batch_size: 16" in out.stdout

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from megazero.config import ConfigError, from_deepspeed, is_deepspeed, load_config, resolve, translate
-from megazero.config import deepspeed_keys
+from megazero.core.config import ConfigError, from_deepspeed, is_deepspeed, load_config, resolve, translate
+from megazero.core.config import deepspeed_keys
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -163,5 +163,5 @@ def test_key_table_is_documented():
         leaf = rule.ds.rsplit(".", 1)[-1]
         assert leaf in doc, f"{rule.ds} missing from the deepspeed_keys table"
     targets = {r.target for r in deepspeed_keys.RULES} - {None, deepspeed_keys.SPECIAL}
-    from megazero.config import all_keys
+    from megazero.core.config import all_keys
     assert targets <= set(all_keys()), targets - set(all_keys())

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from megazero.config import ConfigError, assert_supported, load_config, parse_overrides
+from megazero.core.config import ConfigError, assert_supported, load_config, parse_overrides
 
 CASES = [
     # unknown keys: YAML, dotlist, megazero JSON -> closest valid key

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megazero.kernels import build
+from megazero.runtime.kernels import build
 
 CUDA_DIR = build.CSRC / "cuda"
 CU_FILES = sorted(CUDA_DIR.glob("*.cu"))

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megazero.zero.flat_buffer import build_layout
+from megazero.core.flat_buffer import build_layout
 
 
 def test_small_layout_by_hand():

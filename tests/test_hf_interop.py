@@ -10,14 +10,14 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
-from megazero.comm import single_rank_group  # noqa: E402
+from megazero.runtime.comm import single_rank_group  # noqa: E402
 from megazero.models import CausalLM  # noqa: E402
 from megazero.models.hf import (export_hf_state_dict, hf_to_logical, load_hf_state_dict,  # noqa: E402
                                 spec_from_hf_config)
-from megazero.parallel_context import ParallelContext  # noqa: E402
-from megazero.spec import SpecError  # noqa: E402
+from megazero.runtime.parallel_context import ParallelContext  # noqa: E402
+from megazero.core.spec import SpecError  # noqa: E402
 from megazero.tensor_parallel import gather_from_tp_region  # noqa: E402
-from megazero.topology import Topology  # noqa: E402
+from megazero.core.topology import Topology  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 
 TOL = 1e-4

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from megazero.kernels import CPUAdam, adam_step, loader, reference
+from megazero.runtime.kernels import CPUAdam, adam_step, loader, reference
 
 # 70001: two 64K-element chunks on one thread; 600001: chunks shared by OpenMP threads
 SIZES = [(1,), (7,), (15,), (16,), (17,), (33,), (3, 5, 7), (4099,), (70001,), (600001,)]

@@ -1,4 +1,4 @@
-"""The dispatch point megazero.kernels: lazy, cheap import; the fallback chain; one-line build failures;
+"""The dispatch point megazero.runtime.kernels: lazy, cheap import; the fallback chain; one-line build failures;
 MEGAZERO_KERNELS; the public ops on CPU (reference twins, autograd-correct)."""
 import json
 import os
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import megazero.kernels as K
-from megazero.kernels import build, loader, reference
+import megazero.runtime.kernels as K
+from megazero.runtime.kernels import build, loader, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_import_compiles_nothing(tmp_path):
-    code = ("import sys, megazero.kernels, megazero.kernels.reference\n"
+    code = ("import sys, megazero.runtime.kernels, megazero.runtime.kernels.reference\n"
             "print(sorted(m for m in sys.modules if m.startswith('torch.utils.cpp_extension')))")
     out = run_python(code, MEGAZERO_CACHE_DIR=str(tmp_path / "cache"))
     assert out.returncode == 0, out.stderr
@@ -32,8 +32,8 @@ def test_import_compiles_nothing(tmp_path):
 
 def test_missing_compiler_prints_one_line_and_falls_back(tmp_path):
     code = """
-import json, torch, megazero.kernels as K
-from megazero.kernels import reference
+import json, torch, megazero.runtime.kernels as K
+from megazero.runtime.kernels import reference
 gen = torch.Generator().manual_seed(0)
 p, g = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
 state = [t.clone() for t in (p, g, torch.zeros(1000), torch.zeros(1000))]
@@ -52,7 +52,7 @@ print(json.dumps({"used": used, "same": torch.equal(state[0], twin[0]), "info": 
     assert result["info"]["adam_step"] == "reference"
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, out.stderr
-    assert lines[0].startswith("megazero.kernels: could not build the CPU Adam kernel")
+    assert lines[0].startswith("megazero.runtime.kernels: could not build the CPU Adam kernel")
     assert "no-such-compiler" in lines[0] and "Fix:" in lines[0]
 
 
@@ -135,8 +135,8 @@ def test_argument_errors_name_the_argument():
 def test_aot_extension_list_for_setup_py():
     exts, cmdclass = build.aot_extensions()
     names = [e.name for e in exts]
-    assert names[0] == "megazero.kernels._megazero_cpu_adam"
-    assert ("megazero.kernels._megazero_cuda" in names) == (torch.version.cuda is not None
+    assert names[0] == "megazero.runtime.kernels._megazero_cpu_adam"
+    assert ("megazero.runtime.kernels._megazero_cuda" in names) == (torch.version.cuda is not None
                                                             and build.missing_tools(build.CUDA_OPS) is None)
     assert all(not Path(s).is_absolute() and (ROOT / s).exists() for e in exts for s in e.sources)
     assert "build_ext" in cmdclass

@@ -7,8 +7,8 @@ Run by tools/gpu_check.sh; skipped without a CUDA device.
 import pytest
 import torch
 
-from megazero import kernels as K
-from megazero.kernels import build, loader, reference
+from megazero.runtime import kernels as K
+from megazero.runtime.kernels import build, loader, reference
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""The reference twins (megazero.kernels.reference) against float64 computations written out by hand.
+"""The reference twins (megazero.runtime.kernels.reference) against float64 computations written out by hand.
 
 fp32 twins: outputs and gradients within rtol 1e-5 / atol 1e-6 of float64 (reduction rounding over <= 512
 elements). 16-bit inputs: the twin computes in fp32 and rounds once, so it lies within one unit in the last
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from megazero.kernels import reference
+from megazero.runtime.kernels import reference
 
 F64_TOL = dict(rtol=1e-5, atol=1e-6)
 HALF_TOL = {torch.bfloat16: dict(rtol=2.0**-8, atol=1e-6), torch.float16: dict(rtol=2.0**-11, atol=1e-6)}

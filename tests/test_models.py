@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero import comm
-from megazero.comm import single_rank_group
+from megazero.runtime import comm
+from megazero.runtime.comm import single_rank_group
 from megazero.models import CausalLM, layer_builders
-from megazero.parallel_context import ParallelContext
-from megazero.spec import load_spec
+from megazero.runtime.parallel_context import ParallelContext
+from megazero.core.spec import load_spec
 from megazero.tensor_parallel import (REPLICATED_STREAM, TP_STREAM, LogicalMaskFn, gather_full_grads,
                                       set_dropout_mask_fn)
-from megazero.topology import Topology
+from megazero.core.topology import Topology
 from tests.harness import run_ranks
 from tests.test_spec import SPECS
 

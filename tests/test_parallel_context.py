@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero import comm
-from megazero.parallel_context import ParallelContext
-from megazero.topology import Topology
+from megazero.runtime import comm
+from megazero.runtime.parallel_context import ParallelContext
+from megazero.core.topology import Topology
 from tests.harness import RankError, run_ranks
 
 

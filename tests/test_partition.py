@@ -5,7 +5,7 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megazero.pipeline.partition import LayerInfo, partition, part_weights, stage_layers
+from megazero.core.partition import LayerInfo, partition, part_weights, stage_layers
 
 
 def gpt(blocks=10, embed_params=1000, block_params=300, head_params=1000):

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.parallel_context import ParallelContext
+from megazero.runtime.parallel_context import ParallelContext
 from megazero.pipeline.executor import PipelineExecutor
-from megazero.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from megazero.pipeline.pipeline_module import LayerSpec, PipelineModule, TiedLayerSpec
 from megazero.pipeline.p2p import PipeP2P
-from megazero.pipeline.schedules import get_schedule
-from megazero.topology import Topology
+from megazero.core.schedules import get_schedule
+from megazero.core.topology import Topology
 from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
 from tests.harness import RankError, run_ranks
 

@@ -19,13 +19,13 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megazero.pipeline import schedules as S
-from megazero.pipeline.csv_schedule import parse_csv, to_csv
-from megazero.pipeline.instructions import (
+from megazero.core import schedules as S
+from megazero.core.csv_schedule import parse_csv, to_csv
+from megazero.core.instructions import (
     BACKWARD_INPUT, Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, RecvAct, ScheduleError,
     SendAct, parse_program, render, virtual_stage,
 )
-from megazero.pipeline.simulate import Costs, DeadlockError, simulate
+from megazero.core.simulate import Costs, DeadlockError, simulate
 
 P_MAX, M_MAX = 8, 32
 

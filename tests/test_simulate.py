@@ -4,12 +4,12 @@ import re
 
 import pytest
 
-from megazero.pipeline import schedules as S
-from megazero.pipeline.instructions import (
+from megazero.core import schedules as S
+from megazero.core.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep, RecvAct, RecvGrad, ReduceGrads,
     ScheduleError, SendAct, SendGrad, check_programs, parse_program, render,
 )
-from megazero.pipeline.simulate import Costs, DeadlockError, simulate
+from megazero.core.simulate import Costs, DeadlockError, simulate
 
 END = (ReduceGrads(), OptimizerStep())
 

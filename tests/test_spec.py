@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
-from megazero.comm import CommStats, GroupHandle
-from megazero.spec import ModelSpec, SpecError, coerce_overrides, load_spec
+from megazero.runtime.comm import CommStats, GroupHandle
+from megazero.core.spec import ModelSpec, SpecError, coerce_overrides, load_spec
+from megazero.models import CausalLM, count_params
 
 SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_specs") + os.sep
 
@@ -76,11 +77,11 @@ def test_layout_errors_before_any_compute(fields, tp, sp, message):
         spec.validate_layout(tp, sequence_parallel=sp)
     group = GroupHandle("tp", tuple(range(tp)), 0, None, CommStats())
     with pytest.raises(SpecError, match=message):  # building the model checks the layout first
-        spec.build_model(group, sequence_parallel=sp, device="meta")
+        CausalLM(spec, group, sequence_parallel=sp, device="meta")
 
 
 def test_padded_vocab_and_param_count():
     spec = load_spec(SPECS + "gpt.py:gpt2-small")
     assert spec.padded_vocab(1) == 50304 and spec.padded_vocab(8) == 51200
-    assert spec.num_params() == 124_439_808  # GPT-2 small, as Hugging Face counts it
-    assert load_spec(SPECS + "llama.py:llama2-7b").num_params() == 6_738_415_616
+    assert count_params(spec) == 124_439_808  # GPT-2 small, as Hugging Face counts it
+    assert count_params(load_spec(SPECS + "llama.py:llama2-7b")) == 6_738_415_616

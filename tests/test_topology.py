@@ -4,7 +4,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megazero.topology import KNOWN_AXES, Topology
+from megazero.core.topology import KNOWN_AXES, Topology
 
 
 def test_default_order_puts_tp_innermost():

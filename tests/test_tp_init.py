@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from megazero.comm import CommStats, GroupHandle, single_rank_group
+from megazero.runtime.comm import CommStats, GroupHandle, single_rank_group
 from megazero.models import CausalLM, layer_builders
-from megazero.spec import load_spec
+from megazero.core.spec import load_spec
 from megazero.tensor_parallel import init as tp_init
 from megazero.tensor_parallel import counts_once_in_norm, make_param, unique_params
 from tests.test_spec import SPECS

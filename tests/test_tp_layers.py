@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.parallel_context import ParallelContext
+from megazero.runtime.parallel_context import ParallelContext
 from megazero.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       copy_to_tp_region, gather_from_sequence_parallel_region,
                                       gather_from_tp_region, gather_full_grads, gather_full_params,
                                       reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
                                       scatter_to_sequence_parallel_region, scatter_to_tp_region,
                                       sync_sequence_parallel_grads, vocab_parallel_cross_entropy)
-from megazero.topology import Topology
+from megazero.core.topology import Topology
 from tests.harness import run_ranks
 
 TOL = 1e-5
@@ -199,7 +199,7 @@ def test_vocab_parallel_embedding_and_cross_entropy_with_padding(layer_results, 
 
 
 def test_cross_entropy_rejects_bad_arguments():
-    from megazero.comm import single_rank_group
+    from megazero.runtime.comm import single_rank_group
     g = single_rank_group("tp")
     with pytest.raises(ValueError, match="labels shape"):
         vocab_parallel_cross_entropy(torch.zeros(3, 10), torch.zeros(4, dtype=torch.long), g, 10)

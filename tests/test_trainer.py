@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def torchrun(nproc, args, timeout=180, extra=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra,
-           "-m", "megazero.train", *args]
+           "-m", "megazero.run.train", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -77,7 +77,7 @@ def test_same_seed_gives_bit_identical_metrics(corpus, tmp_path):
 def test_bad_input_is_one_clear_line_on_every_rank(args, message):
     p = torchrun(4, args, timeout=120)
     assert p.returncode != 0
-    lines = [l for l in p.stderr.splitlines() if l.startswith("megazero.train: error:")]
+    lines = [l for l in p.stderr.splitlines() if l.startswith("megazero.run.train: error:")]
     # each rank validates before any process group exists and says it once (torchrun may stop the
     # others after the first exits, so some may not get to print)
     assert 1 <= len(lines) <= 4, p.stderr[-2000:]
@@ -88,7 +88,7 @@ def test_two_node_launch_on_localhost(corpus, tmp_path):
     port = free_port()
     common = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=mz2node"]
-    args = ["-m", "megazero.train", "configs/debug_gpt.yaml",
+    args = ["-m", "megazero.run.train", "configs/debug_gpt.yaml",
             *small(corpus, tmp_path / "run", "parallel.pp=2", "parallel.tp=1", "zero.stage=1")]
     procs = [subprocess.Popen(common + [f"--node_rank={n}"] + args, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for n in (0, 1)]

@@ -3,7 +3,7 @@ input (and bias) gradients and leave their weight GEMMs in the store; computing 
 exactly autograd's weight gradients."""
 import torch
 
-from megazero import comm
+from megazero.runtime import comm
 from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megazero.tensor_parallel.weight_grad import WeightGradStore, attach
 

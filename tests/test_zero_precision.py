@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.parallel_context import ParallelContext
-from megazero.topology import Topology
+from megazero.runtime.parallel_context import ParallelContext
+from megazero.core.topology import Topology
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
 from tests.harness import run_ranks

@@ -4,7 +4,7 @@
     python tools/check_parity.py configs/debug_gpt.yaml --layouts 1x1x1 2x2x2 2x1x4 1x2x4 4x2x1 \
         [--steps K] [--loss-rtol 1e-5] [--param-atol 1e-5] [key=value ...]
 
-A layout is PPxTPxDP. Each layout runs `torchrun --nproc_per_node=PP*TP*DP -m megazero.train`
+A layout is PPxTPxDP. Each layout runs `torchrun --nproc_per_node=PP*TP*DP -m megazero.run.train`
 with the same overrides, the same seed and the same global batch (the gradient accumulation steps
 are derived per layout), saves its final weights (by logical name, full size) and its per-step
 metrics. The tool prints, for each layout against the first, the largest per-step relative loss
@@ -42,7 +42,7 @@ def run_layout(config: str, layout, steps: int, overrides: list[str], workdir: s
             f"checkpoint.save_interval={steps}", "log.progress_bar=false", f"log.interval={steps}",
             "trace.enabled=false"] + overrides
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp * tp * dp}",
-           "-m", "megazero.train", config] + args
+           "-m", "megazero.run.train", config] + args
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         lines = (proc.stdout + proc.stderr).strip().splitlines()
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
 
 
 def _config_global_batch(config, overrides, layout) -> int:
-    from megazero.config import load_config
+    from megazero.core.config import load_config
 
     pp, tp, dp = layout
     cfg = load_config(config, list(overrides) + [f"parallel.pp={pp}", f"parallel.tp={tp}"], world_size=pp * tp * dp)

@@ -26,7 +26,7 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 
 echo "== 1/3 build ($("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'), arch $TORCH_CUDA_ARCH_LIST)"
 start=$(date +%s)
-timeout 240 "$PY" -c 'import json, megazero.kernels as K; print(json.dumps(K.kernel_info(), indent=1))' \
+timeout 240 "$PY" -c 'import json, megazero.runtime.kernels as K; print(json.dumps(K.kernel_info(), indent=1))' \
   | tee "$DEST/kernel_info.json"
 echo "   build + load: $(( $(date +%s) - start )) s"
 

@@ -18,9 +18,9 @@ import json
 import os
 import sys
 
-from megazero.pipeline import instructions as I
-from megazero.pipeline.schedules import get_schedule
-from megazero.pipeline.simulate import simulate
+from megazero.core import instructions as I
+from megazero.core.schedules import get_schedule
+from megazero.core.simulate import simulate
 
 FWD = "0123456789abcdefghijklmnopqrstuvwxyz"
 BWD = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"

@@ -31,8 +31,8 @@ from torch import nn
 
 from megazero.activation_checkpoint.region import CheckpointStats, Frame, RNGSnapshot, dropout_state_of, enter
 from megazero.activation_checkpoint.storage import CheckpointStore, ContiguousPool
-from megazero.comm import GroupHandle
-from megazero.pipeline import instructions as I
+from megazero.runtime.comm import GroupHandle
+from megazero.core import instructions as I
 
 POLICIES = ("none", "full", "selective")
 
@@ -52,7 +52,7 @@ class CheckpointOptions:
 
     @classmethod
     def from_config(cls, section) -> "CheckpointOptions":
-        """From `megazero.config.ActivationCheckpointingConfig` (or any object with these fields)."""
+        """From `megazero.core.config.ActivationCheckpointingConfig` (or any object with these fields)."""
         return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
     def validate(self) -> None:
@@ -172,7 +172,7 @@ class ActivationCheckpointer:
         self.wrappers: list[CheckpointedBlock] = []
         self.segments: list[_Segment] = []
         self.per_chunk: list[int] | None = None  # segments in each chunk, once attached
-        self.observers: list = []  # memory meters counting recomputed tensors (megazero.memory)
+        self.observers: list = []  # memory meters counting recomputed tensors (megazero.run.memory)
         self.replaying = False
 
     @classmethod

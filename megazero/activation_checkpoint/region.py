@@ -11,7 +11,7 @@ through the graph built in the forward: `torch.autograd.grad(..., inputs=params)
 executor's B pass) and ZeRO's gradient hooks behave as without checkpointing.
 
 `Anchor` is the region's entry: an identity on the region inputs that saves the kept checkpoint
-tensors with `save_for_backward`, so saved-tensor measurement (megazero.memory) sees exactly what a
+tensors with `save_for_backward`, so saved-tensor measurement (megazero.run.memory) sees exactly what a
 checkpoint keeps, and whose backward frees the kept input (and its contiguous-buffer slot) once the
 gradient has reached the region's input.
 

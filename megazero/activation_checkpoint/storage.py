@@ -6,11 +6,11 @@ of ``activation_checkpointing``:
 * plain: a detached reference (no copy; the tensor's own storage stays alive).
 * ``partition_activations``: the flattened input is padded to a multiple of t = tp_group.size and
   split in t equal chunks; TP rank r keeps chunk r (numel/t elements). `load` all-gathers the chunks
-  over `tp_group` through `megazero.comm` (so ``tp_group.stats`` counts it: (t−1)·numel/t elements).
+  over `tp_group` through `megazero.runtime.comm` (so ``tp_group.stats`` counts it: (t−1)·numel/t elements).
   The TP ranks hold identical layer inputs (no sequence parallelism), so nothing is lost.
 * ``cpu_checkpointing``: the kept tensor is copied to host memory (pinned, copied asynchronously, when
   the input is on a GPU) and copied back in `load`. The host copy carries the attribute `HOST_TAG`, by
-  which megazero.memory counts it as host bytes even in CPU-only runs, where "device" and host are the
+  which megazero.run.memory counts it as host bytes even in CPU-only runs, where "device" and host are the
   same memory but the code path is the same.
 * ``contiguous_memory_optimization``: the kept tensors are copied into slots of one `ContiguousPool`
   per stage (one preallocated buffer, on the host with cpu_checkpointing), instead of separate
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megazero import comm
-from megazero.comm import GroupHandle
+from megazero.runtime import comm
+from megazero.runtime.comm import GroupHandle
 
 HOST_TAG = "megazero_host_checkpoint"
 

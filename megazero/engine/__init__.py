@@ -14,15 +14,15 @@ from __future__ import annotations
 from torch import nn
 
 from megazero.activation_checkpoint import max_live_forwards
-from megazero.config import Config, ConfigError, assert_supported, load_config, resolve
-from megazero.engine.build import (build_model, build_optimizer, build_scheduler, compute_dtype,
+from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve
+from megazero.engine.factories import (build_model, build_optimizer, build_scheduler, compute_dtype,
                                    synthetic_batches)
-from megazero.engine.module import ModuleEngine
-from megazero.engine.pipe import PipelineEngine
-from megazero.launch import detect, init_distributed
-from megazero.parallel_context import ParallelContext
-from megazero.pipeline.module import PipelineModule
-from megazero.topology import Topology
+from megazero.engine.module_engine import ModuleEngine
+from megazero.engine.pipeline_engine import PipelineEngine
+from megazero.run.launch import detect, init_distributed
+from megazero.runtime.parallel_context import ParallelContext
+from megazero.pipeline.pipeline_module import PipelineModule
+from megazero.core.topology import Topology
 
 __all__ = ["initialize", "load_run_config", "PipelineEngine", "ModuleEngine"]
 

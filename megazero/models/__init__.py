@@ -8,10 +8,10 @@ from megazero.models.attention import SelfAttention, alibi_slopes, apply_rope, r
 from megazero.models.block import MLP, TransformerBlock
 from megazero.models.common import LayerContext, Norm
 from megazero.models.embedding import TIED_EMBEDDING, EmbeddingLayer, HeadLayer
-from megazero.models.lm import CausalLM, LayerBuilder, causal_lm_loss, layer_builders
+from megazero.models.lm import CausalLM, LayerBuilder, causal_lm_loss, count_params, layer_builders
 
 __all__ = [
-    "CausalLM", "LayerBuilder", "layer_builders", "causal_lm_loss", "EmbeddingLayer", "HeadLayer",
+    "CausalLM", "LayerBuilder", "layer_builders", "causal_lm_loss", "count_params", "EmbeddingLayer", "HeadLayer",
     "TransformerBlock", "MLP", "SelfAttention", "Norm", "LayerContext", "TIED_EMBEDDING",
     "alibi_slopes", "apply_rope", "rope_cos_sin",
 ]

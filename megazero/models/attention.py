@@ -11,7 +11,7 @@ with head-major rows (head n occupies rows [n·d, (n+1)·d)), their biases, and 
 (h, a·d) with a replicated bias. These match Hugging Face's q_proj/k_proj/v_proj/o_proj.
 
 Positions: RoPE (rotate-half convention of GPT-NeoX/Llama) on q and k, or ALiBi (BLOOM slopes) added
-to the scores. The causal softmax runs through `megazero.kernels.scaled_upper_triang_masked_softmax`.
+to the scores. The causal softmax runs through `megazero.runtime.kernels.scaled_upper_triang_masked_softmax`.
 The attention core (`SelfAttention._core`: scores, softmax, attention dropout, context) is what
 selective activation checkpointing recomputes (`core_checkpoint`).
 """
@@ -23,7 +23,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from megazero import kernels
+from megazero.runtime import kernels
 from megazero.models.common import LayerContext
 from megazero.tensor_parallel import TP_STREAM, ColumnParallelLinear, Dropout, RowParallelLinear, ShardInfo
 from megazero.tensor_parallel.mappings import enter_column_region

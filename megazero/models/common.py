@@ -1,7 +1,7 @@
 """What every model layer needs to build itself: the spec, the TP group, seeds, dtype, device.
 
 `LayerContext` is passed to each layer's constructor (never stored globally). Norm layers call the
-kernel dispatch point `megazero.kernels` (fused kernel on GPU, PyTorch reference on CPU).
+kernel dispatch point `megazero.runtime.kernels` (fused kernel on GPU, PyTorch reference on CPU).
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megazero import kernels
-from megazero.comm import GroupHandle
-from megazero.spec import ModelSpec
+from megazero.runtime import kernels
+from megazero.runtime.comm import GroupHandle
+from megazero.core.spec import ModelSpec
 from megazero.tensor_parallel import REPLICATED_STREAM, TP_STREAM, Dropout, RNGStatesTracker, ShardInfo, make_param
 
 
@@ -66,7 +66,7 @@ class LayerContext:
 
 
 class Norm(nn.Module):
-    """LayerNorm (weight, bias) or RMSNorm (weight) over the last dim, through `megazero.kernels`.
+    """LayerNorm (weight, bias) or RMSNorm (weight) over the last dim, through `megazero.runtime.kernels`.
 
     Parameters are replicated across TP; logical names ``{name}.weight`` and ``{name}.bias``.
     """

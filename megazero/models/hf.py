@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from megazero.comm import GroupHandle
-from megazero.spec import ModelSpec, SpecError
+from megazero.runtime.comm import GroupHandle
+from megazero.core.spec import ModelSpec, SpecError
 from megazero.tensor_parallel import gather_full_params, load_full_params
 
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}

@@ -23,11 +23,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megazero.comm import GroupHandle
+from megazero.runtime.comm import GroupHandle, single_rank_group
 from megazero.models.block import TransformerBlock
 from megazero.models.common import LayerContext
 from megazero.models.embedding import EmbeddingLayer, HeadLayer
-from megazero.spec import ModelSpec
+from megazero.core.spec import ModelSpec
 from megazero.tensor_parallel import (RNGStatesTracker, num_logical_params, sync_sequence_parallel_grads,
                                       unique_params, vocab_parallel_cross_entropy)
 
@@ -128,3 +128,8 @@ class CausalLM(nn.Module):
     def num_params(self) -> int:
         return num_logical_params(unique_params(self))
 
+
+
+def count_params(spec: ModelSpec) -> int:
+    """Logical parameter count of `spec` (tied embeddings once), from the model built on the meta device."""
+    return CausalLM(spec, single_rank_group("tp"), device="meta").num_params()

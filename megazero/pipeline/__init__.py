@@ -1,8 +1,10 @@
-"""Pipeline parallelism.
+"""Pipeline parallelism at run time (L2): the parts that move tensors between stages.
 
-Pure parts (no torch): `instructions` (the instruction dataclasses programs are made of),
-`schedules` (GPipe, 1F1B, interleaved 1F1B, ZB-H1, CSV schedules), `simulate` (runs all stages'
-programs together with blocking p2p, reports bubble and deadlocks) and `partition` (layers ->
-stages). Import those submodules directly; this package file imports nothing so that
-`import megazero.pipeline.schedules` stays free of torch.
+- `pipeline_module`: `PipelineModule`, `LayerSpec`, `TiedLayerSpec` (a layer list of which each rank
+  builds only its own stage's layers);
+- `p2p`: activations and their gradients between neighbouring stages over the pp group;
+- `executor`: walks one stage's program (a schedule from `megazero.core.schedules`) instruction by
+  instruction; its two partners, the stage and the optimizer, are `typing.Protocol`s there.
+
+The pure parts (instructions, schedules, simulator, partition) live in `megazero.core`.
 """

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd import Variable
 
-from megazero.pipeline import instructions as I
+from megazero.core import instructions as I
 
 
 class PipelineError(RuntimeError):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
-from megazero.comm import GroupHandle
+from megazero.runtime import comm
+from megazero.runtime.comm import GroupHandle
 
 
 class PipeP2P:

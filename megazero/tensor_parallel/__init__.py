@@ -1,6 +1,6 @@
 """Tensor parallelism: the f/g operators, parallel layers, vocab-parallel cross-entropy, RNG streams.
 
-Every function and layer receives its TP group (a `megazero.comm.GroupHandle`) as an argument.
+Every function and layer receives its TP group (a `megazero.runtime.comm.GroupHandle`) as an argument.
 """
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.init import make_param, padded_size, stable_seed

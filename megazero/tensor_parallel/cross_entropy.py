@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
-from megazero.comm import GroupHandle
+from megazero.runtime import comm
+from megazero.runtime.comm import GroupHandle
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.comm import GroupHandle
+from megazero.runtime.comm import GroupHandle
 from megazero.tensor_parallel import mappings
 from megazero.tensor_parallel.init import local_size, make_param, padded_size
 from megazero.tensor_parallel.weight_grad import linear

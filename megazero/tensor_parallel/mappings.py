@@ -1,7 +1,7 @@
 """The conjugate communication operators of tensor parallelism, as small autograd Functions.
 
 Every operator takes the tensor-parallel `GroupHandle` explicitly and communicates only over it,
-through `megazero.comm` (so every byte is counted in ``group.stats``). With a group of one rank
+through `megazero.runtime.comm` (so every byte is counted in ``group.stats``). With a group of one rank
 every operator is the identity.
 
 | operator                                   | forward                    | backward                   |
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
-from megazero.comm import GroupHandle
+from megazero.runtime import comm
+from megazero.runtime.comm import GroupHandle
 
 
 def _all_gather_dim(x: torch.Tensor, dim: int, group: GroupHandle) -> torch.Tensor:

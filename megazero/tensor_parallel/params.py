@@ -17,8 +17,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from megazero import comm
-from megazero.comm import GroupHandle
+from megazero.runtime import comm
+from megazero.runtime.comm import GroupHandle
 
 
 def unique_params(model_or_layers) -> list[nn.Parameter]:

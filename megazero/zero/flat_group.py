@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
-from megazero.comm import GroupHandle
-from megazero.zero.flat_buffer import FlatLayout, build_layout
+from megazero.runtime import comm
+from megazero.runtime.comm import GroupHandle
+from megazero.core.flat_buffer import FlatLayout, build_layout
 
 
 def _flat_views(flat: torch.Tensor, ranges: list[tuple[int, int]], base: int = 0) -> list[torch.Tensor]:

@@ -3,7 +3,7 @@
 `ZeroOptimizer(params, ctx, ...)` flattens the parameters of one model-parallel rank (its pipeline
 stage's TP shard) into `FlatGroup`s, accumulates gradients in fp32 through post-accumulate-grad
 hooks, reduces them over `ctx.dp_group`, and updates the fp32 master shard with the fused Adam of
-`megazero.kernels`.
+`megazero.runtime.kernels`.
 
 Communication per optimizer step (Ψ = this rank's parameters, ring volumes, see REFERENCE.md):
 - stage 0: all-reduce of the gradient buckets once per step (2Ψ·(Nd−1)/Nd).
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megazero import comm, kernels
+from megazero.runtime import comm, kernels
 from megazero.zero.flat_group import FlatGroup
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.stage3 import Stage3Gatherer

@@ -13,8 +13,8 @@ import torch
 
 from megazero.models.embedding import EmbeddingLayer, HeadLayer
 from megazero.models.lm import causal_lm_loss, layer_builders
-from megazero.pipeline.module import LayerSpec, PipelineModule
-from megazero.spec import ModelSpec
+from megazero.pipeline.pipeline_module import LayerSpec, PipelineModule
+from megazero.core.spec import ModelSpec
 from megazero.tensor_parallel import RNGStatesTracker
 
 

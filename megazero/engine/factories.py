@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from megazero.activation_checkpoint import ActivationCheckpointer
-from megazero.config import Config
-from megazero.models.pipe import build_pipeline_model
-from megazero.pipeline.module import PipelineModule
-from megazero.spec import load_spec
+from megazero.core.config import Config
+from megazero.models.pipeline_model import build_pipeline_model
+from megazero.pipeline.pipeline_module import PipelineModule
+from megazero.core.spec import load_spec
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.lr_schedule import LRScheduler
 from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer

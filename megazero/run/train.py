@@ -1,4 +1,13 @@
-"""The training loop behind `megazero.train`: initialize, train `train.steps` steps, report.
+"""The trainer: its command line (`main`) and its loop (`run`).
+
+    torchrun --nproc_per_node=8 -m megazero.run.train configs/demo.yaml [key=value ...]
+    python -m megazero.run.train configs/debug_gpt.yaml parallel.pp=1 parallel.tp=1   # one process
+
+Every rank validates the config before any process group exists; a bad config, a layout that does
+not fit the world size, or a missing data file ends every rank with one clear line (exit code 2).
+Rank 0 prints a start summary, a progress bar, and the breakdowns; it writes one JSON object per
+step to log.metrics_file. Checkpoints go to checkpoint.dir every checkpoint.save_interval steps
+and at the end; per-rank Chrome traces to <run_dir>/trace/ when trace.enabled.
 
 Communication beyond the engine's: the per-step metrics are already agreed on every rank by
 `train_batch` (loss) and the optimizer (grad norm, loss scale); the memory breakdown is gathered
@@ -7,15 +16,47 @@ to rank 0 over the world group when asked for.
 from __future__ import annotations
 
 import os
-
+import sys
 
 import megazero
-from megazero import checkpoint
-from megazero.memory import SavedActivationMeter, memory_report
-from megazero.metrics import MetricsWriter, StepClock, Timers, format_bytes, mfu, model_flops_per_step
-from megazero.pipeline.schedules import get_schedule
-from megazero.pipeline.simulate import simulate
-from megazero.trace import Tracer
+from megazero.core.config import ConfigError, to_dict
+from megazero.core.schedules import get_schedule
+from megazero.core.simulate import simulate
+from megazero.core.spec import SpecError
+from megazero.engine import load_run_config
+from megazero.models import count_params
+from megazero.run import checkpoint
+from megazero.run.memory import SavedActivationMeter, memory_report
+from megazero.run.metrics import MetricsWriter, StepClock, Timers, format_bytes, mfu, model_flops_per_step
+from megazero.run.trace import Tracer
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    path, overrides = argv[0], argv[1:]
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    try:
+        if not os.path.exists(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        cfg = load_run_config(path, overrides)
+        _check_data(cfg)
+    except (ConfigError, SpecError, FileNotFoundError) as err:
+        print(f"megazero.run.train: error: {str(err).splitlines()[0] if rank else err}", file=sys.stderr)
+        return 2
+    return run(cfg, rank)
+
+
+def _check_data(cfg) -> None:
+    """Every rank checks the data path (only some stages read it; all must stop together)."""
+    if cfg.data.path is None:
+        return
+    if not os.path.exists(cfg.data.path + ".idx") or not os.path.exists(cfg.data.path + ".bin"):
+        raise FileNotFoundError(
+            f"data.path={cfg.data.path!r}: {cfg.data.path}.bin/.idx not found; create them with "
+            f"`python tools/preprocess_data.py --input FILES --output-prefix {cfg.data.path}`")
 
 
 def _summary(cfg, engine, optimizer) -> str:
@@ -28,7 +69,7 @@ def _summary(cfg, engine, optimizer) -> str:
         f"ZeRO-{cfg.zero.stage}, {cfg.precision}, schedule {cfg.pipeline.schedule}"
         + (f" (v={v})" if v > 1 else ""),
         f"model    {cfg.model.spec}: {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}, "
-        f"vocab {spec.vocab}, seq {spec.seq_len}; {spec.num_params() / 1e6:.2f}M params, "
+        f"vocab {spec.vocab}, seq {spec.seq_len}; {count_params(spec) / 1e6:.2f}M params, "
         f"rank 0 holds {optimizer.num_params() / 1e6:.3f}M",
         f"batch    global {t.global_batch_size} = micro {t.micro_batch_size} x accumulation {m} x dp "
         f"{ctx.dp_size}; micro-batches per flush {m}; bubble {bubble:.1%} (simulated, unit costs)",
@@ -126,8 +167,6 @@ def _progress(cfg, rank, start):
 
 
 def _plain(cfg):
-    from megazero.config import to_dict
-
     return to_dict(cfg)
 
 
@@ -137,3 +176,10 @@ def _finish() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # torch 2.13 + gloo can abort in interpreter teardown after a clean run

@@ -22,8 +22,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1]  # megazero/
-CSRC = PACKAGE_DIR / "csrc"
+KERNELS_DIR = Path(__file__).resolve().parent  # megazero/runtime/kernels/
+CSRC = KERNELS_DIR / "csrc"
+REPO_ROOT = KERNELS_DIR.parents[2]  # the directory holding megazero/
 INCLUDE = CSRC / "include"
 
 
@@ -114,7 +115,7 @@ def missing_tools(spec: ExtSpec) -> str | None:
 
 def aot_library(spec: ExtSpec) -> Path | None:
     """The library built by ``MEGAZERO_BUILD_OPS=1 pip install --no-build-isolation .``, if there is one."""
-    found = sorted((PACKAGE_DIR / "kernels").glob(f"_{spec.name}*.so"))
+    found = sorted(KERNELS_DIR.glob(f"_{spec.name}*.so"))
     return found[0] if found else None
 
 
@@ -138,16 +139,16 @@ def aot_extensions():
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-    root = PACKAGE_DIR.parent
+    root = REPO_ROOT
 
     def rel(spec: ExtSpec) -> list[str]:
         return [str(p.relative_to(root)) for p in spec.source_paths()]
 
     include = [str(INCLUDE)]  # absolute: ninja compiles from the build directory
-    exts = [CppExtension(f"megazero.kernels._{CPU_ADAM.name}", rel(CPU_ADAM), include_dirs=include,
+    exts = [CppExtension(f"megazero.runtime.kernels._{CPU_ADAM.name}", rel(CPU_ADAM), include_dirs=include,
                          extra_compile_args={"cxx": cxx_flags()}, extra_link_args=openmp_flags())]
     if torch.version.cuda is not None and CUDA_HOME is not None:
-        exts.append(CUDAExtension(f"megazero.kernels._{CUDA_OPS.name}", rel(CUDA_OPS), include_dirs=include,
+        exts.append(CUDAExtension(f"megazero.runtime.kernels._{CUDA_OPS.name}", rel(CUDA_OPS), include_dirs=include,
                                   extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags()}))
     else:
         print(f"megazero: MEGAZERO_BUILD_OPS=1 builds the CPU Adam only (torch {torch.__version__} "

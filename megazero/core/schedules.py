@@ -45,13 +45,13 @@ import os
 from fractions import Fraction
 from typing import Sequence
 
-from megazero.pipeline.csv_schedule import parse_csv
-from megazero.pipeline.instructions import (
+from megazero.core.csv_schedule import parse_csv
+from megazero.core.instructions import (
     BACKWARD_INPUT, COMPUTE, Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
     OptimizerStep, RecvAct, RecvGrad, ReduceGrads, ScheduleError, SendAct, SendGrad, check_orders,
     stage_and_chunk, virtual_stage,
 )
-from megazero.pipeline.simulate import Costs, DeadlockError, simulate
+from megazero.core.simulate import Costs, DeadlockError, simulate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 """Built-in schedule names; `get_schedule` also takes the path of a ``.csv`` schedule."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megazero.pipeline import partition as part
-from megazero.pipeline.instructions import virtual_stage
+from megazero.core import partition as part
+from megazero.core.instructions import virtual_stage
 
 
 class LayerSpec:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megazero.pipeline.instructions import COMPUTE, Instruction, ScheduleError, parse_action, render, split_backwards
+from megazero.core.instructions import COMPUTE, Instruction, ScheduleError, parse_action, render, split_backwards
 
 HEADER = "stage,actions"
 

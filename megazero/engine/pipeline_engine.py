@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
-from megazero.pipeline import instructions as I
+from megazero.runtime import comm
+from megazero.core import instructions as I
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipeP2P
-from megazero.pipeline.schedules import get_schedule
+from megazero.core.schedules import get_schedule
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 from megazero.tensor_parallel.weight_grad import attach as attach_wgrad_store
 

@@ -8,7 +8,7 @@ import os
 import time
 from collections import defaultdict
 
-from megazero.pipeline import instructions as I
+from megazero.core import instructions as I
 
 CATEGORY = {
     I.Forward: "forward", I.Backward: "backward", I.BackwardInput: "backward", I.BackwardWeight: "backward",

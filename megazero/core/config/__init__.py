@@ -7,7 +7,7 @@
 Sources: YAML or JSON in megazero's schema (`schema.Config`), DeepSpeed JSON (`deepspeed`, key
 table in `deepspeed_keys`), ``key=value`` overrides. `validate` runs before any process group
 exists; `resolve` derives dp = world / (pp x tp) and the batch triple
-global = micro x grad_accum x dp. ``python -m megazero.config explain CONFIG [key=value ...]
+global = micro x grad_accum x dp. ``python -m megazero.core.config explain CONFIG [key=value ...]
 --world-size N`` prints the resolved config and the derived values.
 """
 from .deepspeed import from_deepspeed, is_deepspeed, translate

@@ -17,7 +17,7 @@ Conventions the executor relies on:
 * Messages number instructions from 1 ("instruction 6 of 40"), as the executor does.
 * Sends and receives are *blocking and pairwise*: the k-th send from stage a to stage b is received
   by the k-th receive at b from a, and neither completes before both are posted. Schedules order
-  them so that this cannot deadlock; `megazero.pipeline.simulate` checks it.
+  them so that this cannot deadlock; `megazero.core.simulate` checks it.
 * ``Backward`` is a full backward (input and weight grads). Zero-bubble schedules split it into
   ``BackwardInput`` (input grad, the critical path) and ``BackwardWeight`` (weight grad, deferred).
   Both ``Backward`` and ``BackwardInput`` print as ``B3``; a program containing ``W3`` for the same

@@ -1,4 +1,4 @@
-"""``python -m megazero.config explain CONFIG [key=value ...] --world-size N``
+"""``python -m megazero.core.config explain CONFIG [key=value ...] --world-size N``
 
 Prints the resolved config as YAML, then dp size, micro-batches per pipeline flush and the
 bubble fraction of the chosen schedule. Exit status 2 with the error on stderr for a bad config.
@@ -15,7 +15,7 @@ from .loading import load_config
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megazero.config", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m megazero.core.config", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("explain", help="print the resolved config and derived values")

@@ -1,8 +1,8 @@
-"""megazero.kernels: the dispatch point for fused kernels. The rest of megazero calls only this module.
+"""megazero.runtime.kernels: the dispatch point for fused kernels. The rest of megazero calls only this module.
 
 Each op runs, in order of preference: megazero's built extension (csrc/, built lazily on first use or ahead of
 time with MEGAZERO_BUILD_OPS=1) -> NVIDIA apex if the user has it -> the PyTorch reference twin
-(megazero.kernels.reference), which is the op's specification. Importing this package compiles nothing.
+(megazero.runtime.kernels.reference), which is the op's specification. Importing this package compiles nothing.
 MEGAZERO_KERNELS=reference forces the twins; =strict turns a failed build into an error (see loader).
 
     layer_norm(x, weight, bias=None, eps=1e-5)          rms_norm(x, weight, eps=1e-5)

@@ -9,6 +9,9 @@ Validation happens in two steps, both before any compute: `ModelSpec.validate()`
 architecture alone (run by the constructor), `validate_layout(tp, sequence_parallel, seq_len)` checks
 that it can be split over a TP group. Grouped-query attention splits the KV heads over TP ranks, so
 tp must divide kv_heads; replicating KV heads across TP ranks (tp > kv_heads) is not supported.
+
+A spec is pure data (L0): building modules from it is `megazero.models` (`CausalLM(spec, tp_group)`,
+`layer_builders(spec, tp_group)`, `count_params(spec)`).
 """
 from __future__ import annotations
 
@@ -131,29 +134,6 @@ class ModelSpec:
         s = seq_len if seq_len is not None else self.seq_len
         if sequence_parallel and s % tp:
             raise SpecError(f"sequence_parallel needs seq_len={s} divisible by tp={tp}")
-
-    # -- building ------------------------------------------------------------------------
-    def layer_builders(self, ctx_or_tp_group, *, seed: int = 0, sequence_parallel: bool = False, **kwargs):
-        """Per-layer factories for pipeline stages (see `megazero.models.layer_builders`). Takes a
-        ParallelContext (its tp_group and pp_rank are used) or a TP GroupHandle."""
-        from megazero.models import layer_builders
-        group = getattr(ctx_or_tp_group, "tp_group", ctx_or_tp_group)
-        kwargs.setdefault("pp_rank", getattr(ctx_or_tp_group, "pp_rank", 0))
-        return layer_builders(self, group, seed=seed, sequence_parallel=sequence_parallel, **kwargs)
-
-    def build_model(self, ctx_or_tp_group, *, seed: int = 0, sequence_parallel: bool = False, **kwargs):
-        """The whole model (pp=1) as a `megazero.models.CausalLM`, from a ParallelContext or a TP GroupHandle."""
-        from megazero.models import CausalLM
-        group = getattr(ctx_or_tp_group, "tp_group", ctx_or_tp_group)
-        return CausalLM(self, group, seed=seed, sequence_parallel=sequence_parallel, **kwargs)
-
-    def num_params(self) -> int:
-        """Logical parameter count (tied embeddings once), counted on the meta device."""
-        from megazero.comm import single_rank_group
-        from megazero.models import CausalLM
-        from megazero.tensor_parallel import num_logical_params
-        model = CausalLM(self, single_rank_group("tp"), device="meta")
-        return num_logical_params(model.parameters())
 
 
 def _choice(name: str, value, choices) -> None:

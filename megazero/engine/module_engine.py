@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
+from megazero.runtime import comm
 
 
 class ModuleEngine:

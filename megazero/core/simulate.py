@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence, Union
 
-from megazero.pipeline.instructions import (
+from megazero.core.instructions import (
     BACKWARD_INPUT, P2P, SENDS, Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
     OptimizerStep, RecvAct, RecvGrad, ReduceGrads, ScheduleError, SendAct, check_programs, virtual_stage,
 )

@@ -15,8 +15,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megazero.comm import CommStats, GroupHandle
-from megazero.topology import Topology
+from megazero.runtime.comm import CommStats, GroupHandle
+from megazero.core.topology import Topology
 
 
 class ParallelContext:

@@ -1,0 +1,9 @@
+"""L4, running: the trainer CLI and loop, launch, checkpoints, metrics, traces, memory reports.
+
+- `train`: ``python -m megazero.run.train CONFIG [key=value ...]`` (under torchrun) and its loop;
+- `launch`: reads torchrun / Slurm variables, initialises the default process group;
+- `checkpoint`: save and load (reshardable) checkpoints;
+- `metrics`, `trace`, `memory`: what a run reports.
+
+Import the submodules directly; this file imports nothing.
+"""
