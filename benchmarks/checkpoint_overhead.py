@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
     peaks = {}
     for n, (engine, data) in engines.items():
         time_steps(engine, data, 1)  # warm-up
-        with SavedActivationMeter(engine.module).measure() as meter:
+        with SavedActivationMeter(engine.module, checkpointer=engine.module.activation_checkpointer).measure() as meter:
             engine.train_batch(data)
         peaks[n] = {"peak_saved_device_bytes": meter.peak["device"], "peak_saved_host_bytes": meter.peak["host"],
                     "peak_recompute_bytes": meter.peak["recompute"]}

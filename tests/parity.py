@@ -15,10 +15,10 @@ def train_worker(config: dict, steps: int, overrides=()):
     for _ in range(steps):
         losses.append(engine.train_batch(data))
         norms.append(engine.last_info.get("grad_norm"))
-    ctx = engine.ctx
+    pctx = engine.pctx
     with optimizer.full_parameters():
-        params = gather_full_params(engine.module, ctx.tp_group)
-    params = {k: v.float() for k, v in params.items()} if ctx.dp_rank == 0 and ctx.tp_rank == 0 else {}
+        params = gather_full_params(engine.module, pctx.tp_group)
+    params = {k: v.float() for k, v in params.items()} if pctx.dp_rank == 0 and pctx.tp_rank == 0 else {}
     return losses, norms, params
 
 
@@ -32,14 +32,14 @@ def grad_worker(config: dict, overrides=()):
         optimizer.reduce_grads()
         for p, g in optimizer.reduced_gradients().items():
             p.grad = g.clone()
-        captured.update(gather_full_grads(engine.module, engine.ctx.tp_group))
+        captured.update(gather_full_grads(engine.module, engine.pctx.tp_group))
         for p in engine.module.parameters():
             p.grad = None
         return {"skipped": False}
     optimizer.step = capture
     loss = engine.train_batch(data)
-    ctx = engine.ctx
-    return loss, ({k: v.float() for k, v in captured.items()} if ctx.dp_rank == 0 and ctx.tp_rank == 0 else {})
+    pctx = engine.pctx
+    return loss, ({k: v.float() for k, v in captured.items()} if pctx.dp_rank == 0 and pctx.tp_rank == 0 else {})
 
 
 def merge(results):

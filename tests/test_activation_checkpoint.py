@@ -119,13 +119,13 @@ def zero3_worker(base: dict, names, steps: int = 2):
     for name in ("none",) + tuple(names):
         cfg = dict(base, activation_checkpointing=POLICIES[name] if name != "none" else {"policy": "none"})
         engine, optimizer, data, _ = megazero.initialize(config=cfg)
-        ctx = engine.ctx
-        ctx.dp_group.stats.reset()
+        pctx = engine.pctx
+        pctx.dp_group.stats.reset()
         losses = [engine.train_batch(data) for _ in range(steps)]
-        gathered = ctx.dp_group.stats.total(axis=ctx.dp_group.axis, op="all_gather").bytes
+        gathered = pctx.dp_group.stats.total(axis=pctx.dp_group.axis, op="all_gather").bytes
         with optimizer.full_parameters():
-            params = gather_full_params(engine.module, ctx.tp_group)
-        out[name] = (losses, params if ctx.dp_rank == 0 else {}, gathered)
+            params = gather_full_params(engine.module, pctx.tp_group)
+        out[name] = (losses, params if pctx.dp_rank == 0 else {}, gathered)
     return out
 
 
@@ -238,8 +238,9 @@ def test_transformer_blocks_in_segments_match_and_run_in_order():
     spec = load_spec("model_specs/gpt.py:debug", {"layers": 3, "dropout": 0.2, "attention_dropout": 0.2})
 
     def grads(policy, **kw):
-        builders = layer_builders(spec, single_rank_group("tp"), seed=5)[1:-1]
         ckpt = _checkpointer(policy=policy, **kw) if policy != "none" else None
+        builders = layer_builders(spec, single_rank_group("tp"), seed=5,
+                                  attention_core=ckpt.attention_core if ckpt else None)[1:-1]
         blocks = [ckpt.wrap_block(b()) if ckpt else b() for b in builders]
         if ckpt:
             ckpt.attach([blocks])
@@ -261,8 +262,12 @@ def test_transformer_blocks_in_segments_match_and_run_in_order():
 
 
 def test_segments_and_in_flight_micro_batches():
-    from megazero.activation_checkpoint import max_live_forwards, segment_sizes
+    from megazero.activation_checkpoint import segment_sizes
     from megazero.core.schedules import get_schedule
+    from megazero.core.simulate import peaks
+
+    def max_live_forwards(program):
+        return peaks(program)[0]
 
     assert segment_sizes(4, 1, None) == [1, 1, 1, 1] and segment_sizes(5, 2, None) == [2, 2, 1]
     assert segment_sizes(4, 1, 3) == [1, 2, 1] and segment_sizes(2, 1, 5) == [1, 1]

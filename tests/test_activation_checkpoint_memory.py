@@ -98,13 +98,13 @@ def layer_worker(names):
     for name in names:
         tp, sp, ac = ROWS[name]
         engine, _, data, _ = megazero.initialize(config=config(tp, sp, ac))
-        engine.ctx.tp_group.stats.reset()
-        meter = SavedActivationMeter(engine.module)
+        engine.pctx.tp_group.stats.reset()
+        meter = SavedActivationMeter(engine.module, checkpointer=engine.module.activation_checkpointer)
         with meter.measure():
             engine.train_batch(data)
         layer = meter.per_layer["layers.0"]
         out[name] = (layer["device"], layer["host"],
-                     engine.ctx.tp_group.stats.total(axis=engine.ctx.tp_group.axis, op="all_gather").bytes)
+                     engine.pctx.tp_group.stats.total(axis=engine.pctx.tp_group.axis, op="all_gather").bytes)
     return out
 
 
@@ -143,13 +143,13 @@ def peak_worker(ac, gas, schedule):
     engine, _, data, _ = megazero.initialize(config=config(1, False, ac, pp=4, gas=gas, layers=4,
                                                             schedule=schedule))
     engine.train_batch(data)  # warm-up: the contiguous buffer and RNG generators exist afterwards
-    meter = SavedActivationMeter(engine.module)
+    meter = SavedActivationMeter(engine.module, checkpointer=engine.module.activation_checkpointer)
     with meter.measure():
         engine.train_batch(data)
     per_mb = sum(sum(v.values()) for v in meter.per_layer.values()) / gas
     assert meter.peak["host"] == 0
     has_blocks = any(label.startswith("layers.") for label in meter.per_layer)
-    return engine.ctx.pp_rank, meter.peak["device"], per_mb, meter.peak["recompute"], has_blocks
+    return engine.pctx.pp_rank, meter.peak["device"], per_mb, meter.peak["recompute"], has_blocks
 
 
 @pytest.mark.parametrize("schedule, gas", [("1f1b", 6), ("1f1b", 2), ("gpipe", 3)])

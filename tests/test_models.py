@@ -71,37 +71,37 @@ def summary(loss, model, group):
     return loss.item(), {k: v.numpy() for k, v in grads.items()}
 
 
-def _comm_volume(spec, ctx, sp):
+def _comm_volume(spec, pctx, sp):
     """TP elements moved by one block (fwd+bwd) and by the whole model, per op."""
-    t, stats = ctx.tp_size, ctx.stats
-    block = layer_builders(spec, ctx.tp_group, seed=SEED, sequence_parallel=sp)[1](None)
+    t, stats = pctx.tp_size, pctx.stats
+    block = layer_builders(spec, pctx.tp_group, seed=SEED, sequence_parallel=sp)[1](None)
     x = torch.randn(spec.seq_len // t if sp else spec.seq_len, 2, spec.hidden, requires_grad=True)  # (s, b, h)
     stats.reset()
     block(x).backward(torch.randn_like(x))
     per_block = {op: (c.calls, c.elements) for (axis, op), c in stats.counts.items() if axis == "tp"}
-    model = CausalLM(spec, ctx.tp_group, seed=SEED, sequence_parallel=sp)
+    model = CausalLM(spec, pctx.tp_group, seed=SEED, sequence_parallel=sp)
     stats.reset()
     model(*batch(spec))[0].backward()
     whole = stats.total("tp").elements
     return per_block, whole
 
 
-def _dropout_checks(ctx):
+def _dropout_checks(pctx):
     """Same-seed runs are bit-identical; TP-stream draws differ across TP ranks, replicated ones agree."""
     out = {}
     for sp in (False, True):
         spec = spec_of("gpt", dropout=True)
-        (l1, m1), (l2, m2) = train_step(spec, ctx.tp_group, sp), train_step(spec, ctx.tp_group, sp)
+        (l1, m1), (l2, m2) = train_step(spec, pctx.tp_group, sp), train_step(spec, pctx.tp_group, sp)
         same = torch.equal(l1, l2) and all(torch.equal(a.grad, b.grad) for a, b in zip(m1.parameters(), m2.parameters()))
-        no_dropout, _ = train_step(spec_of("gpt"), ctx.tp_group, sp)
+        no_dropout, _ = train_step(spec_of("gpt"), pctx.tp_group, sp)
         out[f"bit-identical sp={sp}"] = same
         out[f"dropout active sp={sp}"] = not torch.equal(l1, no_dropout)
     draws = {}
     for stream in (TP_STREAM, REPLICATED_STREAM):
         mine = torch.rand(16, generator=m1.tracker.generator(stream, "cpu"))
-        every = torch.empty(16 * ctx.tp_size)
-        comm.all_gather(every, mine, ctx.tp_group)
-        chunks = every.chunk(ctx.tp_size)
+        every = torch.empty(16 * pctx.tp_size)
+        comm.all_gather(every, mine, pctx.tp_group)
+        chunks = every.chunk(pctx.tp_size)
         draws[stream] = all(torch.equal(c, chunks[0]) for c in chunks)
     out["tp stream differs across ranks"] = not draws[TP_STREAM]
     out["replicated stream agrees across ranks"] = draws[REPLICATED_STREAM]
@@ -109,16 +109,16 @@ def _dropout_checks(ctx):
 
 
 def _worker(t):
-    ctx = ParallelContext(Topology(tp=t))
-    g = ctx.tp_group
+    pctx = ParallelContext(Topology(tp=t))
+    g = pctx.tp_group
     res = {"parity": {}, "masked": {}}
     for name, sp in PARITY:
         res["parity"][name, sp] = summary(*train_step(spec_of(name), g, sp), g)
     for name, sp in MASKED:
         loss, model = train_step(spec_of(name, dropout=True), g, sp, mask_fn=LogicalMaskFn(7, 0.1))
         res["masked"][name, sp] = summary(loss, model, g)
-    res["comm"] = {(name, sp): _comm_volume(spec_of(name), ctx, sp) for name in ("gpt", "llama") for sp in (False, True)}
-    res["dropout"] = _dropout_checks(ctx)
+    res["comm"] = {(name, sp): _comm_volume(spec_of(name), pctx, sp) for name in ("gpt", "llama") for sp in (False, True)}
+    res["dropout"] = _dropout_checks(pctx)
     return res if dist.get_rank() == 0 else res["dropout"]
 
 

@@ -21,14 +21,14 @@ def _members(group):
 
 def _check_groups(order):
     topo = Topology(pp=2, dp=2, tp=2, order=order)
-    ctx = ParallelContext(topo)
+    pctx = ParallelContext(topo)
     r = dist.get_rank()
-    got = {name: _members(getattr(ctx, f"{name}_group")) for name in ("tp", "dp", "pp", "mp", "world")}
-    got["embedding"] = _members(ctx.embedding_group)
+    got = {name: _members(getattr(pctx, f"{name}_group")) for name in ("tp", "dp", "pp", "mp", "world")}
+    got["embedding"] = _members(pctx.embedding_group)
     expect = {"tp": topo.group_of(r, "tp"), "dp": topo.group_of(r, "dp"), "pp": topo.group_of(r, "pp"),
               "mp": topo.group_of(r, "pp", "tp"), "world": list(range(8)),
               "embedding": topo.group_of(r, "pp")}
-    return got, expect, (ctx.tp_rank, ctx.dp_rank, ctx.pp_rank), tuple(ctx.coords[:1]) + (ctx.coords.dp, ctx.coords.tp)
+    return got, expect, (pctx.tp_rank, pctx.dp_rank, pctx.pp_rank), tuple(pctx.coords[:1]) + (pctx.coords.dp, pctx.coords.tp)
 
 
 @pytest.mark.parametrize("order", [("pp", "dp", "tp"), ("tp", "pp", "dp")])
@@ -39,16 +39,16 @@ def test_groups_match_topology_with_real_collectives(order):
 
 
 def _count_bytes():
-    ctx = ParallelContext(Topology(pp=2, dp=2, tp=2))
+    pctx = ParallelContext(Topology(pp=2, dp=2, tp=2))
     n = 12  # elements per tensor, divisible by every group size
     x = torch.full((n,), float(dist.get_rank()))
-    comm.all_reduce(x, ctx.dp_group)  # 2*(2-1)/2 * 12 = 12 elements
+    comm.all_reduce(x, pctx.dp_group)  # 2*(2-1)/2 * 12 = 12 elements
     shard = torch.empty(n // 2)
-    comm.reduce_scatter(shard, torch.ones(n), ctx.tp_group)  # (2-1) * 6 = 6 elements
+    comm.reduce_scatter(shard, torch.ones(n), pctx.tp_group)  # (2-1) * 6 = 6 elements
     full = torch.empty(n * 8)
-    comm.all_gather(full, torch.ones(n), ctx.world_group)  # (8-1) * 12 = 84 elements
-    comm.all_reduce(torch.ones(3, dtype=torch.float64), ctx.world_group)  # 2*7/8*3 = 5.25 elements
-    s = ctx.stats
+    comm.all_gather(full, torch.ones(n), pctx.world_group)  # (8-1) * 12 = 84 elements
+    comm.all_reduce(torch.ones(3, dtype=torch.float64), pctx.world_group)  # 2*7/8*3 = 5.25 elements
+    s = pctx.stats
     return (s.total("dp", "all_reduce"), s.total("tp", "reduce_scatter"), s.total("world", "all_gather"),
             s.total("world", "all_reduce"), x.tolist(), shard.tolist(), s.snapshot())
 

@@ -85,18 +85,18 @@ def _named(model, stage, n_blocks):
 
 def pipe_worker(schedule, n_blocks, m, chunks=1, kill_rank=None):
     pp = dist.get_world_size()
-    ctx = ParallelContext(Topology(pp=pp), timeout_s=20)
-    model = PipelineModule(layers(n_blocks), pp, ctx.pp_rank, loss_fn, "uniform", chunks=chunks)
-    opt = ZeroOptimizer(list(model.parameters()), ctx, stage=0, spec=OptimizerSpec("sgd", lr=0.0))
+    pctx = ParallelContext(Topology(pp=pp), timeout_s=20)
+    model = PipelineModule(layers(n_blocks), pp, pctx.pp_rank, loss_fn, "uniform", chunks=chunks)
+    opt = ZeroOptimizer(list(model.parameters()), pctx, stage=0, spec=OptimizerSpec("sgd", lr=0.0))
     grads = {}
-    program = get_schedule(schedule, pp, m, chunks)[ctx.pp_rank]
-    ex = PipelineExecutor(model, PipeP2P(ctx.pp_group, (MB, SEQ, HID), torch.float32), opt, ctx.pp_rank, pp,
-                          rank=ctx.global_rank)
-    if kill_rank is not None and ctx.global_rank == kill_rank:
+    program = get_schedule(schedule, pp, m, chunks)[pctx.pp_rank]
+    ex = PipelineExecutor(model, PipeP2P(pctx.pp_group, (MB, SEQ, HID), torch.float32), opt, pctx.pp_rank, pp,
+                          rank=pctx.global_rank)
+    if kill_rank is not None and pctx.global_rank == kill_rank:
         os._exit(1)
     opt.step = lambda: {"skipped": False}  # keep the reduced gradients for inspection
     st = ex.run(program, iter(microbatches(m)), m)
-    for key, p in _named(model, ctx.pp_rank, n_blocks):
+    for key, p in _named(model, pctx.pp_rank, n_blocks):
         g, i = opt._where[id(p)]
         s, e = g.layout.param_range(i)
         grads[key] = g.grad_flat[s:e].view_as(p).clone()

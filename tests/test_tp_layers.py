@@ -159,12 +159,12 @@ def _check_embedding_and_ce(g):
 def _layers_worker():
     results = {}
     for topo in (Topology(tp=4), Topology(dp=2, tp=2)):
-        ctx = ParallelContext(topo)
-        g = ctx.tp_group
+        pctx = ParallelContext(topo)
+        g = pctx.tp_group
         res = {"mappings": _check_mappings(g)}
-        ctx.stats.reset()
+        pctx.stats.reset()
         gather_from_sequence_parallel_region(torch.ones(4, 3), g)
-        res["ag_elements"] = ctx.stats.total("tp", "all_gather").elements
+        res["ag_elements"] = pctx.stats.total("tp", "all_gather").elements
         res.update(linear=_check_linear_layers(g), emb=_check_embedding_and_ce(g))
         results[g.size] = res
     return results

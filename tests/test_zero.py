@@ -60,12 +60,12 @@ def reference(spec, clip=0.0, steps=STEPS):
 
 
 def zero_worker(stage, spec, steps=STEPS, clip=0.0, **kw):
-    ctx = ParallelContext(Topology(dp=dist.get_world_size()))
+    pctx = ParallelContext(Topology(dp=dist.get_world_size()))
     model = make_model()
     units = [model[0], model[2], model[4]]
-    opt = ZeroOptimizer(list(model.parameters()), ctx, stage=stage, spec=spec, gradient_clipping=clip,
+    opt = ZeroOptimizer(list(model.parameters()), pctx, stage=stage, spec=spec, gradient_clipping=clip,
                         units=units, **kw)
-    n, r = ctx.dp_size, ctx.dp_rank
+    n, r = pctx.dp_size, pctx.dp_rank
     losses, norms = [], []
     for s in range(steps):
         x, y = batch(s)
@@ -129,16 +129,16 @@ def test_sgd_parity():
 
 
 def gather_calls_worker(allgather_bucket_size):
-    ctx = ParallelContext(Topology(dp=dist.get_world_size()))
+    pctx = ParallelContext(Topology(dp=dist.get_world_size()))
     model = make_model()
-    opt = ZeroOptimizer(list(model.parameters()), ctx, stage=1, spec=ADAM, reduce_bucket_size=20,
+    opt = ZeroOptimizer(list(model.parameters()), pctx, stage=1, spec=ADAM, reduce_bucket_size=20,
                         allgather_bucket_size=allgather_bucket_size)
     x, y = batch(0)
-    torch.nn.functional.mse_loss(model(x.chunk(2)[ctx.dp_rank]), y.chunk(2)[ctx.dp_rank]).backward()
+    torch.nn.functional.mse_loss(model(x.chunk(2)[pctx.dp_rank]), y.chunk(2)[pctx.dp_rank]).backward()
     opt.after_backward()
-    ctx.stats.reset()
+    pctx.stats.reset()
     opt.step()
-    ag = ctx.stats.total("dp", "all_gather")
+    ag = pctx.stats.total("dp", "all_gather")
     return ag.calls, ag.elements, len(opt.groups[0].layout.buckets)
 
 

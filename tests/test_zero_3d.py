@@ -60,10 +60,10 @@ def volume_worker(cfg):
 
     engine, optimizer, data, _ = megazero.initialize(config=cfg)
     engine.train_batch(data)  # warm-up step
-    engine.ctx.stats.reset()
+    engine.pctx.stats.reset()
     engine.train_batch(data)
-    dp = engine.ctx.stats.total(axis="dp")
-    return dp.elements, optimizer.num_params(), optimizer.memory_breakdown(), engine.ctx.dp_size
+    dp = engine.pctx.stats.total(axis="dp")
+    return dp.elements, optimizer.num_params(), optimizer.memory_breakdown(), engine.pctx.dp_size
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -17,11 +17,11 @@ SPEC = OptimizerSpec("adamw", lr=5e-3, weight_decay=0.01)
 
 
 def train(stage, dtype, steps, scaler=None, inject_step=None, inject_rank=1):
-    ctx = ParallelContext(Topology(dp=dist.get_world_size()))
+    pctx = ParallelContext(Topology(dp=dist.get_world_size()))
     model = make_model(dtype)
-    opt = ZeroOptimizer(list(model.parameters()), ctx, stage=stage, spec=SPEC, units=[model[0], model[2], model[4]],
+    opt = ZeroOptimizer(list(model.parameters()), pctx, stage=stage, spec=SPEC, units=[model[0], model[2], model[4]],
                         loss_scaler=scaler, reduce_bucket_size=300, gradient_clipping=1.0)
-    n, r = ctx.dp_size, ctx.dp_rank
+    n, r = pctx.dp_size, pctx.dp_rank
     out = []
     for s in range(steps):
         x, y = batch(s % 8)
@@ -72,18 +72,18 @@ def test_inf_on_one_rank_skips_everywhere_and_scale_recovers(stage):
 
 
 def volume_worker(stage, gas):
-    ctx = ParallelContext(Topology(dp=dist.get_world_size()))
+    pctx = ParallelContext(Topology(dp=dist.get_world_size()))
     model = make_model()
-    opt = ZeroOptimizer(list(model.parameters()), ctx, stage=stage, spec=SPEC,
+    opt = ZeroOptimizer(list(model.parameters()), pctx, stage=stage, spec=SPEC,
                         units=[model[0], model[2], model[4]], reduce_bucket_size=200)
     x, y = batch(0)
-    x, y = x.chunk(ctx.dp_size)[ctx.dp_rank], y.chunk(ctx.dp_size)[ctx.dp_rank]
-    ctx.stats.reset()
+    x, y = x.chunk(pctx.dp_size)[pctx.dp_rank], y.chunk(pctx.dp_size)[pctx.dp_rank]
+    pctx.stats.reset()
     for xm, ym in zip(x.chunk(gas), y.chunk(gas)):
         torch.nn.functional.mse_loss(model(xm), ym).backward()
         opt.after_backward()
     opt.step()
-    dp = ctx.stats.total(axis="dp")
+    dp = pctx.stats.total(axis="dp")
     return dp.elements, sum(p.numel() for p in make_model().parameters())
 
 
@@ -107,9 +107,9 @@ def test_gradient_accumulation_reduces_once_per_step_where_the_stage_allows():
 
 
 def memory_worker(stage, dtype):
-    ctx = ParallelContext(Topology(dp=dist.get_world_size()))
+    pctx = ParallelContext(Topology(dp=dist.get_world_size()))
     model = make_model(dtype)
-    opt = ZeroOptimizer(list(model.parameters()), ctx, stage=stage, spec=SPEC,
+    opt = ZeroOptimizer(list(model.parameters()), pctx, stage=stage, spec=SPEC,
                         units=[model[0], model[2], model[4]], reduce_bucket_size=400)
     x, y = batch(0)
     torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()

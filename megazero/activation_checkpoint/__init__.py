@@ -5,10 +5,10 @@ See checkpointer.py for the policies, region.py for how a region drops and recom
 (and replays the random state), storage.py for where kept inputs live.
 """
 from megazero.activation_checkpoint.checkpointer import (POLICIES, ActivationCheckpointer, CheckpointedBlock,
-                                                         CheckpointOptions, max_live_forwards, segment_sizes)
+                                                         CheckpointOptions, segment_sizes)
 from megazero.activation_checkpoint.region import CheckpointStats, Frame, RNGSnapshot
 from megazero.activation_checkpoint.storage import HOST_TAG, CheckpointStore, ContiguousPool
 
-__all__ = ["POLICIES", "ActivationCheckpointer", "CheckpointedBlock", "CheckpointOptions", "max_live_forwards",
+__all__ = ["POLICIES", "ActivationCheckpointer", "CheckpointedBlock", "CheckpointOptions",
            "segment_sizes", "CheckpointStats", "Frame", "RNGSnapshot", "HOST_TAG", "CheckpointStore",
            "ContiguousPool"]

@@ -10,9 +10,10 @@
 * ``selective`` (Korthikanti et al. 2022): only the attention core (score matmul, causal softmax,
   attention dropout, context matmul) is recomputed; it keeps q, k and v.
 
-Use: ``ckpt = ActivationCheckpointer(options, tp_group)``; pass ``ckpt.wrap_block`` as the block hook of
-`build_pipeline_model` (which calls ``ckpt.attach(model)``); the engine calls
-``ckpt.set_in_flight(max_live_forwards(program))`` so a contiguous buffer holds
+Use: ``ckpt = ActivationCheckpointer(options, tp_group)``; pass it to `build_pipeline_model`
+(``activation_checkpointer=ckpt``: it wraps the blocks with ``ckpt.wrap_block``, gives the attention
+layers ``ckpt.attention_core`` and the PipelineModule calls ``ckpt.attach(local_chunks)``); the engine
+calls ``ckpt.set_in_flight(peaks(program)[0])`` (`megazero.core.simulate.peaks`) so a contiguous buffer holds
 (segments per chunk) × (micro-batches in flight on this stage) checkpoints. ``ckpt.checkpoint(fn, *xs)``
 checkpoints any other function. Communication: with ``partition_activations``, one all-gather of each
 kept input over `tp_group` per recompute; recomputing a block re-runs its forward TP collectives.
@@ -32,9 +33,9 @@ from torch import nn
 from megazero.activation_checkpoint.region import CheckpointStats, Frame, RNGSnapshot, dropout_state_of, enter
 from megazero.activation_checkpoint.storage import CheckpointStore, ContiguousPool
 from megazero.runtime.comm import GroupHandle
-from megazero.core import instructions as I
+from megazero.core.config.schema import CHECKPOINT_POLICY_CHOICES
 
-POLICIES = ("none", "full", "selective")
+POLICIES = CHECKPOINT_POLICY_CHOICES  # one list: the config schema's
 
 
 @dataclass(frozen=True)
@@ -69,19 +70,6 @@ class CheckpointOptions:
             raise ValueError(f"{key}.contiguous_memory_optimization needs {key}.number_checkpoints")
 
 
-def max_live_forwards(program) -> int:
-    """The most (micro-batch, chunk) forwards whose backward has not run yet, over a stage's program
-    (1F1B stage s of p: min(p − s, m); GPipe: m)."""
-    live = peak = 0
-    for ins in program:
-        if isinstance(ins, I.Forward):
-            live += 1
-            peak = max(peak, live)
-        elif isinstance(ins, (I.Backward, I.BackwardInput)):
-            live -= 1
-    return max(peak, 1)
-
-
 def segment_sizes(num_blocks: int, every_k: int, number: int | None) -> list[int]:
     """Block counts of the segments of a chunk of `num_blocks` consecutive blocks."""
     if number is not None:
@@ -98,7 +86,7 @@ class CheckpointedBlock(nn.Module):
     def __init__(self, block: nn.Module, checkpointer: "ActivationCheckpointer"):
         super().__init__()
         self.block = block
-        self.index = getattr(block, "index", None)
+        self.index = getattr(block, "index", None)  # duck-typed: megazero's TransformerBlock has one, a user's block may not
         self.checkpointer = checkpointer  # a plain object, not a submodule
         self.segment: _Segment = _Segment([self], checkpointer)
         self.position = 0
@@ -183,21 +171,22 @@ class ActivationCheckpointer:
 
     # -- building ---------------------------------------------------------------------------------
     def wrap_block(self, block: nn.Module) -> nn.Module:
-        """The block hook of `build_pipeline_model`: full -> a `CheckpointedBlock`; selective -> the
-        block with its attention core checkpointed; none -> the block."""
-        policy = self.options.policy
-        if policy == "full":
-            w = CheckpointedBlock(block, self)
-            self.wrappers.append(w)
-            self.segments.append(w.segment)
-            return w
-        if policy == "selective":
-            attn = getattr(block, "attn", None)
-            if attn is None or not hasattr(attn, "core_checkpoint"):
-                raise ValueError(f"activation_checkpointing.policy=selective: {type(block).__name__} has no "
-                                 f"attention with a checkpointable core (attn.core_checkpoint)")
-            attn.core_checkpoint = _SelectiveCore(self, f"layers.{getattr(block, 'index', '?')}.attn.core")
-        return block
+        """The block hook of `build_pipeline_model`: full -> a `CheckpointedBlock`; otherwise the block
+        (selective checkpointing reaches the attention cores through `attention_core` at construction)."""
+        if self.options.policy != "full":
+            return block
+        w = CheckpointedBlock(block, self)
+        self.wrappers.append(w)
+        self.segments.append(w.segment)
+        return w
+
+    def attention_core(self, name: str):
+        """The wrapper an attention layer runs its core through, ``fn(core, q, k, v)``, or None.
+
+        Selective policy: the core (scores, softmax, dropout, probs·V) is a recompute region that keeps
+        only q, k, v. Passed to `layer_builders(attention_core=...)`, so each attention gets its wrapper
+        in its constructor; `name` (``layers.<i>.attn.core``) labels the region in reports."""
+        return _SelectiveCore(self, name) if self.options.policy == "selective" else None
 
     def attach(self, chunks) -> None:
         """Group the wrapped blocks of each chunk (a list of layer modules, e.g. a PipelineModule's

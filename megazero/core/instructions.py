@@ -196,6 +196,8 @@ BACKWARD_INPUT = (Backward, BackwardInput)
 SENDS = (SendAct, SendGrad)
 RECVS = (RecvAct, RecvGrad)
 P2P = SENDS + RECVS
+PER_MICROBATCH = (LoadMicroBatch,) + COMPUTE + P2P
+"""The instructions that act on one micro-batch (they have an `mb`; ReduceGrads and OptimizerStep act on the step)."""
 
 
 def render(program: Iterable[Instruction], sep: str = " ") -> str:

@@ -20,13 +20,15 @@ parts larger), so a light stage is not left nearly empty.
 """
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-METHODS = ("uniform", "parameters", "flops", "type:<regex>")
-"""Named partition methods; a list of per-part layer counts is also accepted."""
+from megazero.core.suggest import closest
+
+NAMED_METHODS = ("uniform", "parameters", "flops")
+METHODS = NAMED_METHODS + ("type:<regex>",)
+"""Partition methods; a list of per-part layer counts is also accepted."""
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,8 @@ def partition(layers: Sequence[LayerInfo], num_stages: int, method: Union[str, S
         return _uniform(len(layers), parts)
     if method in ("parameters", "flops") or method.startswith("type:"):
         return _balanced(_weights(layers, method), parts)
-    close = difflib.get_close_matches(method, ("uniform", "parameters", "flops", "type:"), n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    close = closest(method, NAMED_METHODS + ("type:",))
+    hint = f"did you mean {close!r}? " if close else ""
     raise ValueError(f"unknown partition method {method!r} (pipeline.partition); {hint}valid methods are "
                      f"{', '.join(METHODS)}, or a list of per-stage layer counts")
 

@@ -39,7 +39,6 @@ Schedules (`get_schedule(name, ...)` returns all stages' programs):
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import os
 from fractions import Fraction
@@ -52,6 +51,7 @@ from megazero.core.instructions import (
     stage_and_chunk, virtual_stage,
 )
 from megazero.core.simulate import Costs, DeadlockError, simulate
+from megazero.core.suggest import closest
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 """Built-in schedule names; `get_schedule` also takes the path of a ``.csv`` schedule."""
@@ -311,12 +311,50 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int 
                                     f"but {arg}={want} was asked for")
         return programs
     if name not in SCHEDULES:
-        close = difflib.get_close_matches(str(name), SCHEDULES, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        close = closest(str(name), SCHEDULES)
+        hint = f"did you mean {close!r}? " if close else ""
         raise ScheduleError(f"unknown pipeline schedule {name!r} (pipeline.schedule); {hint}valid schedules are "
                             f"{', '.join(SCHEDULES)}, or the path of a .csv schedule")
     _check_sizes(name, num_stages, num_microbatches, chunks)
     return _programs(name, num_stages, num_microbatches, chunks, costs)
+
+
+def bubble_fraction(name: str, num_stages: int, num_microbatches: int, chunks: int = 1,
+                    costs: Costs | None = None) -> float:
+    """The idle fraction of one step of schedule `name`, as the simulator measures it (idle / (work
+    + idle), unit costs by default). With m >= p it equals the closed forms of docs/reference.md:
+    (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1) zb-h1."""
+    if num_stages == 1:
+        _check_sizes("1f1b", 1, num_microbatches, 1)
+        return 0.0
+    return simulate(get_schedule(name, num_stages, num_microbatches, chunks, costs), costs).bubble_fraction
+
+
+def splits_backward(programs: Sequence[Sequence[Instruction]]) -> bool:
+    """Whether the programs run backward as separate B (input grad) and W (weight grad)."""
+    return any(isinstance(ins, BackwardWeight) for program in programs for ins in program)
+
+
+def forward_only(num_stages: int, num_microbatches: int, stage: int, chunks: int = 1) -> tuple[Instruction, ...]:
+    """Evaluation program of `stage`: each micro-batch passes through every virtual stage in turn
+    (forward only, activations sent downstream; no ReduceGrads, no OptimizerStep). One micro-batch
+    is in flight at a time, so blocking p2p cannot deadlock."""
+    for arg, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches), ("chunks", chunks)):
+        _check_int(arg, value, 1)
+    _check_stage(stage, num_stages)
+    last = num_stages * chunks - 1
+    program: list[Instruction] = []
+    for mb in range(num_microbatches):
+        if stage == 0 or stage == last % num_stages:
+            program.append(LoadMicroBatch(mb))
+        for c in range(chunks):
+            vs = virtual_stage(stage, c, num_stages)
+            if vs > 0:
+                program.append(RecvAct(mb, c, (stage - 1) % num_stages))
+            program.append(Forward(mb, c))
+            if vs < last:
+                program.append(SendAct(mb, c, (stage + 1) % num_stages))
+    return tuple(program)
 
 
 def from_csv(text: str, costs: Costs | None = None) -> tuple[tuple[Instruction, ...], ...]:
@@ -345,6 +383,6 @@ def load_csv(path: str | os.PathLike, costs: Costs | None = None) -> tuple[tuple
 
 
 __all__ = [
-    "SCHEDULES", "build_programs", "from_csv", "get_schedule", "gpipe", "interleaved_1f1b", "load_csv",
-    "one_f_one_b", "zb_h1",
+    "SCHEDULES", "bubble_fraction", "build_programs", "forward_only", "from_csv", "get_schedule", "gpipe",
+    "interleaved_1f1b", "load_csv", "one_f_one_b", "splits_backward", "zb_h1",
 ]

@@ -213,8 +213,10 @@ def _run(programs: Sequence[Sequence[Instruction]], cost: CostFn):
     return spans, messages
 
 
-def _peaks(program: Sequence[Instruction]) -> tuple[int, int]:
-    """(peak in-flight, peak unfinished) micro-batch chunks of one stage's program."""
+def peaks(program: Sequence[Instruction]) -> tuple[int, int]:
+    """(peak in-flight, peak unfinished) micro-batch chunks of one stage's program (see the module
+    docstring). 1F1B stage s of p: min(p - s, m) in flight; GPipe: m. The engine sizes the
+    contiguous activation-checkpoint buffer with the first."""
     inflight = unfinished = peak_inflight = peak_unfinished = 0
     for ins in program:
         if isinstance(ins, Forward):
@@ -249,16 +251,16 @@ def simulate(programs: Sequence[Sequence[Instruction]], costs: Union[Costs, Cost
     spans, messages = _run(programs, cost)
     makespan = max((st[-1].end for st in spans if st), default=0.0)
     busy = tuple(sum(sp.end - sp.start for sp in st if not isinstance(sp.instr, P2P)) for st in spans)
-    peaks = [_peaks(prog) for prog in programs]
+    stage_peaks = [peaks(prog) for prog in programs]
     return SimResult(
         timeline=tuple(tuple(st) for st in spans),
         messages=tuple(messages),
         makespan=makespan,
         busy=busy,
         idle=tuple(makespan - b for b in busy),
-        peak_inflight=tuple(pk[0] for pk in peaks),
-        peak_unfinished=tuple(pk[1] for pk in peaks),
+        peak_inflight=tuple(pk[0] for pk in stage_peaks),
+        peak_unfinished=tuple(pk[1] for pk in stage_peaks),
     )
 
 
-__all__ = ["Costs", "CostFn", "DeadlockError", "Message", "SimResult", "Span", "simulate"]
+__all__ = ["Costs", "CostFn", "DeadlockError", "Message", "SimResult", "Span", "peaks", "simulate"]

@@ -16,12 +16,13 @@ A spec is pure data (L0): building modules from it is `megazero.models` (`Causal
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import importlib.util
 import os
 import typing
 from dataclasses import dataclass, field
+
+from megazero.core.suggest import closest, did_you_mean
 
 FAMILIES = ("gpt", "llama")
 NORMS = ("layernorm", "rmsnorm")
@@ -138,9 +139,7 @@ class ModelSpec:
 
 def _choice(name: str, value, choices) -> None:
     if value not in choices:
-        hint = difflib.get_close_matches(str(value), choices, n=1)
-        extra = f"; did you mean {hint[0]!r}?" if hint else ""
-        raise SpecError(f"{name}={value!r} is not one of {', '.join(choices)}{extra}")
+        raise SpecError(f"{name}={value!r} is not one of {', '.join(choices)}{did_you_mean(value, choices)}")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ModelSpec)}
@@ -186,8 +185,8 @@ def coerce_overrides(overrides) -> dict:
     for k, v in overrides.items():
         if k not in FIELDS or k == "name":
             valid = [f for f in FIELDS if f != "name"]
-            hint = difflib.get_close_matches(k, valid, n=1)
-            extra = f"; did you mean {hint[0]!r}?" if hint else f"; valid fields: {', '.join(valid)}"
+            hint = closest(k, valid)
+            extra = f"; did you mean {hint!r}?" if hint else f"; valid fields: {', '.join(valid)}"
             raise SpecError(f"unknown model spec field {k!r}{extra}")
         out[k] = _parse_value(k, v)
     return out
@@ -225,9 +224,8 @@ def load_spec(ref: str, overrides=None) -> ModelSpec:
             raise SpecError(f"{ref!r} names no flavor; choose one of {', '.join(flavors)}")
         flavor = next(iter(flavors))
     if flavor not in flavors:
-        hint = difflib.get_close_matches(flavor, list(flavors), n=1)
-        extra = f"; did you mean {hint[0]!r}?" if hint else ""
-        raise SpecError(f"flavor {flavor!r} is not in {where!r} (flavors: {', '.join(flavors)}){extra}")
+        raise SpecError(f"flavor {flavor!r} is not in {where!r} (flavors: {', '.join(flavors)})"
+                        f"{did_you_mean(flavor, flavors)}")
     spec = flavors[flavor]
     if not isinstance(spec, ModelSpec):
         raise SpecError(f"{where}:{flavor} is a {type(spec).__name__}, not a ModelSpec")

@@ -15,10 +15,12 @@ import json
 import os
 from typing import Iterable, Protocol
 
+from megazero.core.config.schema import TOKENIZER_CHOICES
+
 BYTE_VOCAB_SIZE = 257  # 256 byte values + the end-of-document token
 BYTE_EOD_ID = 256
 EOD_TOKEN = "<|endoftext|>"
-TOKENIZER_KINDS = ("byte", "bpe")
+TOKENIZER_KINDS = TOKENIZER_CHOICES  # one list: the config schema's
 
 
 class Tokenizer(Protocol):

@@ -11,9 +11,12 @@ from torch import nn
 
 from megazero.activation_checkpoint import ActivationCheckpointer
 from megazero.core.config import Config
+from megazero.core.schedules import get_schedule, splits_backward
+from megazero.core.spec import load_spec
 from megazero.models.pipeline_model import build_pipeline_model
 from megazero.pipeline.pipeline_module import PipelineModule
-from megazero.core.spec import load_spec
+from megazero.runtime.parallel_context import ParallelContext
+from megazero.tensor_parallel.weight_grad import WeightGradStore
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.lr_schedule import LRScheduler
 from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
@@ -33,17 +36,21 @@ def model_spec(cfg: Config):
     return load_spec(cfg.model.spec, overrides)
 
 
-def build_model(cfg: Config, ctx, device=None, wrap_block=None) -> PipelineModule:
+def build_model(cfg: Config, pctx: ParallelContext, device=None, wrap_block=None) -> PipelineModule:
     """This rank's PipelineModule of the configured model spec. Unless `wrap_block` is given, the
-    blocks are checkpointed as ``activation_checkpointing`` says (``model.activation_checkpointer``)."""
+    blocks are checkpointed as ``activation_checkpointing`` says. When the schedule splits backward
+    into B and W (zero bubble), the linear layers are built with a `WeightGradStore`."""
     spec = model_spec(cfg)
     checkpointer = None
     if wrap_block is None:
-        checkpointer = ActivationCheckpointer.from_config(cfg.activation_checkpointing, ctx.tp_group)
-    return build_pipeline_model(spec, ctx, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
+        checkpointer = ActivationCheckpointer.from_config(cfg.activation_checkpointing, pctx.tp_group)
+    programs = get_schedule(cfg.pipeline.schedule, pctx.pp_size, cfg.train.gradient_accumulation_steps,
+                            cfg.pipeline.chunks)
+    return build_pipeline_model(spec, pctx, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
                                 dtype=compute_dtype(cfg), partition=cfg.pipeline.partition,
                                 chunks=cfg.pipeline.chunks, device=device, wrap_block=wrap_block,
-                                activation_checkpointer=checkpointer)
+                                activation_checkpointer=checkpointer,
+                                wgrad_store=WeightGradStore() if splits_backward(programs) else None)
 
 
 def loss_scaler(cfg: Config) -> LossScaler:
@@ -71,10 +78,10 @@ def zero_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
 
 
-def build_optimizer(cfg: Config, model: nn.Module, ctx, params=None) -> ZeroOptimizer:
+def build_optimizer(cfg: Config, model: nn.Module, pctx: ParallelContext, params=None) -> ZeroOptimizer:
     z = cfg.zero
     return ZeroOptimizer(
-        list(params if params is not None else model.parameters()), ctx, stage=z.stage, spec=optimizer_spec(cfg),
+        list(params if params is not None else model.parameters()), pctx, stage=z.stage, spec=optimizer_spec(cfg),
         reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
         overlap_comm=bool(z.overlap_comm), offload_optimizer=z.offload_optimizer.device == "cpu",
         offload_param=z.offload_param.device == "cpu", gradient_clipping=cfg.gradient_clipping,

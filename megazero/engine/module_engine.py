@@ -4,18 +4,19 @@ nn.Module with tp = pp = 1 (a Hugging Face model, a user's own), ZeRO 0-3 and of
 `step()` is called after every micro-batch, as with DeepSpeed; it steps the optimizer and the LR
 schedule only at the gradient-accumulation boundary. `backward(loss)` divides the loss by
 gradient_accumulation_steps and applies the loss scale. Gradient reduction happens over
-ctx.dp_group inside the ZeRO optimizer.
+pctx.dp_group inside the ZeRO optimizer.
 """
 from __future__ import annotations
 
 import torch
 
 from megazero.runtime import comm
+from megazero.runtime.parallel_context import ParallelContext
 
 
 class ModuleEngine:
-    def __init__(self, module, ctx, optimizer, lr_scheduler, gradient_accumulation_steps: int):
-        self.module, self.ctx, self.optimizer, self.lr_scheduler = module, ctx, optimizer, lr_scheduler
+    def __init__(self, module, pctx: ParallelContext, optimizer, lr_scheduler, gradient_accumulation_steps: int):
+        self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
         self.gas = gradient_accumulation_steps
         self.micro_steps = 0
         self.global_steps = 0
@@ -55,5 +56,5 @@ class ModuleEngine:
             self.backward(loss)
             self.step()
             total += loss.detach().double()
-        comm.all_reduce(total, self.ctx.dp_group)
-        return float(total.item()) / (self.gas * self.ctx.dp_size)
+        comm.all_reduce(total, self.pctx.dp_group)
+        return float(total.item()) / (self.gas * self.pctx.dp_size)

@@ -11,51 +11,36 @@ from __future__ import annotations
 
 import torch
 
-from megazero.runtime import comm
 from megazero.core import instructions as I
+from megazero.core.schedules import forward_only, get_schedule
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipeP2P
-from megazero.core.schedules import get_schedule
-from megazero.tensor_parallel.weight_grad import WeightGradStore
-from megazero.tensor_parallel.weight_grad import attach as attach_wgrad_store
-
-
-def forward_only_program(num_stages: int, num_microbatches: int, stage: int, chunks: int = 1):
-    """Evaluation program: each micro-batch passes through every virtual stage in turn (forward
-    only, activations sent downstream); one micro-batch in flight, so blocking p2p cannot deadlock."""
-    last = num_stages * chunks - 1
-    prog = []
-    for mb in range(num_microbatches):
-        if stage == 0 or stage == last % num_stages:
-            prog.append(I.LoadMicroBatch(mb))
-        for c in range(chunks):
-            vs = I.virtual_stage(stage, c, num_stages)
-            if vs > 0:
-                prog.append(I.RecvAct(mb, c, (stage - 1) % num_stages))
-            prog.append(I.Forward(mb, c))
-            if vs < last:
-                prog.append(I.SendAct(mb, c, (stage + 1) % num_stages))
-    return tuple(prog)
+from megazero.pipeline.pipeline_module import PipelineModule
+from megazero.runtime import comm
+from megazero.runtime.parallel_context import ParallelContext
 
 
 class PipelineEngine:
-    """Trains a PipelineModule with a ZeroOptimizer; see the module docstring."""
+    """Trains a PipelineModule with a ZeroOptimizer; see the module docstring.
 
-    def __init__(self, module, ctx, optimizer, lr_scheduler, num_microbatches: int, schedule: str = "1f1b",
-                 chunks: int = 1, act_shape=None, dtype=torch.float32, on_instruction=None, device="cpu"):
-        self.module, self.ctx, self.optimizer, self.lr_scheduler = module, ctx, optimizer, lr_scheduler
+    The activations between stages have the module's declared `activation_shape(micro_batch_size)`
+    (travelling in `dtype`), or, when it declares none, the shapes the stages agree on with the
+    first micro-batch (`megazero.pipeline.p2p`).
+    """
+
+    def __init__(self, module: PipelineModule, pctx: ParallelContext, optimizer, lr_scheduler,
+                 num_microbatches: int, schedule: str = "1f1b", chunks: int = 1, micro_batch_size: int = 1,
+                 dtype=torch.float32, on_instruction=None, device="cpu"):
+        self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
         self.num_microbatches, self.chunks = num_microbatches, chunks
-        self.program = get_schedule(schedule, ctx.pp_size, num_microbatches, chunks)[ctx.pp_rank]
-        self.eval_program = forward_only_program(ctx.pp_size, num_microbatches, ctx.pp_rank, chunks)
+        self.program = get_schedule(schedule, pctx.pp_size, num_microbatches, chunks)[pctx.pp_rank]
+        self.eval_program = forward_only(pctx.pp_size, num_microbatches, pctx.pp_rank, chunks)
         self.device = torch.device(device)
-        self.p2p = PipeP2P(ctx.pp_group, act_shape, dtype, self.device) if ctx.pp_size > 1 else None
-        store = None
-        if any(isinstance(i, I.BackwardWeight) for i in self.program):  # zero bubble: split B and W
-            store = WeightGradStore()
-            attach_wgrad_store(module, store)
-        self.executor = PipelineExecutor(module, self.p2p, optimizer, ctx.pp_rank, ctx.pp_size,
-                                         rank=ctx.global_rank, on_instruction=on_instruction, wgrad_store=store,
-                                         device=self.device)
+        shape = module.activation_shape(micro_batch_size) if module.activation_shape is not None else None
+        self.p2p = PipeP2P(pctx.pp_group, shape, dtype, self.device) if pctx.pp_size > 1 else None
+        self.executor = PipelineExecutor(module, self.p2p, optimizer, pctx.pp_rank, pctx.pp_size,
+                                         rank=pctx.global_rank, on_instruction=on_instruction,
+                                         wgrad_store=module.wgrad_store, device=self.device)
         self.global_steps = 0
         self.last_info: dict = {}
 
@@ -85,7 +70,7 @@ class PipelineEngine:
         t = torch.zeros(1, dtype=torch.float64, device=self.device)
         if losses:
             t += torch.stack([l.double() for l in losses]).mean()
-        comm.all_reduce(t, self.ctx.dp_group)
-        t /= self.ctx.dp_size
-        comm.broadcast(t, self.ctx.pp_size - 1, self.ctx.pp_group)
+        comm.all_reduce(t, self.pctx.dp_group)
+        t /= self.pctx.dp_size
+        comm.broadcast(t, self.pctx.pp_size - 1, self.pctx.pp_group)
         return float(t.item())

@@ -86,9 +86,9 @@ class SelfAttention(nn.Module):
             slopes = alibi_slopes(spec.heads)[lc.tp_rank * self.local_heads:(lc.tp_rank + 1) * self.local_heads]
             self.register_buffer("alibi", torch.tensor(slopes, dtype=torch.float32,
                                                        device=lc.device), persistent=False)
-        # None, or ``fn(core, q, k, v)`` that runs the core as a recompute region (selective checkpointing,
-        # set by megazero.activation_checkpoint)
-        self.core_checkpoint = None
+        # None, or ``fn(core, q, k, v)`` that runs the core as a recompute region (selective checkpointing:
+        # `ActivationCheckpointer.attention_core`, handed in through the LayerContext)
+        self.core_checkpoint = lc.attention_core(f"{p}.core") if lc.attention_core is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (s, b, h): one f (or sequence all-gather) for q, k, v; under sequence parallelism the
@@ -106,11 +106,11 @@ class SelfAttention(nn.Module):
             group = self.local_heads // self.local_kv
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if self.core_checkpoint is not None:
-            ctx = self.core_checkpoint(self._core, q, k, v)  # selective recompute: keeps q, k, v
+            attn_out = self.core_checkpoint(self._core, q, k, v)  # selective recompute: keeps q, k, v
         else:
-            ctx = self._core(q, k, v)  # (b, a/t, s, d)
-        ctx = rearrange(ctx, "b n s d -> s b (n d)")  # (s, b, a·d/t)
-        return self.dropout(self.out(ctx))
+            attn_out = self._core(q, k, v)  # (b, a/t, s, d)
+        attn_out = rearrange(attn_out, "b n s d -> s b (n d)")  # (s, b, a·d/t)
+        return self.dropout(self.out(attn_out))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention core: scores, causal softmax, attention dropout, context; q, k, v (b, a/t, s, d)."""

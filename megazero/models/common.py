@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from megazero.runtime import kernels
 from megazero.runtime.comm import GroupHandle
 from megazero.core.spec import ModelSpec
 from megazero.tensor_parallel import REPLICATED_STREAM, TP_STREAM, Dropout, RNGStatesTracker, ShardInfo, make_param
+from megazero.tensor_parallel.weight_grad import WeightGradStore
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,6 +30,8 @@ class LayerContext:
     tracker: RNGStatesTracker
     device: torch.device
     dtype: torch.dtype = torch.float32
+    wgrad_store: WeightGradStore | None = None  # zero bubble: linears defer their weight GEMMs to W
+    attention_core: Callable[[str], Callable | None] | None = None  # name -> selective-checkpoint wrapper
 
     @property
     def tp_size(self) -> int:
@@ -40,7 +44,7 @@ class LayerContext:
     def linear_kwargs(self, name: str, std: float | None = None) -> dict:
         """Keyword arguments for a Column/RowParallelLinear named `name`."""
         return dict(name=name, seed=self.seed, init_std=self.spec.init_std if std is None else std,
-                    device=self.device, dtype=self.dtype)
+                    device=self.device, dtype=self.dtype, wgrad_store=self.wgrad_store)
 
     @property
     def output_std(self) -> float:

@@ -28,6 +28,7 @@ from megazero.models.block import TransformerBlock
 from megazero.models.common import LayerContext
 from megazero.models.embedding import EmbeddingLayer, HeadLayer
 from megazero.core.spec import ModelSpec
+from megazero.tensor_parallel.weight_grad import WeightGradStore
 from megazero.tensor_parallel import (RNGStatesTracker, num_logical_params, sync_sequence_parallel_grads,
                                       unique_params, vocab_parallel_cross_entropy)
 
@@ -52,25 +53,29 @@ class LayerBuilder:
 
 def layer_builders(spec: ModelSpec, tp_group: GroupHandle, *, seed: int = 0, sequence_parallel: bool = False,
                    tracker: RNGStatesTracker | None = None, dtype: torch.dtype = torch.float32,
-                   pp_rank: int = 0) -> list[LayerBuilder]:
+                   pp_rank: int = 0, wgrad_store: WeightGradStore | None = None,
+                   attention_core: Callable[[str], Callable | None] | None = None) -> list[LayerBuilder]:
     """The model's layers as lazy factories (see the module docstring). Validates the layout first.
 
     `tracker` holds the dropout streams; by default one seeded with (seed, tp rank, `pp_rank`) shared
-    by the returned layers.
+    by the returned layers. `wgrad_store` goes to every linear layer (zero bubble);
+    `attention_core(name)` gives each attention its selective-checkpoint wrapper (see
+    `ActivationCheckpointer.attention_core`).
     """
     spec.validate_layout(tp_group.size, sequence_parallel)
     tracker = tracker or RNGStatesTracker(seed, tp_group.rank, pp_rank)
 
-    def ctx(device) -> LayerContext:
+    def lctx(device) -> LayerContext:
         device = torch.device(device) if device is not None else torch.device("cpu")
-        return LayerContext(spec, tp_group, seed, sequence_parallel and tp_group.size > 1, tracker, device, dtype)
+        return LayerContext(spec, tp_group, seed, sequence_parallel and tp_group.size > 1, tracker, device, dtype,
+                            wgrad_store, attention_core)
 
     def block(i):
-        return LayerBuilder(f"layers.{i}", "block", i, lambda device: TransformerBlock(ctx(device), i))
+        return LayerBuilder(f"layers.{i}", "block", i, lambda device: TransformerBlock(lctx(device), i))
 
-    return ([LayerBuilder("embedding", "embedding", None, lambda device: EmbeddingLayer(ctx(device)))]
+    return ([LayerBuilder("embedding", "embedding", None, lambda device: EmbeddingLayer(lctx(device)))]
             + [block(i) for i in range(spec.layers)]
-            + [LayerBuilder("head", "head", None, lambda device: HeadLayer(ctx(device)))])
+            + [LayerBuilder("head", "head", None, lambda device: HeadLayer(lctx(device)))])
 
 
 def causal_lm_loss(logits_shard: torch.Tensor, labels: torch.Tensor, tp_group: GroupHandle, vocab_size: int,

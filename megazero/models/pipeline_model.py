@@ -1,65 +1,68 @@
 """A model spec as a PipelineModule: each pipeline rank builds only its own layers.
 
-`build_pipeline_model(spec, ctx, ...)` turns `layer_builders` (embedding, blocks, head) into layer
-specs for `PipelineModule`, partitions them over `ctx.pp_size * chunks` virtual stages, and ties the
+`build_pipeline_model(spec, pctx, ...)` turns `layer_builders` (embedding, blocks, head) into layer
+specs for `PipelineModule`, partitions them over `pctx.pp_size * chunks` virtual stages, and ties the
 LM head to the word embedding: by sharing the parameter when both live on this rank (pp=1), else
 through `tied_name` (the ZeRO optimizer sums the two copies' gradients over the embedding group).
 The loss is the vocabulary-parallel cross-entropy over the TP group; activations between stages
-are (s, b, h), or (s/t, b, h) under sequence parallelism.
+are (s, b, h), or (s/t, b, h) under sequence parallelism, declared to the engine ahead
+(`activation_shape`), so no shape handshake is needed.
 """
 from __future__ import annotations
 
 import torch
 
+from megazero.core.partition import LayerInfo
+from megazero.core.spec import ModelSpec
 from megazero.models.embedding import EmbeddingLayer, HeadLayer
 from megazero.models.lm import causal_lm_loss, layer_builders
 from megazero.pipeline.pipeline_module import LayerSpec, PipelineModule
-from megazero.core.spec import ModelSpec
 from megazero.tensor_parallel import RNGStatesTracker
 
+LAYER_TYPES = {"embedding": "EmbeddingLayer", "block": "TransformerBlock", "head": "HeadLayer"}
 
-def build_pipeline_model(spec: ModelSpec, ctx, *, seed: int = 0, sequence_parallel: bool = False,
+
+def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_parallel: bool = False,
                          dtype: torch.dtype = torch.float32, partition="uniform", chunks: int = 1,
                          label_smoothing: float = 0.0, device=None, wrap_block=None,
-                         activation_checkpointer=None) -> PipelineModule:
-    """This rank's PipelineModule for `spec` on the groups of `ctx` (tp_group for the layers, the
-    pipeline coordinates for the partition). `wrap_block(module) -> module` may wrap each
-    transformer block. `activation_checkpointer` (a `megazero.activation_checkpoint.ActivationCheckpointer`,
-    exclusive with wrap_block) wraps the blocks, groups them into segments per chunk, and is kept as
-    ``model.activation_checkpointer``."""
+                         activation_checkpointer=None, wgrad_store=None) -> PipelineModule:
+    """This rank's PipelineModule for `spec` on the groups of ParallelContext `pctx` (tp_group for
+    the layers, the pipeline coordinates for the partition). `wrap_block(module) -> module` may wrap
+    each transformer block. `activation_checkpointer` (a
+    `megazero.activation_checkpoint.ActivationCheckpointer`, exclusive with wrap_block) wraps the
+    blocks (full policy) or their attention cores (selective). `wgrad_store` (a
+    `megazero.tensor_parallel.weight_grad.WeightGradStore`) is given to every linear layer, for
+    schedules that split backward into B and W."""
+    attention_core = None
     if activation_checkpointer is not None:
         if wrap_block is not None:
             raise ValueError("build_pipeline_model: pass wrap_block or activation_checkpointer, not both")
         wrap_block = activation_checkpointer.wrap_block
-    tracker = RNGStatesTracker(seed, ctx.tp_rank, ctx.pp_rank)
-    builders = layer_builders(spec, ctx.tp_group, seed=seed, sequence_parallel=sequence_parallel,
-                              tracker=tracker, dtype=dtype, pp_rank=ctx.pp_rank)
-    layers = []
-    for b in builders:
-        ls = LayerSpec(_wrap, b, device, wrap_block if b.kind == "block" else None)
-        ls.layer_type = {"embedding": "EmbeddingLayer", "block": "TransformerBlock", "head": "HeadLayer"}[b.kind]
-        ls.flops_per_token = _flops_per_token(spec, b.kind)
-        ls.num_params = b.num_params
-        layers.append(ls)
-    tp_group = ctx.tp_group
+        attention_core = activation_checkpointer.attention_core
+    tracker = RNGStatesTracker(seed, pctx.tp_rank, pctx.pp_rank)
+    builders = layer_builders(spec, pctx.tp_group, seed=seed, sequence_parallel=sequence_parallel,
+                              tracker=tracker, dtype=dtype, pp_rank=pctx.pp_rank, wgrad_store=wgrad_store,
+                              attention_core=attention_core)
+    layers = [LayerSpec(_wrap, b, device, wrap_block if b.kind == "block" else None) for b in builders]
+    infos = [LayerInfo(LAYER_TYPES[b.kind], b.num_params(), float(_flops_per_token(spec, b.kind))) for b in builders]
+    tp_group, tp_size = pctx.tp_group, pctx.tp_size
 
     def loss_fn(logits, labels):
         return causal_lm_loss(logits, labels, tp_group, spec.vocab, label_smoothing)
 
-    model = PipelineModule(layers, ctx.pp_size, ctx.pp_rank, loss_fn, partition, chunks=chunks,
-                           flops_fn=lambda layer: layer.flops_per_token)
+    def activation_shape(micro_batch_size: int) -> tuple[int, int, int]:
+        seq = spec.seq_len // tp_size if sequence_parallel and tp_size > 1 else spec.seq_len
+        return (seq, micro_batch_size, spec.hidden)  # (s[/t], b, h)
+
+    model = PipelineModule(layers, pctx.pp_size, pctx.pp_rank, loss_fn, partition, chunks=chunks,
+                           layer_infos=infos, activation_shape=activation_shape, model_spec=spec,
+                           activation_checkpointer=activation_checkpointer, wgrad_store=wgrad_store)
     if spec.tie_embeddings:
         mods = [m for chunk in model.local_chunks for m in chunk]
         emb = [m for m in mods if isinstance(m, EmbeddingLayer)]
         head = [m for m in mods if isinstance(m, HeadLayer)]
         if emb and head:
             head[0].weight = emb[0].word.weight  # one parameter; both uses' gradients are summed
-    model.spec = spec
-    model.activation_checkpointer = activation_checkpointer
-    if activation_checkpointer is not None:
-        activation_checkpointer.attach(model.local_chunks)
-    model.activation_shape = lambda micro_batch, seq_len: (
-        seq_len // ctx.tp_size if sequence_parallel and ctx.tp_size > 1 else seq_len, micro_batch, spec.hidden)
     return model
 
 
@@ -69,7 +72,7 @@ def _wrap(builder, device, wrap_block):
 
 
 def _flops_per_token(spec: ModelSpec, kind: str) -> float:
-    """Forward+backward GEMM FLOPs per token of one layer (Megatron's counting, REFERENCE.md):
+    """Forward+backward GEMM FLOPs per token of one layer (Megatron's counting, docs/reference.md):
     a block 3·(24·h² + 4·s·h) = 72·h²·(1 + s/(6h)), the head 6·V·h, and the embedding a lookup
     (given a token's 2·h so that it is not free)."""
     h, s, v = spec.hidden, spec.seq_len, spec.vocab

@@ -1,9 +1,10 @@
 """Walks one stage's program with a dispatch table: instruction type -> handler.
 
 The executor owns only the per-step bookkeeping (micro-batches loaded, chunk inputs and outputs,
-received gradients, losses). Everything else is handed in: the stage's model (`stage`, see
-`PipelineModule`), point-to-point transfers (`p2p`, over the pp group), and the optimizer (ZeRO:
-`scale_loss`, `after_backward`, `set_last_microbatch`, `reduce_grads`, `step`).
+received gradients, losses). Everything else is handed in, and its two partners are typed here:
+the stage's model (`Stage`; `megazero.pipeline.pipeline_module.PipelineModule` is one) and the
+optimizer (`StepOptimizer`; `megazero.zero.optimizer.ZeroOptimizer` is one). Point-to-point
+transfers go through `megazero.pipeline.p2p.PipeP2P` over the pp group.
 
 Megatron's deallocation trick: once an output activation is sent downstream its storage is freed
 (`out.data` becomes a 1-element tensor); the autograd graph stays, and the backward is run through
@@ -17,11 +18,58 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Iterable, Protocol
 
 import torch
 from torch.autograd import Variable
 
 from megazero.core import instructions as I
+from megazero.pipeline.p2p import PipeP2P
+from megazero.tensor_parallel.weight_grad import WeightGradStore
+
+
+class Stage(Protocol):
+    """This rank's model chunks, as the executor runs them."""
+
+    def virtual_stage(self, chunk: int) -> int:
+        """The virtual stage local `chunk` holds (Megatron's layout: chunk * p + stage)."""
+
+    def is_first(self, chunk: int) -> bool:
+        """Whether `chunk` is the model's first virtual stage (it reads the micro-batch's input)."""
+
+    def is_last(self, chunk: int) -> bool:
+        """Whether `chunk` is the model's last virtual stage (its output goes to `loss`)."""
+
+    def forward_chunk(self, chunk: int, x: torch.Tensor | None, batch: dict | None) -> torch.Tensor:
+        """Run `chunk` on `x` (None on the first virtual stage, which reads `batch`)."""
+
+    def loss(self, out: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The micro-batch's loss from the last virtual stage's output and `batch`'s labels."""
+
+    def chunk_parameters(self, chunk: int) -> Iterable[torch.nn.Parameter]:
+        """`chunk`'s parameters, each once."""
+
+
+class StepOptimizer(Protocol):
+    """What the executor asks of the optimizer while it runs a step (collectives over dp inside)."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the loss scale, to run backward from."""
+
+    def set_last_microbatch(self, last: bool) -> None:
+        """Told before each backward: whether it is the step's last one (a ZeRO-2/3 reduction point)."""
+
+    def after_backward(self) -> None:
+        """After each backward (or W): reduce what became ready."""
+
+    def accumulate_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Add a gradient computed outside autograd's accumulation (zero-bubble W)."""
+
+    def reduce_grads(self) -> None:
+        """ReduceGrads: finish the step's gradient reduction over dp (and tied weights)."""
+
+    def step(self) -> dict:
+        """OptimizerStep: clip, update, gather; returns info (grad_norm, lr, loss_scale, skipped)."""
 
 
 class PipelineError(RuntimeError):
@@ -50,11 +98,13 @@ def _run_backward(tensors, grads, inputs=(), keep_graph=False, accumulate=True):
 
 
 class PipelineExecutor:
-    """Runs programs for one pipeline stage. `stage` provides forward_chunk(chunk, x, batch),
-    loss(out, batch), is_first(chunk), is_last(chunk), chunk_parameters(chunk)."""
+    """Runs programs for one pipeline stage (`stage_index` of `num_stages`; `rank` is this rank's
+    global rank, for messages). `p2p` is None with one stage. `wgrad_store`: the store the stage's
+    linear layers were built with (zero bubble), or None."""
 
-    def __init__(self, stage, p2p, optimizer, stage_index: int, num_stages: int, rank: int = 0,
-                 on_instruction=None, wgrad_store=None, device="cpu"):
+    def __init__(self, stage: Stage, p2p: PipeP2P | None, optimizer: StepOptimizer, stage_index: int,
+                 num_stages: int, rank: int = 0, on_instruction=None, wgrad_store: WeightGradStore | None = None,
+                 device="cpu"):
         self.stage, self.p2p, self.opt = stage, p2p, optimizer
         self.device = torch.device(device)
         self.wgrad_store = wgrad_store  # zero bubble: linear layers defer their weight GEMMs to W
@@ -142,9 +192,9 @@ class PipelineExecutor:
     def _backward_weight(self, ins, st):
         """Zero-bubble W: the deferred weight-grad GEMMs, then every held gradient to the optimizer."""
         ready, deferred = st.weight_grads.pop((ins.mb, ins.chunk))
-        for p, g in ready + [self.wgrad_store.compute(e) for e in deferred]:
-            if g is not None:
-                self.opt.accumulate_grad(p, g)
+        for param, grad in ready + [self.wgrad_store.compute(entry) for entry in deferred]:
+            if grad is not None:
+                self.opt.accumulate_grad(param, grad)
         self.opt.after_backward()
 
     def _after_input_grad(self, key, st):
@@ -152,20 +202,23 @@ class PipelineExecutor:
         if x is not None and x.requires_grad:
             st.grads_out[key] = x.grad
 
+    # Boundary v is between virtual stages v and v + 1: a chunk's output crosses its own boundary,
+    # its input (and the input's gradient) the one before.
     def _send_act(self, ins, st):
         out = st.outputs[(ins.mb, ins.chunk)]
-        self.p2p.send(out, ins.peer)
+        self.p2p.send_activation(out, ins.peer, self.stage.virtual_stage(ins.chunk))
         out.data = torch.empty((1,), dtype=out.dtype, device=out.device)  # free; the graph stays
 
     def _recv_act(self, ins, st):
-        x = self.p2p.recv(ins.peer)
+        x = self.p2p.recv_activation(ins.peer, self.stage.virtual_stage(ins.chunk) - 1)
         st.inputs[(ins.mb, ins.chunk)] = x.requires_grad_()
 
     def _send_grad(self, ins, st):
-        self.p2p.send(st.grads_out.pop((ins.mb, ins.chunk)), ins.peer)
+        grad = st.grads_out.pop((ins.mb, ins.chunk))
+        self.p2p.send_grad(grad, ins.peer, self.stage.virtual_stage(ins.chunk) - 1)
 
     def _recv_grad(self, ins, st):
-        st.grads_in[(ins.mb, ins.chunk)] = self.p2p.recv(ins.peer)
+        st.grads_in[(ins.mb, ins.chunk)] = self.p2p.recv_grad(ins.peer, self.stage.virtual_stage(ins.chunk))
 
     def _reduce(self, ins, st):
         self.opt.reduce_grads()

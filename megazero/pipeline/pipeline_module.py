@@ -12,7 +12,6 @@ virtual stages s, s + p, s + 2p, ... (Megatron's interleaved layout).
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
@@ -51,24 +50,26 @@ class TiedLayerSpec(LayerSpec):
 def _count_params(layer) -> int:
     if isinstance(layer, nn.Module):
         return sum(p.numel() for p in layer.parameters())
-    if callable(getattr(layer, "num_params", None)):  # a spec that can count without building
-        return layer.num_params()
     if isinstance(layer, LayerSpec):
         with torch.device("meta"):
             return sum(p.numel() for p in layer.build().parameters())
-    return 0
+    return 0  # a plain function
 
 
-def describe_layers(layers, flops_fn=None) -> list[part.LayerInfo]:
-    """Per-layer (name, parameter count, cost) for partitioning; a layer's cost is `flops_fn(layer)`
-    when given, else its `flops_per_token` attribute, else 2 x its parameters (GEMM FLOPs/token)."""
+def describe_layers(layers) -> list[part.LayerInfo]:
+    """Per-layer (type name, parameter count, cost) for partitioning, read off the layers: a
+    LayerSpec is built on the meta device to count; the cost is 2 x parameters (GEMM FLOPs per
+    token). Builders that know better pass `layer_infos` to `PipelineModule` instead."""
     out = []
     for layer in layers:
-        name = layer.name if isinstance(layer, LayerSpec) else getattr(type(layer), "__name__", "fn")
-        name = getattr(layer, "layer_type", name)  # a spec may name the type it builds
+        if isinstance(layer, LayerSpec):
+            name = layer.name
+        elif isinstance(layer, nn.Module):
+            name = type(layer).__name__
+        else:
+            name = getattr(layer, "__name__", "fn")  # a user's function or callable object
         n = _count_params(layer)
-        cost = flops_fn(layer) if flops_fn else getattr(layer, "flops_per_token", 2 * n)
-        out.append(part.LayerInfo(name=name, params=n, flops=float(cost)))
+        out.append(part.LayerInfo(name=name, params=n, flops=float(2 * n)))
     return out
 
 
@@ -77,21 +78,40 @@ class PipelineModule(nn.Module):
 
     Args:
         layers: LayerSpec / TiedLayerSpec / nn.Module / callable, in model order.
-        num_stages, stage: pipeline size and this rank's stage (ctx.pp_size, ctx.pp_rank).
+        num_stages, stage: pipeline size and this rank's stage (pctx.pp_size, pctx.pp_rank).
         loss_fn: `loss_fn(output, labels)` on the last virtual stage.
         partition_method: "uniform", "parameters", "type:<regex>", "flops" or a list of per-(virtual-)
             stage layer counts.
         chunks: model chunks per stage (v, for the interleaved schedule).
         input_key, label_key: micro-batch dict keys of the first layer's input and of the labels.
+
+    What the engine needs beyond the layers, all optional (a user's module declares none of them):
+        layer_infos: one `megazero.core.partition.LayerInfo` per layer (type name, parameters, cost);
+            default: read off the layers by `describe_layers`.
+        activation_shape: `activation_shape(micro_batch_size) -> shape` of the tensors between stages,
+            known ahead; None: the stages agree on each boundary's shape and dtype on the first
+            micro-batch (`megazero.pipeline.p2p`).
+        model_spec: the `ModelSpec` the layers were built from (sizes the engine's data and the
+            trainer's summary); None for a user's layers.
+        activation_checkpointer: the `ActivationCheckpointer` that wrapped the blocks; the module
+            groups its blocks into segments per chunk at construction.
+        wgrad_store: the `WeightGradStore` the layers' linears were built with (zero bubble: their
+            weight GEMMs move from B to W); None: W computes nothing the B did not already hold.
     """
 
     def __init__(self, layers, num_stages: int, stage: int, loss_fn=None, partition_method="parameters",
-                 chunks: int = 1, input_key: str = "input_ids", label_key: str = "labels", flops_fn=None):
+                 chunks: int = 1, input_key: str = "input_ids", label_key: str = "labels", *,
+                 layer_infos=None, activation_shape=None, model_spec=None, activation_checkpointer=None,
+                 wgrad_store=None):
         super().__init__()
         layers = list(layers)
         self.num_stages, self.stage_index, self.chunks = num_stages, stage, chunks
         self.loss_fn, self.input_key, self.label_key = loss_fn, input_key, label_key
-        infos = describe_layers(layers, flops_fn)
+        self.activation_shape, self.model_spec = activation_shape, model_spec
+        self.activation_checkpointer, self.wgrad_store = activation_checkpointer, wgrad_store
+        infos = list(layer_infos) if layer_infos is not None else describe_layers(layers)
+        if len(infos) != len(layers):
+            raise ValueError(f"layer_infos has {len(infos)} entries for {len(layers)} layers")
         self.bounds = part.partition(infos, num_stages, partition_method, chunks)
         self.local_chunks = nn.ModuleList()
         self._forward_fns: list[list] = []
@@ -107,6 +127,8 @@ class PipelineModule(nn.Module):
                 fns.append(fn)
             self.local_chunks.append(mods)
             self._forward_fns.append(fns)
+        if activation_checkpointer is not None:
+            activation_checkpointer.attach(self.local_chunks)
 
     @staticmethod
     def _build(spec, tied_modules):
@@ -121,12 +143,15 @@ class PipelineModule(nn.Module):
             return spec.build(), None
         return spec, None
 
-    # -- the stage protocol used by the executor ------------------------------------------------------
+    # -- the `Stage` protocol of megazero.pipeline.executor ----------------------------------------
+    def virtual_stage(self, chunk: int) -> int:
+        return virtual_stage(self.stage_index, chunk, self.num_stages)
+
     def is_first(self, chunk: int) -> bool:
-        return virtual_stage(self.stage_index, chunk, self.num_stages) == 0
+        return self.virtual_stage(chunk) == 0
 
     def is_last(self, chunk: int) -> bool:
-        return virtual_stage(self.stage_index, chunk, self.num_stages) == self.num_stages * self.chunks - 1
+        return self.virtual_stage(chunk) == self.num_stages * self.chunks - 1
 
     def forward_chunk(self, chunk: int, x, batch=None):
         """Run local chunk `chunk` on `x` (the micro-batch's input on the first virtual stage)."""

@@ -23,25 +23,25 @@ from megazero.runtime import comm
 from megazero.tensor_parallel import gather_full_params, load_full_params
 
 
-def save(directory: str, step: int, module, optimizer, ctx, lr_scheduler=None, config=None) -> str:
+def save(directory: str, step: int, module, optimizer, pctx, lr_scheduler=None, config=None) -> str:
     """Write step `step`'s checkpoint. Collective over every rank (TP gathers over tp_group, ZeRO-3
     gathers over dp_group, a barrier over world_group at the end)."""
     path = os.path.join(directory, f"step{step}")
     os.makedirs(path, exist_ok=True)
     with optimizer.full_parameters():
-        full = gather_full_params(module, ctx.tp_group)
-    if ctx.dp_rank == 0 and ctx.tp_rank == 0:
-        torch.save({k: v.detach().float().cpu() for k, v in full.items()}, os.path.join(path, f"model_pp{ctx.pp_rank}.pt"))
+        full = gather_full_params(module, pctx.tp_group)
+    if pctx.dp_rank == 0 and pctx.tp_rank == 0:
+        torch.save({k: v.detach().float().cpu() for k, v in full.items()}, os.path.join(path, f"model_pp{pctx.pp_rank}.pt"))
     state = {"step": step, "optimizer": optimizer.state_dict(),
              "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
-    torch.save(state, os.path.join(path, f"optimizer_rank{ctx.global_rank}.pt"))
-    if ctx.global_rank == 0:
-        t = ctx.topology
+    torch.save(state, os.path.join(path, f"optimizer_rank{pctx.global_rank}.pt"))
+    if pctx.global_rank == 0:
+        t = pctx.topology
         meta = {"step": step, "layout": {"pp": t.pp, "dp": t.dp, "tp": t.tp}, "zero_stage": optimizer.stage,
                 "config": config}
         with open(os.path.join(path, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2, default=str)
-    comm.barrier(ctx.world_group)
+    comm.barrier(pctx.world_group)
     return path
 
 
@@ -70,17 +70,17 @@ def load_weights(path: str, module, optimizer=None) -> None:
         load_full_params(module, full, strict=True)
 
 
-def load(path: str, module, optimizer, ctx, lr_scheduler=None) -> tuple[int, bool]:
+def load(path: str, module, optimizer, pctx, lr_scheduler=None) -> tuple[int, bool]:
     """Resume from checkpoint directory `path`: weights always (any layout); optimizer state, loss
     scale and LR schedule exactly when the layout and ZeRO stage match the saved ones. Returns
     (step, whether the optimizer state was restored)."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     load_weights(path, module, optimizer)
-    t = ctx.topology
+    t = pctx.topology
     same = meta["layout"] == {"pp": t.pp, "dp": t.dp, "tp": t.tp} and meta["zero_stage"] == optimizer.stage
     if same:
-        state = torch.load(os.path.join(path, f"optimizer_rank{ctx.global_rank}.pt"), map_location="cpu",
+        state = torch.load(os.path.join(path, f"optimizer_rank{pctx.global_rank}.pt"), map_location="cpu",
                            weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         if lr_scheduler is not None and state["lr_scheduler"] is not None:

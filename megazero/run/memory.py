@@ -38,16 +38,18 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from megazero.activation_checkpoint import HOST_TAG
+from megazero.activation_checkpoint import HOST_TAG, CheckpointedBlock
+from megazero.models import CausalLM, EmbeddingLayer, HeadLayer, TransformerBlock
+from megazero.pipeline.pipeline_module import PipelineModule
 
 KINDS = ("device", "host", "recompute")
 
 
-def layer_modules(model) -> list[tuple[str, nn.Module]]:
-    """(label, module) of each layer: a PipelineModule's local layers, a model's ``stages()``, else the model."""
-    if hasattr(model, "local_chunks"):
+def layer_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(label, module) of each layer: a PipelineModule's local layers, a CausalLM's stages, else the model."""
+    if isinstance(model, PipelineModule):
         mods = [m for chunk in model.local_chunks for m in chunk]
-    elif callable(getattr(model, "stages", None)):
+    elif isinstance(model, CausalLM):
         mods = list(model.stages())
     else:
         mods = [model]
@@ -55,11 +57,13 @@ def layer_modules(model) -> list[tuple[str, nn.Module]]:
 
 
 def _label(mod: nn.Module) -> str:
-    index = getattr(mod, "index", None)
-    if index is not None:
-        return f"layers.{index}"
-    name = type(mod).__name__
-    return {"EmbeddingLayer": "embedding", "HeadLayer": "head"}.get(name, name)
+    if isinstance(mod, (TransformerBlock, CheckpointedBlock)) and mod.index is not None:
+        return f"layers.{mod.index}"
+    if isinstance(mod, EmbeddingLayer):
+        return "embedding"
+    if isinstance(mod, HeadLayer):
+        return "head"
+    return type(mod).__name__
 
 
 def _is_param(t: torch.Tensor) -> bool:
@@ -85,11 +89,13 @@ class SavedActivationMeter:
     Args:
         model: whose layers label the per-layer counts (optional).
         device: the compute device (default: the model's first parameter's, else CPU).
+        checkpointer: the model's `ActivationCheckpointer`, if any (its recomputes count as the
+            recompute working set).
     """
 
-    def __init__(self, model=None, device=None):
+    def __init__(self, model=None, device=None, checkpointer=None):
         self.layers = layer_modules(model) if model is not None else []
-        self.checkpointer = getattr(model, "activation_checkpointer", None)
+        self.checkpointer = checkpointer
         if device is None and model is not None:
             device = next((p.device for p in model.parameters()), None)
         self.device = torch.device(device if device is not None else "cpu")
@@ -215,7 +221,7 @@ def memory_report(optimizer=None, meter: SavedActivationMeter | None = None, che
     if meter is not None:
         out["activations"] = meter.peak["device_total"]
         out["activations_host"] = meter.peak["host"]
-    pool = getattr(checkpointer, "pool", None)
+    pool = checkpointer.pool if checkpointer is not None else None
     if pool is not None:
         out["checkpoint_buffer"] = pool.nbytes
     return out

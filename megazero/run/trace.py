@@ -11,8 +11,12 @@ import json
 import os
 import time
 
+from megazero.core import instructions as I
+
 
 class Tracer:
+    """Collects this rank's instruction events for one run; `save()` writes them as a Chrome trace."""
+
     def __init__(self, path: str, rank: int, stage: int, dp_rank: int, tp_rank: int):
         self.path, self.rank, self.stage = path, rank, stage
         self.meta = {"rank": rank, "stage": stage, "dp_rank": dp_rank, "tp_rank": tp_rank}
@@ -23,7 +27,7 @@ class Tracer:
     def event(self, ins, start: float, end: float) -> None:
         self.events.append({"name": repr(ins), "cat": type(ins).__name__, "ph": "X", "pid": self.stage,
                             "tid": self.rank, "ts": (start - self.t0) * 1e6, "dur": (end - start) * 1e6,
-                            "args": {"step": self.step, "mb": getattr(ins, "mb", None)}})
+                            "args": {"step": self.step, "mb": ins.mb if isinstance(ins, I.PER_MICROBATCH) else None}})
 
     def next_step(self) -> None:
         self.step += 1

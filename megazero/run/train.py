@@ -19,11 +19,11 @@ import os
 import sys
 
 import megazero
-from megazero.core.config import ConfigError, to_dict
-from megazero.core.schedules import get_schedule
-from megazero.core.simulate import simulate
+from megazero.core.config import Config, ConfigError, to_dict
+from megazero.core.schedules import bubble_fraction
 from megazero.core.spec import SpecError
-from megazero.engine import load_run_config
+from megazero.core.topology import Topology
+from megazero.engine import initialize_from_config, load_run_config
 from megazero.models import count_params
 from megazero.run import checkpoint
 from megazero.run.memory import SavedActivationMeter, memory_report
@@ -60,32 +60,31 @@ def _check_data(cfg) -> None:
 
 
 def _summary(cfg, engine, optimizer) -> str:
-    ctx, t, spec = engine.ctx, cfg.train, engine.module.spec
-    p, m, v = ctx.pp_size, t.gradient_accumulation_steps, cfg.pipeline.chunks
-    bubble = simulate(get_schedule(cfg.pipeline.schedule, p, m, v)).bubble_fraction if p > 1 else 0.0
+    pctx, t, spec = engine.pctx, cfg.train, engine.module.model_spec
+    p, m, v = pctx.pp_size, t.gradient_accumulation_steps, cfg.pipeline.chunks
+    bubble = bubble_fraction(cfg.pipeline.schedule, p, m, v)
     return "\n".join([
         f"megazero {megazero.__version__} | run {cfg.name} -> {cfg.run_dir}",
-        f"layout   pp={p} x tp={ctx.tp_size} x dp={ctx.dp_size} = {ctx.topology.world_size} ranks, "
+        f"layout   pp={p} x tp={pctx.tp_size} x dp={pctx.dp_size} = {pctx.topology.world_size} ranks, "
         f"ZeRO-{cfg.zero.stage}, {cfg.precision}, schedule {cfg.pipeline.schedule}"
         + (f" (v={v})" if v > 1 else ""),
         f"model    {cfg.model.spec}: {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}, "
         f"vocab {spec.vocab}, seq {spec.seq_len}; {count_params(spec) / 1e6:.2f}M params, "
         f"rank 0 holds {optimizer.num_params() / 1e6:.3f}M",
         f"batch    global {t.global_batch_size} = micro {t.micro_batch_size} x accumulation {m} x dp "
-        f"{ctx.dp_size}; micro-batches per flush {m}; bubble {bubble:.1%} (simulated, unit costs)",
+        f"{pctx.dp_size}; micro-batches per flush {m}; bubble {bubble:.1%} (simulated, unit costs)",
     ])
 
 
-def run(cfg, rank: int) -> int:
-    timers = Timers()
-    engine, optimizer, data, scheduler = megazero.initialize(config=cfg, on_instruction=timers)
-    ctx = engine.ctx
-    if cfg.trace.enabled:
-        timers.tracer = Tracer(os.path.join(cfg.run_dir, "trace", f"rank{ctx.global_rank}.json"), ctx.global_rank,
-                               ctx.pp_rank, ctx.dp_rank, ctx.tp_rank)
+def run(cfg: Config, rank: int) -> int:
+    """Train the resolved config `cfg` (from `load_run_config`) as global rank `rank`; returns the exit code."""
+    tracer = _tracer(cfg, rank) if cfg.trace.enabled else None
+    timers = Timers(tracer)
+    engine, optimizer, data, scheduler = initialize_from_config(cfg, on_instruction=timers)
+    pctx = engine.pctx
     start_step = 0
     if cfg.checkpoint.load:
-        start_step, exact = checkpoint.load(cfg.checkpoint.load, engine.module, optimizer, ctx, scheduler)
+        start_step, exact = checkpoint.load(cfg.checkpoint.load, engine.module, optimizer, pctx, scheduler)
         if rank == 0:
             print(f"loaded {cfg.checkpoint.load} (step {start_step}; optimizer state "
                   f"{'restored' if exact else 'fresh: the layout differs'})")
@@ -93,12 +92,13 @@ def run(cfg, rank: int) -> int:
     writer = MetricsWriter(cfg.log.metrics_file if rank == 0 else None)
     if rank == 0:
         print(_summary(cfg, engine, optimizer), flush=True)
-    spec, t = engine.module.spec, cfg.train
+    spec, t = engine.module.model_spec, cfg.train
     flops = model_flops_per_step(t.global_batch_size, spec.seq_len, spec.layers, spec.hidden, spec.vocab)
     tokens = t.global_batch_size * spec.seq_len
     bar = _progress(cfg, rank, start_step)
     clock = StepClock()
-    meter = SavedActivationMeter(engine.module) if cfg.log.memory_breakdown else None
+    checkpointer = engine.module.activation_checkpointer
+    meter = SavedActivationMeter(engine.module, checkpointer=checkpointer) if cfg.log.memory_breakdown else None
     for step in range(start_step + 1, cfg.train.steps + 1):
         if meter is not None:  # saved-activation bytes of this step (peak in flight on this stage)
             with meter.measure():
@@ -110,7 +110,7 @@ def run(cfg, rank: int) -> int:
         record = {"step": step, "loss": loss, "grad_norm": info.get("grad_norm"), "lr": info.get("lr"),
                   "loss_scale": info.get("loss_scale"), "skipped": info.get("skipped", False),
                   "tokens_per_s": tokens / dt, "step_time_s": dt,
-                  "mfu": mfu(flops, dt, ctx.topology.world_size, cfg.log.peak_tflops)}
+                  "mfu": mfu(flops, dt, pctx.topology.world_size, cfg.log.peak_tflops)}
         if cfg.log.wall_clock_breakdown:
             record["time_ms"] = timers.pop()
         writer.write(record)
@@ -120,25 +120,32 @@ def run(cfg, rank: int) -> int:
                             mfu="-" if record["mfu"] is None else f"{record['mfu']:.1%}",
                             scale=f"{record['loss_scale']:g}")
         if lead and cfg.log.interval and step % cfg.log.interval == 0:
-            _log_line(cfg, rank, record, optimizer, bar, meter, engine)
-        if timers.tracer is not None:
-            timers.tracer.next_step()
+            _log_line(cfg, rank, record, optimizer, bar, meter, checkpointer)
+        if tracer is not None:
+            tracer.next_step()
         if cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps):
-            path = checkpoint.save(cfg.checkpoint.dir, step, engine.module, optimizer, ctx, scheduler, _plain(cfg))
+            path = checkpoint.save(cfg.checkpoint.dir, step, engine.module, optimizer, pctx, scheduler, to_dict(cfg))
             if rank == 0:
                 _say(bar, f"saved checkpoint {path}")
     if bar is not None:
         bar.close()
     writer.close()
-    if timers.tracer is not None:
-        timers.tracer.save()
+    if tracer is not None:
+        tracer.save()
     if rank == 0:
         print(f"done: {cfg.train.steps} steps; metrics {cfg.log.metrics_file}", flush=True)
     _finish()
     return 0
 
 
-def _log_line(cfg, rank, record, optimizer, bar, meter=None, engine=None) -> None:
+def _tracer(cfg: Config, rank: int) -> Tracer:
+    """This rank's tracer; its grid coordinates come from the topology (no process group needed)."""
+    p = cfg.parallel
+    coords = Topology(pp=p.pp, dp=p.dp, tp=p.tp, order=tuple(p.order)).coords(rank)
+    return Tracer(os.path.join(cfg.run_dir, "trace", f"rank{rank}.json"), rank, coords.pp, coords.dp, coords.tp)
+
+
+def _log_line(cfg, rank, record, optimizer, bar, meter=None, checkpointer=None) -> None:
     parts = [f"[rank {rank}] step {record['step']}: loss {record['loss']:.4f}"]
     if record["grad_norm"] is not None:
         parts.append(f"grad_norm {record['grad_norm']:.3f}")
@@ -146,7 +153,7 @@ def _log_line(cfg, rank, record, optimizer, bar, meter=None, engine=None) -> Non
     if "time_ms" in record:
         parts.append("time_ms " + " ".join(f"{k}={v:.1f}" for k, v in record["time_ms"].items()))
     if cfg.log.memory_breakdown:
-        mem = memory_report(optimizer, meter, getattr(engine.module, "activation_checkpointer", None))
+        mem = memory_report(optimizer, meter, checkpointer)
         parts.append("memory " + " ".join(f"{k}={format_bytes(v)}" for k, v in mem.items()))
     _say(bar, " | ".join(parts))
 
@@ -164,10 +171,6 @@ def _progress(cfg, rank, start):
     from tqdm import tqdm
 
     return tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-
-
-def _plain(cfg):
-    return to_dict(cfg)
 
 
 def _finish() -> None:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-               "avg": dist.ReduceOp.AVG if hasattr(dist.ReduceOp, "AVG") else None}
+               "avg": getattr(dist.ReduceOp, "AVG", None)}  # AVG is missing from older torch builds
 
 
 @dataclass

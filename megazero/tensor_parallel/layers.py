@@ -18,7 +18,7 @@ from torch import nn
 from megazero.runtime.comm import GroupHandle
 from megazero.tensor_parallel import mappings
 from megazero.tensor_parallel.init import local_size, make_param, padded_size
-from megazero.tensor_parallel.weight_grad import linear
+from megazero.tensor_parallel.weight_grad import WeightGradStore, linear
 
 
 class ColumnParallelLinear(nn.Module):
@@ -38,7 +38,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp_group: GroupHandle, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, *, name: str = "linear",
                  seed: int = 0, init_std: float = 0.02, comm_input: bool = True, device=None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, wgrad_store: WeightGradStore | None = None):
         super().__init__()
         t = tp_group.size
         self.in_features, self.out_features, self.tp_group = in_features, out_features, tp_group
@@ -50,7 +50,7 @@ class ColumnParallelLinear(nn.Module):
                                  std=init_std, **common)
         self.bias = make_param((out_local,), logical_name=f"{name}.bias", full_shape=(out_features,),
                                tp_dim=0, init="zeros", **common) if bias else None
-        self.wgrad_store = None  # a WeightGradStore defers the weight-grad GEMM (zero-bubble W)
+        self.wgrad_store = wgrad_store  # defers the weight-grad GEMM to W (zero bubble); None: in B
 
     def forward(self, x: torch.Tensor, regather=None) -> torch.Tensor:
         """`regather`: the region's handle from `mappings.enter_column_region` (then x is the
@@ -82,7 +82,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group: GroupHandle, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, *, name: str = "linear",
-                 seed: int = 0, init_std: float = 0.02, device=None, dtype: torch.dtype = torch.float32):
+                 seed: int = 0, init_std: float = 0.02, device=None, dtype: torch.dtype = torch.float32,
+                 wgrad_store: WeightGradStore | None = None):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError(f"{name}: sequence_parallel needs input_is_parallel=True")
@@ -99,7 +100,7 @@ class RowParallelLinear(nn.Module):
             self.bias = make_param((out_features,), logical_name=f"{name}.bias", full_shape=(out_features,),
                                    tp_dim=None, init="zeros", **common)
             self.bias.sequence_parallel = sequence_parallel
-        self.wgrad_store = None  # a WeightGradStore defers the weight-grad GEMM (zero-bubble W)
+        self.wgrad_store = wgrad_store  # defers the weight-grad GEMM to W (zero bubble); None: in B
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

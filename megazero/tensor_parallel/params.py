@@ -30,7 +30,7 @@ def unique_params(model_or_layers) -> list[nn.Parameter]:
         for name, p in mod.named_parameters():
             if id(p) in seen:
                 continue
-            if not hasattr(p, "logical_name"):
+            if getattr(p, "logical_name", None) is None:  # a user's parameter, not made by make_param
                 raise ValueError(f"parameter {name!r} of {type(mod).__name__} has no logical_name; "
                                  f"create it with megazero.tensor_parallel.init.make_param")
             seen.add(id(p))

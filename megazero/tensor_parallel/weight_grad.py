@@ -8,8 +8,9 @@ pipeline's cool-down bubble. While a `WeightGradStore` is `deferring`, every lin
 holds it computes only gx (and its bias gradient) and leaves (weight, x, gy) in the store; W runs
 `compute(entry)` for each. No communication.
 
-The store is an object the pipeline engine creates per stage and hands to the stage's layers
-(`attach(module, store)`), never a global.
+The store is an object created per stage when the schedule splits backward
+(`megazero.engine.factories.build_model`) and handed to the stage's linear layers in their
+constructors (``wgrad_store=``, through `layer_builders`); never a global.
 
 Under sequence parallelism the input of a column-parallel region is all-gathered along the
 sequence. Saving the gathered (s, b, h) tensor for the weight gradients costs t times the shard;
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 
 
 class WeightGradStore:
+    """The deferred (weight, x, gy) triples of one stage, between a B and its W."""
+
     def __init__(self):
         self.deferring = False
         self._pending: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []
@@ -108,14 +111,3 @@ def linear(x, weight, bias=None, store: WeightGradStore | None = None, regather:
     if store is None and regather is None and not getattr(weight, "zero3_sharded", False):
         return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias, store, regather)
-
-
-def attach(module: torch.nn.Module, store: WeightGradStore | None) -> int:
-    """Give `store` to every layer of `module` that can defer (has a `wgrad_store` attribute);
-    returns how many."""
-    n = 0
-    for m in module.modules():
-        if hasattr(m, "wgrad_store"):
-            m.wgrad_store = store
-            n += 1
-    return n

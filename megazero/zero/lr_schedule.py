@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
-VALID = ("constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR")
+from megazero.core.config.schema import SCHEDULER_CHOICES
+
+VALID = SCHEDULER_CHOICES  # one list: the config schema's
 
 
 def lr_at(step: int, kind: str, lr: float, warmup_steps: int = 0, total_steps: int = 0,
@@ -51,15 +53,15 @@ class LRScheduler:
         self._apply()
 
     def _apply(self) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(self.last_step, **self.kwargs)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr_at(self.last_step, **self.kwargs)
 
     def step(self) -> None:
         self.last_step += 1
         self._apply()
 
     def get_last_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return [param_group["lr"] for param_group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
         return {"last_step": self.last_step}

@@ -1,8 +1,8 @@
 """ZeRO stages 0-3 on the data-parallel axis, composing with tensor and pipeline parallelism.
 
-`ZeroOptimizer(params, ctx, ...)` flattens the parameters of one model-parallel rank (its pipeline
+`ZeroOptimizer(params, pctx, ...)` flattens the parameters of one model-parallel rank (its pipeline
 stage's TP shard) into `FlatGroup`s, accumulates gradients in fp32 through post-accumulate-grad
-hooks, reduces them over `ctx.dp_group`, and updates the fp32 master shard with the fused Adam of
+hooks, reduces them over `pctx.dp_group`, and updates the fp32 master shard with the fused Adam of
 `megazero.runtime.kernels`.
 
 Communication per optimizer step (Ψ = this rank's parameters, ring volumes, see REFERENCE.md):
@@ -12,9 +12,9 @@ Communication per optimizer step (Ψ = this rank's parameters, ring volumes, see
   across micro-batches) + all-gather after the step: (m+1)Ψ·(Nd−1)/Nd for m micro-batches.
 - stage 3: all-gather of each layer before forward and again before backward, reduce-scatter
   after its backward: 3Ψ·(Nd−1)/Nd per micro-batch.
-Over other groups: tied embedding/head gradients are summed over `ctx.embedding_group` (their shards
+Over other groups: tied embedding/head gradients are summed over `pctx.embedding_group` (their shards
 line up: tied parameters live in their own flat group with the same layout on both stages); the
-overflow flag (max) and the squared gradient norm (sum) are all-reduced over `ctx.world_group`.
+overflow flag (max) and the squared gradient norm (sum) are all-reduced over `pctx.world_group`.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class ZeroOptimizer:
     `after_backward()` per micro-batch, `step()` once per global batch (it reduces, unscales,
     checks overflow, clips, updates, publishes and zeroes the gradients)."""
 
-    def __init__(self, params, ctx, stage: int = 0, spec: OptimizerSpec = OptimizerSpec(),
+    def __init__(self, params, pctx, stage: int = 0, spec: OptimizerSpec = OptimizerSpec(),
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = False, offload_optimizer: bool = False, offload_param: bool = False,
                  gradient_clipping: float = 0.0, loss_scaler: LossScaler | None = None,
@@ -65,7 +65,7 @@ class ZeroOptimizer:
             raise ValueError("zero.offload_param needs zero.stage 3")
         if offload_optimizer and stage == 0:
             raise ValueError("zero.offload_optimizer needs zero.stage 1, 2 or 3")
-        self.ctx, self.stage, self.spec = ctx, stage, spec
+        self.pctx, self.stage, self.spec = pctx, stage, spec
         self.overlap = overlap_comm
         if allgather_bucket_size < 1 or reduce_bucket_size < 1:
             raise ValueError("zero.reduce_bucket_size and zero.allgather_bucket_size must be >= 1 element")
@@ -84,24 +84,24 @@ class ZeroOptimizer:
                 unique.append(p)
         self.groups = self._make_groups(unique, units, reduce_bucket_size, offload_optimizer, offload_param,
                                         param_persistence_threshold)
-        self._where = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        self._where = {id(p): (group, i) for group in self.groups for i, p in enumerate(group.params)}
         self.device = unique[0].device if unique else torch.device("cpu")
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.groups for p in g.params]
-        self._counted = [self._counted_ranges(g) for g in self.groups]
-        self._sp_ranges = [self._ranges_where(g, lambda p: getattr(p, "sequence_parallel", False))
-                           for g in self.groups]
-        self._runs = [self._decay_runs(g) for g in self.groups]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for group in self.groups for p in group.params]
+        self._counted = [self._counted_ranges(group) for group in self.groups]
+        self._sp_ranges = [self._ranges_where(group, lambda p: getattr(p, "sequence_parallel", False))
+                           for group in self.groups]
+        self._runs = [self._decay_runs(group) for group in self.groups]
         self.gatherer = None
         if stage == 3 and units:
-            self.gatherer = Stage3Gatherer(units, [g for g in self.groups if g.shard_params], prefetch_bucket_size)
+            self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _make_groups(self, params, units, bucket, offload_opt, offload_param, persist):
-        tied_across_stages = self.ctx.pp_size > 1
+        tied_across_stages = self.pctx.pp_size > 1
         is_tied = [tied_across_stages and getattr(p, "tied_name", None) is not None for p in params]
         tied = [p for p, t in zip(params, is_tied) if t]
         rest = [p for p, t in zip(params, is_tied) if not t]
-        dp = self.ctx.dp_group
+        dp = self.pctx.dp_group
         groups = []
         if self.stage == 3:
             unit_of = {}
@@ -125,33 +125,33 @@ class ZeroOptimizer:
                                     offload_opt or (shard and offload_param)))
         return groups
 
-    def _counted_ranges(self, g: FlatGroup) -> list[list[tuple[int, int]]]:
+    def _counted_ranges(self, group: FlatGroup) -> list[list[tuple[int, int]]]:
         """Per bucket, local ranges of the owned slice that count in the global gradient norm:
         each parameter exactly once over dp (stage 0: dp rank 0), tp (replicated: tp rank 0) and pp
         (tied copies: first stage)."""
-        ctx = self.ctx
-        if (g.stage == 0 and ctx.dp_rank != 0) or (g.name == "tied" and not ctx.is_first_stage):
-            return [[] for _ in g.layout.buckets]
+        pctx = self.pctx
+        if (group.stage == 0 and pctx.dp_rank != 0) or (group.name == "tied" and not pctx.is_first_stage):
+            return [[] for _ in group.layout.buckets]
         out = []
-        for b, segs in enumerate(g.segments):
-            lo = g.owned[b][0]
+        for b, segs in enumerate(group.segments):
+            lo = group.owned[b][0]
             out.append([(s.buf_start - lo, s.buf_end - lo) for s in segs
-                        if getattr(g.params[s.param], "tp_dim", None) is not None or ctx.tp_rank == 0])
+                        if getattr(group.params[s.param], "tp_dim", None) is not None or pctx.tp_rank == 0])
         return out
 
     @staticmethod
-    def _ranges_where(g: FlatGroup, pred) -> list[list[tuple[int, int]]]:
+    def _ranges_where(group: FlatGroup, pred) -> list[list[tuple[int, int]]]:
         """Per bucket, local ranges of the owned slice that belong to parameters matching `pred`."""
-        return [[(s.buf_start - g.owned[b][0], s.buf_end - g.owned[b][0]) for s in segs if pred(g.params[s.param])]
-                for b, segs in enumerate(g.segments)]
+        return [[(s.buf_start - group.owned[b][0], s.buf_end - group.owned[b][0]) for s in segs if pred(group.params[s.param])]
+                for b, segs in enumerate(group.segments)]
 
-    def _decay_runs(self, g: FlatGroup) -> list[list[tuple[int, int, bool]]]:
+    def _decay_runs(self, group: FlatGroup) -> list[list[tuple[int, int, bool]]]:
         """Per bucket, maximal contiguous local ranges of the owned slice with one weight-decay flag."""
         out = []
-        for b, segs in enumerate(g.segments):
-            lo, runs = g.owned[b][0], []
+        for b, segs in enumerate(group.segments):
+            lo, runs = group.owned[b][0], []
             for s in segs:
-                decay = not _no_decay(g.params[s.param], g.shapes[s.param])
+                decay = not _no_decay(group.params[s.param], group.shapes[s.param])
                 a, e = s.buf_start - lo, s.buf_end - lo
                 if runs and runs[-1][2] == decay and runs[-1][1] == a:
                     runs[-1] = (runs[-1][0], e, decay)
@@ -175,21 +175,21 @@ class ZeroOptimizer:
     def accumulate_grad(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Add one micro-batch's gradient of `p` (what autograd's hook does; zero-bubble W passes
         call it directly) and launch the bucket's reduction when the bucket is complete."""
-        g, i = self._where[id(p)]
-        done = g.add_grad(i, grad)
-        if done is not None and self.overlap and (not g.full_grads or self._last_microbatch):
-            g.reduce_bucket(done, async_op=True)
-        if self.gatherer is not None and done is not None and g.shard_params:
-            self.gatherer.bucket_done(g, done)
+        group, i = self._where[id(p)]
+        done = group.add_grad(i, grad)
+        if done is not None and self.overlap and (not group.full_grads or self._last_microbatch):
+            group.reduce_bucket(done, async_op=True)
+        if self.gatherer is not None and done is not None and group.shard_params:
+            self.gatherer.bucket_done(group, done)
 
     def after_backward(self) -> None:
         """End of one micro-batch's backward: stages 2-3 reduce-scatter what is left, stage 3
         releases every gathered parameter."""
-        for g in self.groups:
-            if not g.full_grads:
-                g.flush()
+        for group in self.groups:
+            if not group.full_grads:
+                group.flush()
             elif not self._last_microbatch or not self.overlap:
-                g.reset_pending()
+                group.reset_pending()
         if self.gatherer is not None:
             self.gatherer.release_all()
 
@@ -200,51 +200,51 @@ class ZeroOptimizer:
         if self._reduced:
             return
         self._reduced = True
-        for g in self.groups:
-            if g.full_grads:
-                launched = {b for _, b, _ in g._inflight}
-                for b in range(len(g.layout.buckets)):
+        for group in self.groups:
+            if group.full_grads:
+                launched = {b for _, b, _ in group._inflight}
+                for b in range(len(group.layout.buckets)):
                     if b not in launched:
-                        g.reduce_bucket(b, async_op=self.overlap)
-            g.wait()
-            g.reset_pending()
-            if g.name == "tied":
-                for t in g.grad_owned:
-                    comm.all_reduce(t, self.ctx.embedding_group)
+                        group.reduce_bucket(b, async_op=self.overlap)
+            group.wait()
+            group.reset_pending()
+            if group.name == "tied":
+                for t in group.grad_owned:
+                    comm.all_reduce(t, self.pctx.embedding_group)
         self._sum_sequence_parallel_grads()
 
     def _sum_sequence_parallel_grads(self) -> None:
         """Sequence-parallel parameters (norms on sequence shards) get partial gradients on each TP
-        rank: sum their owned slices over ctx.tp_group in one flat all-reduce (TP ranks share the
+        rank: sum their owned slices over pctx.tp_group in one flat all-reduce (TP ranks share the
         flat layout, so the slices line up)."""
-        views = [t[a:e] for g, per_bucket in zip(self.groups, self._sp_ranges)
-                 for t, ranges in zip(g.grad_owned, per_bucket) for a, e in ranges]
-        if not views or self.ctx.tp_size == 1:
+        views = [t[a:e] for group, per_bucket in zip(self.groups, self._sp_ranges)
+                 for t, ranges in zip(group.grad_owned, per_bucket) for a, e in ranges]
+        if not views or self.pctx.tp_size == 1:
             return
         flat = torch.cat(views)
-        comm.all_reduce(flat, self.ctx.tp_group)
+        comm.all_reduce(flat, self.pctx.tp_group)
         pos = 0
         for v in views:
             v.copy_(flat[pos:pos + v.numel()])
             pos += v.numel()
 
     def _all_owned_grads(self):
-        return [t for g in self.groups for t in g.grad_owned]
+        return [t for group in self.groups for t in group.grad_owned]
 
     def _overflow(self) -> bool:
         local = any(not torch.isfinite(t).all() for t in self._all_owned_grads())
         flag = torch.tensor([1.0 if local else 0.0], device=self.device)  # NCCL needs device tensors
-        comm.all_reduce(flag, self.ctx.world_group, op="max")
+        comm.all_reduce(flag, self.pctx.world_group, op="max")
         return bool(flag.item() > 0)
 
     def global_grad_norm(self) -> float:
-        """L2 norm of the full model's gradient, every parameter counted once, over ctx.world_group."""
+        """L2 norm of the full model's gradient, every parameter counted once, over pctx.world_group."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g, counted in zip(self.groups, self._counted):
-            for t, ranges in zip(g.grad_owned, counted):
+        for group, counted in zip(self.groups, self._counted):
+            for t, ranges in zip(group.grad_owned, counted):
                 for a, e in ranges:
                     sq += t[a:e].double().pow(2).sum().to(self.device)
-        comm.all_reduce(sq, self.ctx.world_group)
+        comm.all_reduce(sq, self.pctx.world_group)
         return float(sq.sqrt().item())
 
     def step(self) -> dict:
@@ -263,24 +263,24 @@ class ZeroOptimizer:
         norm = self.global_grad_norm()
         coef = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
         self.step_count += 1
-        for g, runs in zip(self.groups, self._runs):
-            self._update_group(g, runs, coef)
-            g.publish_master(self.allgather_bucket_size)
+        for group, runs in zip(self.groups, self._runs):
+            self._update_group(group, runs, coef)
+            group.publish_master(self.allgather_bucket_size)
         self.zero_grad()
         self.scaler.update(False)
         return info | {"skipped": False, "grad_norm": norm}
 
-    def _update_group(self, g: FlatGroup, runs, coef: float) -> None:
+    def _update_group(self, group: FlatGroup, runs, coef: float) -> None:
         s, lr = self.spec, self.param_groups[0]["lr"]
         for b, bucket_runs in enumerate(runs):
-            grad = g.grad_owned[b]
-            if g.offload:
+            grad = group.grad_owned[b]
+            if group.offload:
                 grad = grad.to("cpu")  # blocking: Adam reads it right away
             if coef != 1.0:
                 grad = grad * coef
             for a, e, decay in bucket_runs:
                 wd = s.weight_decay if decay else 0.0
-                p, gr, m, v = g.master[b][a:e], grad[a:e], g.exp_avg[b][a:e], g.exp_avg_sq[b][a:e]
+                p, gr, m, v = group.master[b][a:e], grad[a:e], group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e]
                 if s.type == "sgd":
                     _sgd(p, gr, m, lr, s.momentum, wd, first=self.step_count == 1)
                 else:
@@ -290,8 +290,8 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False
-        for g in self.groups:
-            g.zero_grads()
+        for group in self.groups:
+            group.zero_grads()
 
     # -- introspection ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -302,53 +302,53 @@ class ZeroOptimizer:
         owned slice back into its shard) and the fp32 master is refreshed from them."""
         held = []
         try:
-            for g in self.groups:
-                if g.shard_params:
-                    for b in range(len(g.layout.buckets)):
-                        _, full = g.gather_bucket(b)
-                        g.attach_bucket(b, full)
-                        held.append((g, b, full))
+            for group in self.groups:
+                if group.shard_params:
+                    for b in range(len(group.layout.buckets)):
+                        _, full = group.gather_bucket(b)
+                        group.attach_bucket(b, full)
+                        held.append((group, b, full))
             yield
             if writeback:
-                for g, b, full in held:
-                    start = g.layout.buckets[b].start
-                    lo, hi = g.owned[b]
-                    g.param_owned[b].copy_(full[lo - start:hi - start])
-                for g in self.groups:
-                    if g.separate_master:
-                        for m, w in zip(g.master, g.param_owned):
+                for group, b, full in held:
+                    start = group.layout.buckets[b].start
+                    lo, hi = group.owned[b]
+                    group.param_owned[b].copy_(full[lo - start:hi - start])
+                for group in self.groups:
+                    if group.separate_master:
+                        for m, w in zip(group.master, group.param_owned):
                             m.copy_(w)
         finally:
-            for g, b, _ in held:
-                g.release_bucket(b)
+            for group, b, _ in held:
+                group.release_bucket(b)
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (layout-specific): master shard, moments, step, scaler."""
         return {"step_count": self.step_count, "scaler": self.scaler.state_dict(), "lr": self.param_groups[0]["lr"],
-                "groups": [{"name": g.name, "numel": g.layout.total, "master": [m.detach().clone() for m in g.master],
-                            "state": g.state_flat.detach().clone()} for g in self.groups]}
+                "groups": [{"name": group.name, "numel": group.layout.total, "master": [m.detach().clone() for m in group.master],
+                            "state": group.state_flat.detach().clone()} for group in self.groups]}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore `state_dict()` from the same layout (same groups and sizes) and republish the
         working parameters from the master."""
-        mine = [(g.name, g.layout.total) for g in self.groups]
-        theirs = [(g["name"], g["numel"]) for g in sd["groups"]]
+        mine = [(group.name, group.layout.total) for group in self.groups]
+        theirs = [(saved["name"], saved["numel"]) for saved in sd["groups"]]
         if mine != theirs:
             raise ValueError(f"optimizer state was saved for flat groups {theirs}, this layout has {mine}")
         self.step_count = sd["step_count"]
         self.scaler.load_state_dict(sd["scaler"])
         self.param_groups[0]["lr"] = sd["lr"]
-        for g, saved in zip(self.groups, sd["groups"]):
-            for m, src in zip(g.master, saved["master"]):
+        for group, saved in zip(self.groups, sd["groups"]):
+            for m, src in zip(group.master, saved["master"]):
                 m.copy_(src)
-            g.state_flat.copy_(saved["state"])
-            g.publish_master(self.allgather_bucket_size)
+            group.state_flat.copy_(saved["state"])
+            group.publish_master(self.allgather_bucket_size)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now: params, grads, master, optimizer_states, comm_buffers."""
         total: dict[str, int] = {}
-        for g in self.groups:
-            for k, v in g.memory().items():
+        for group in self.groups:
+            for k, v in group.memory().items():
                 total[k] = total.get(k, 0) + v
         return total
 
@@ -359,19 +359,19 @@ class ZeroOptimizer:
         if self.stage > 1:
             raise RuntimeError(f"zero.stage={self.stage} keeps only a gradient shard; use stage 0 or 1")
         out = {}
-        for g in self.groups:
-            for i, p in enumerate(g.params):
-                s, e = g.layout.param_range(i)
-                out[p] = g.grad_flat[s:e].view(g.shapes[i])
+        for group in self.groups:
+            for i, p in enumerate(group.params):
+                s, e = group.layout.param_range(i)
+                out[p] = group.grad_flat[s:e].view(group.shapes[i])
         return out
 
     def num_params(self) -> int:
-        return sum(n for g in self.groups for n in g.layout.numels)
+        return sum(n for group in self.groups for n in group.layout.numels)
 
 
-def _sgd(p, g, buf, lr, momentum, wd, first):
+def _sgd(p, grad, buf, lr, momentum, wd, first):
     """SGD with optional momentum (torch.optim.SGD semantics, dampening 0)."""
-    d = g + wd * p if wd else g
+    d = grad + wd * p if wd else grad
     if momentum:
         if first:
             buf.copy_(d)

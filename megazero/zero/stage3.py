@@ -19,7 +19,7 @@ class Stage3Gatherer:
     def __init__(self, units, groups, prefetch_bucket_size: int):
         self.groups = groups
         self.prefetch = prefetch_bucket_size
-        where = {id(p): (gi, g.layout.bucket_of(i)) for gi, g in enumerate(groups) for i, p in enumerate(g.params)}
+        where = {id(p): (gi, group.layout.bucket_of(i)) for gi, group in enumerate(groups) for i, p in enumerate(group.params)}
         self.needs: list[list[tuple[int, int]]] = []
         for mod in units:
             keys = sorted({where[id(p)] for p in mod.parameters() if id(p) in where})

@@ -12,8 +12,8 @@ global = micro x grad_accum x dp. ``python -m megazero.core.config explain CONFI
 """
 from .deepspeed import from_deepspeed, is_deepspeed, translate
 from .errors import ConfigError
-from .explain import bubble_fraction, derived_values, explain
-from .loading import load_config, parse_overrides, read_file
+from .explain import derived_values, explain
+from .loading import load_config, parse_overrides, read_file, read_tree
 from .schema import (ActivationCheckpointingConfig, CheckpointConfig, CommConfig, Config, DataConfig,
                      Fp16Config, LogConfig, ModelConfig, OffloadConfig, OptimizerConfig, ParallelConfig,
                      PipelineConfig, SchedulerConfig, TraceConfig, TrainConfig, ZeroConfig, all_keys, get_key)
@@ -25,8 +25,8 @@ __all__ = [
     "ActivationCheckpointingConfig", "CheckpointConfig", "CommConfig", "Config", "ConfigError", "DataConfig",
     "Fp16Config", "LogConfig", "ModelConfig", "NOT_SUPPORTED", "OffloadConfig", "OptimizerConfig",
     "ParallelConfig", "PipelineConfig", "SchedulerConfig", "TraceConfig", "TrainConfig", "Unsupported",
-    "ZeroConfig", "all_keys", "assert_supported", "bubble_fraction", "build_config", "check_tree",
+    "ZeroConfig", "all_keys", "assert_supported", "build_config", "check_tree",
     "derive_batch", "derived_values", "explain", "from_deepspeed", "get_key", "is_deepspeed", "layout_dp",
-    "load_config", "parse_overrides", "read_file", "resolve", "to_dict", "to_yaml", "translate",
+    "load_config", "parse_overrides", "read_file", "read_tree", "resolve", "to_dict", "to_yaml", "translate",
     "unsupported", "validate",
 ]

@@ -9,9 +9,11 @@ import dataclasses
 import re
 from typing import Any, Sequence
 
+from ..partition import NAMED_METHODS
+from ..schedules import SCHEDULES
 from .errors import closest
 from .schema import (AXIS_CHOICES, BACKEND_CHOICES, CHECKPOINT_POLICY_CHOICES, OFFLOAD_DEVICE_CHOICES,
-                     OPTIMIZER_CHOICES, PARTITION_CHOICES, PRECISION_CHOICES, SCHEDULE_CHOICES,
+                     OPTIMIZER_CHOICES, PRECISION_CHOICES,
                      SCHEDULER_CHOICES, TOKENIZER_CHOICES, WARMUP_TYPE_CHOICES, Config)
 
 _SPEC = re.compile(r"^[^:\s]+(\.py|[A-Za-z0-9_])(:[A-Za-z0-9_.\-]+)?$")
@@ -201,7 +203,7 @@ def check_partition(cfg: Config) -> list[str]:
             except re.error as e:
                 return [f"{key}: {part!r} has an invalid regular expression ({e})"]
             return [] if part[5:] else [f"{key}: 'type:' needs a regex naming the layers to balance"]
-        return choice(key, part, PARTITION_CHOICES + ("type:<regex>", "[per-stage layer counts]"))
+        return choice(key, part, NAMED_METHODS + ("type:<regex>", "[per-stage layer counts]"))
     if not isinstance(part, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                                              for n in part):
         return [f"{key}: expected a method name or a list of non-negative layer counts, got {part!r}"]
@@ -216,7 +218,7 @@ def check_partition(cfg: Config) -> list[str]:
 def check_pipeline(cfg: Config) -> list[str]:
     pl = cfg.pipeline
     errs = [] if pl.schedule.endswith(".csv") else choice(
-        "pipeline.schedule", pl.schedule, SCHEDULE_CHOICES + ("<file>.csv",))
+        "pipeline.schedule", pl.schedule, SCHEDULES + ("<file>.csv",))
     errs += at_least("pipeline.chunks", pl.chunks, 1)
     if pl.schedule == "interleaved" and pl.chunks < 2:
         errs.append(f"pipeline.chunks: the interleaved schedule needs pipeline.chunks >= 2, got {pl.chunks}")

@@ -1,11 +1,13 @@
-"""`ConfigError` and the closest-key suggestions used by every config error message.
+"""`ConfigError` and the closest-key suggestions used by every config error message (`closest` is
+`megazero.core.suggest`'s, re-exported here).
 
 Pure Python: no torch, no OmegaConf.
 """
 from __future__ import annotations
 
-import difflib
 from typing import Iterable
+
+from ..suggest import closest
 
 
 class ConfigError(ValueError):
@@ -14,12 +16,6 @@ class ConfigError(ValueError):
     The message always starts with the offending dotted key (``train.micro_batch_size: ...``)
     and says what would be valid.
     """
-
-
-def closest(word: str, candidates: Iterable[str], cutoff: float = 0.6) -> str | None:
-    """The candidate most similar to `word` (difflib ratio >= `cutoff`), or None."""
-    matches = difflib.get_close_matches(word, list(candidates), n=1, cutoff=cutoff)
-    return matches[0] if matches else None
 
 
 def unknown_key_error(full_key: str, siblings: Iterable[str], everywhere: Iterable[str] = (),

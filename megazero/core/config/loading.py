@@ -30,6 +30,13 @@ def _read_json(path: str) -> tuple[dict[str, Any], dict[str, str]]:
         raise ConfigError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
+    return read_tree(data)
+
+
+def read_tree(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """A config given as data (a dict in megazero's schema, or DeepSpeed's: told apart by its keys)
+    as a checked megazero-shaped dict and its DeepSpeed labels (see `read_file`). Values are taken
+    as they are, never re-parsed from strings."""
     if is_deepspeed(data):
         tree, labels = translate(data)
         return check_tree(tree, labels=labels), labels
@@ -83,13 +90,14 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
     return check_tree(data)
 
 
-def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
+def load_config(path: str | dict[str, Any] | None = None, overrides: Sequence[str] = (),
                 world_size: Optional[int] = None) -> Config:
     """Load, merge and validate a config.
 
     Args:
         path: a .yaml/.yml file in megazero's schema, a .json file in megazero's schema, or a
-            DeepSpeed .json config (told apart by its keys); None for defaults plus overrides.
+            DeepSpeed .json config (told apart by its keys); or the same as a dict (merged as data);
+            None for defaults plus overrides.
         overrides: ``key=value`` strings (dotted keys of the schema), applied last.
         world_size: number of ranks. When given (or when parallel.dp is set) the result is
             `resolve`d: dp, the batch triple and every other derived field are filled. Otherwise
@@ -100,7 +108,10 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     """
     layers: list[dict[str, Any]] = []
     labels: dict[str, str] = {}
-    if path is not None:
+    if isinstance(path, dict):
+        tree, labels = read_tree(path)
+        layers.append(tree)
+    elif path is not None:
         stem = os.path.splitext(os.path.basename(path))[0]
         if stem:
             layers.append({"name": stem})

@@ -29,9 +29,7 @@ OPTIMIZER_CHOICES = ("adam", "adamw", "sgd")
 SCHEDULER_CHOICES = ("constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR")
 WARMUP_TYPE_CHOICES = ("linear", "log")
 CHECKPOINT_POLICY_CHOICES = ("none", "full", "selective")
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 """Built-in pipeline schedules; a path ending in ``.csv`` names a custom schedule file."""
-PARTITION_CHOICES = ("uniform", "parameters", "flops")
 """Named partition methods; ``type:<regex>`` and a list of per-stage layer counts are also valid."""
 TOKENIZER_CHOICES = ("byte", "bpe")
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
@@ -187,8 +185,8 @@ class ActivationCheckpointingConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """schedule: a SCHEDULE_CHOICES name or a path ending in .csv. chunks: model chunks per stage
-    (v, interleaved only). partition: a PARTITION_CHOICES name, ``type:<regex>``, or a list with
+    """schedule: a `megazero.core.schedules.SCHEDULES` name or a path ending in .csv. chunks: model chunks per stage
+    (v, interleaved only). partition: a `megazero.core.partition.NAMED_METHODS` name, ``type:<regex>``, or a list with
     the layer count of each of the pp * chunks (virtual) stages."""
 
     schedule: str = "1f1b"

@@ -139,7 +139,7 @@ def build_config(layers: list[Mapping[str, Any]]) -> Config:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:  # check_tree should have caught it; keep the key
         key = getattr(e, "full_key", None) or "config"
-        raise ConfigError(f"{key}: {e.msg if hasattr(e, 'msg') else e}") from e
+        raise ConfigError(f"{key}: {getattr(e, 'msg', e)}") from e
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -1,0 +1,130 @@
+"""A user's own PipelineModule of plain nn.Module layers, trained through `megazero.initialize` with
+pp > 1 and no declared activation shapes: the stages agree on each boundary's shape and dtype on the
+first micro-batch (megazero.pipeline.p2p) and train exactly like one process.
+
+The layers change width in the middle (16 -> 24 -> 16), so the boundaries between stages (and, with
+two chunks per stage, between virtual stages) carry activations of different shapes.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import megazero
+from megazero.engine.factories import synthetic_batches
+from megazero.pipeline.pipeline_module import LayerSpec, PipelineModule
+from tests.harness import RankError, run_ranks
+
+VOCAB, SEQ, STEPS, GLOBAL_BATCH, MICRO = 50, 8, 3, 8, 2
+
+
+class Residual(nn.Module):
+    """x + MLP(LayerNorm(x)) on (b, s, width)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def seeded(index: int, make):
+    """Layer `index` with the same initial values on whichever stage builds it."""
+    torch.manual_seed(1000 + index)
+    return make()
+
+
+FACTORIES = [lambda: nn.Embedding(VOCAB, 16), lambda: Residual(16), lambda: nn.Linear(16, 24),
+             lambda: Residual(24), lambda: nn.Linear(24, 16), lambda: nn.Linear(16, VOCAB)]
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1))
+
+
+def user_module(pp: int, stage: int, chunks: int) -> PipelineModule:
+    layers = [LayerSpec(seeded, i, make) for i, make in enumerate(FACTORIES)]
+    return PipelineModule(layers, pp, stage, loss_fn, "uniform", chunks=chunks)
+
+
+def config(pp: int, dp: int, schedule: str, chunks: int, zero: int) -> dict:
+    return {"parallel": {"pp": pp, "tp": 1}, "zero": {"stage": zero}, "comm": {"timeout_s": 20},
+            "train": {"micro_batch_size": MICRO, "global_batch_size": GLOBAL_BATCH, "steps": STEPS, "seed": 3},
+            "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.01},
+            "pipeline": {"schedule": schedule, "chunks": chunks}}
+
+
+def train(pp: int, dp: int, schedule: str, chunks: int, zero: int):
+    """Per-step losses and this rank's final parameters by global layer index (dp rank 0 reports)."""
+    import torch.distributed as dist
+
+    stage = dist.get_rank() // dp  # order [pp, dp, tp]: a stage's dp ranks are consecutive
+    module = user_module(pp, stage, chunks)
+    engine, optimizer, _, _ = megazero.initialize(model=module, config=config(pp, dp, schedule, chunks, zero))
+    assert engine.p2p is None or engine.p2p.declared is None  # nothing declared: shapes are learned
+    gas = GLOBAL_BATCH // (MICRO * dp)
+    data = synthetic_batches(VOCAB, MICRO, gas, SEQ, 3, engine.pctx.dp_rank, dp)
+    losses = [engine.train_batch(data) for _ in range(STEPS)]
+    params = {}
+    if engine.pctx.dp_rank == 0:
+        with optimizer.full_parameters():
+            for (lo, _), chunk in zip(module.layer_ranges, module.local_chunks):
+                for j, layer in enumerate(chunk):
+                    for name, p in layer.named_parameters():
+                        params[f"{lo + j}.{name}"] = p.detach().clone()
+    learned = sorted(engine.p2p.known.items()) if engine.p2p is not None else []
+    return losses, params, [(b, shape) for b, (shape, _) in learned]
+
+
+_reference = {}
+
+
+def serial():
+    if not _reference:
+        (losses, params, _), = run_ranks(train, 1, 1, 1, "1f1b", 1, 0, timeout=120)
+        _reference.update(losses=losses, params=params)
+    return _reference["losses"], _reference["params"]
+
+
+@pytest.mark.parametrize("pp, dp, schedule, chunks, zero", [
+    (2, 1, "1f1b", 1, 0), (2, 1, "zb-h1", 1, 1), (2, 2, "gpipe", 1, 2), (2, 1, "interleaved", 2, 0)])
+def test_user_pipeline_module_trains_like_one_process(pp, dp, schedule, chunks, zero):
+    ref_losses, ref_params = serial()
+    results = run_ranks(train, pp * dp, pp, dp, schedule, chunks, zero, timeout=180)
+    params = {}
+    for losses, mine, _ in results:
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
+        params.update(mine)
+    assert set(params) == set(ref_params)
+    worst = max((params[k] - ref_params[k]).abs().max().item() for k in params)
+    assert worst <= 1e-5, worst
+    # the learned shapes: 6 layers split uniformly over pp * chunks virtual stages ([3, 3] or [2, 2, 1, 1])
+    boundary_shapes = dict(b for _, _, learned in results for b in learned)
+    if chunks == 1:
+        assert boundary_shapes == {0: (MICRO, SEQ, 24)}  # after the 16 -> 24 projection
+    else:
+        assert boundary_shapes == {0: (MICRO, SEQ, 16), 1: (MICRO, SEQ, 24), 2: (MICRO, SEQ, 16)}  # [2, 2, 1, 1] layers
+
+
+def shape_change_worker():
+    module = user_module(2, __import__("torch.distributed").distributed.get_rank(), 1)
+    cfg = config(2, 1, "1f1b", 1, 0) | {"comm": {"timeout_s": 10}}
+    engine, _, _, _ = megazero.initialize(model=module, config=cfg)
+
+    def batches():  # the second micro-batch is one token shorter
+        for mb in range(8):
+            seq = SEQ if mb % 4 == 0 else SEQ - 1
+            tokens = torch.randint(0, VOCAB, (MICRO, seq + 1), generator=torch.Generator().manual_seed(mb))
+            yield {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+    engine.train_batch(batches())
+
+
+def test_a_shape_that_changes_later_names_the_stage_and_both_shapes():
+    with pytest.raises(RankError) as err:
+        run_ranks(shape_change_worker, 2, timeout=60)
+    msg = str(err.value)
+    assert "PipelineError: stage 0 (rank 0) waiting at SendAct mb 1 to stage 1" in msg, msg
+    assert "has shape (2, 7, 24) torch.float32, but the first micro-batch's activation is (2, 8, 24)" in msg, msg
