@@ -10,7 +10,7 @@ the overhead against none from paired repeats (repeat r's time / none's time in 
 median, min, max, IQR), robust to slow drift of the machine's load; ``best_overhead`` = min time /
 min time of none − 1, robust to bursts of other load; and the peak saved-activation bytes of one
 step (megazero.run.memory: kept for backward on the device and the host, recompute working set).
-Expectation (REFERENCE.md FLOPs): full recompute adds one forward, about 96/72 − 1 = 33% of the
+Expectation (docs/reference.md FLOPs): full recompute adds one forward, about 96/72 − 1 = 33% of the
 step's GEMM FLOPs (more on CPU, where the recomputed element-wise ops weigh more); selective
 recomputes only the attention core.
 

@@ -1,4 +1,4 @@
-"""Saved-activation bytes, measured with megazero.run.memory.SavedActivationMeter, against ../shared/REFERENCE.md.
+"""Saved-activation bytes, measured with megazero.run.memory.SavedActivationMeter, against docs/reference.md.
 
 Per layer (one micro-batch of the debug GPT: s=32, b=2, h=64, a=8, FFN 4h, dropout on the hidden
 states and the attention probabilities, fp32 on CPU), for no recompute, TP, TP+SP, selective (with and
@@ -48,7 +48,7 @@ ROWS = {
 
 
 def formula_16bit(name: str, t: int) -> tuple[float, float]:
-    """REFERENCE.md's bytes per layer (16-bit activations) and the 1-byte mask part of them."""
+    """docs/reference.md's bytes per layer (16-bit activations) and the 1-byte mask part of them."""
     attn = 5 * AS2B / t
     table = {
         "none": (34 * SBH + 5 * AS2B, 2 * SBH + AS2B),

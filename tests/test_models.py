@@ -194,7 +194,7 @@ def test_tp_comm_volume_is_8bsh_per_layer(tp_run, name, sp):
     if sp:
         # the all-reduces become all-gathers + reduce-scatters of the same 8·bsh(t−1)/t volume, plus
         # Megatron's re-gather of each column region's input shard in backward (2 more all-gathers
-        # per layer): the price of keeping only the shard, REFERENCE.md's TP+SP activation row
+        # per layer): the price of keeping only the shard, docs/reference.md's TP+SP activation row
         assert per_block == {"all_gather": (4 + 2, (4 + 2) * bsh), "reduce_scatter": (4, 4 * bsh)}
     else:  # two all-reduces of (s, b, h) forward and two backward
         assert per_block == {"all_reduce": (4, 8 * bsh)}

@@ -1,5 +1,5 @@
 """Pipeline schedules as data: every schedule for p <= 8, m <= 32 (v in {2, 3} for interleaving),
-run against itself by the blocking-p2p simulator; bubble and memory figures of REFERENCE.md.
+run against itself by the blocking-p2p simulator; bubble and memory figures of docs/reference.md.
 
 What the sweep verifies, per (schedule, p, m, v), with unit costs t_F = t_B = t_W = 1 per chunk
 (a full backward costs t_B + t_W = 2, so t_f = 1, t_b = 2 in Megatron's notation):

@@ -119,7 +119,7 @@ def memory_worker(stage, dtype):
 
 
 # bytes per parameter (params, grads, master, optimizer states) as (replicated, divided by Nd).
-# fp32 is REFERENCE.md's fp32 split (K = 8, no separate master). For 16-bit weights megazero keeps
+# fp32 is docs/reference.md's fp32 split (K = 8, no separate master). For 16-bit weights megazero keeps
 # gradients in fp32 (fp32 accumulation), so grads are 4 bytes where the table has 2.
 EXPECT = {
     (torch.float32, 0): (16, 0), (torch.float32, 1): (8, 8), (torch.float32, 2): (4, 12), (torch.float32, 3): (0, 16),

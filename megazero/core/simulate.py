@@ -12,7 +12,7 @@ Accounting (all per stage, in the units of `Costs`):
 * busy = time in compute instructions (F, B, W, loads, ReduceGrads, OptimizerStep);
 * idle = makespan - busy: waiting for peers plus time in transfers (the pipeline bubble);
 * bubble_fraction = total idle / (stages x makespan); bubble_over_ideal = total idle / total busy.
-  For GPipe and 1F1B with zero-cost p2p these are (p-1)/(m+p-1) and (p-1)/m (REFERENCE.md);
+  For GPipe and 1F1B with zero-cost p2p these are (p-1)/(m+p-1) and (p-1)/m (docs/reference.md);
 * peak_inflight = most micro-batch chunks whose Forward ran and whose input grad (Backward or
   BackwardInput) had not finished: the activations 1F1B's memory bound is about;
 * peak_unfinished = most micro-batch chunks whose Forward ran and whose weight grads (Backward or

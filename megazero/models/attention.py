@@ -63,32 +63,32 @@ class SelfAttention(nn.Module):
     probabilities use dropout on the TP stream (site ``layers.i.attn.probs_dropout``, sharded by head).
     """
 
-    def __init__(self, lc: LayerContext, index: int):
+    def __init__(self, lctx: LayerContext, index: int):
         super().__init__()
-        spec, t = lc.spec, lc.tp_size
-        self.tp_group, self.sequence_parallel = lc.tp_group, lc.sequence_parallel
+        spec, t = lctx.spec, lctx.tp_size
+        self.tp_group, self.sequence_parallel = lctx.tp_group, lctx.sequence_parallel
         self.head_dim = spec.head_dim
         self.local_heads, self.local_kv = spec.heads // t, spec.num_kv_heads // t
         self.heads, self.position, self.rope_theta = spec.heads, spec.position, spec.rope_theta
         p = f"layers.{index}.attn"
         q_out, kv_out = spec.heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        col = dict(tp_group=lc.tp_group, bias=spec.bias, sequence_parallel=lc.sequence_parallel, comm_input=False)
-        self.q = ColumnParallelLinear(spec.hidden, q_out, **col, **lc.linear_kwargs(f"{p}.q"))
-        self.k = ColumnParallelLinear(spec.hidden, kv_out, **col, **lc.linear_kwargs(f"{p}.k"))
-        self.v = ColumnParallelLinear(spec.hidden, kv_out, **col, **lc.linear_kwargs(f"{p}.v"))
-        self.out = RowParallelLinear(q_out, spec.hidden, lc.tp_group, bias=spec.bias, input_is_parallel=True,
-                                     sequence_parallel=lc.sequence_parallel,
-                                     **lc.linear_kwargs(f"{p}.out", lc.output_std))
-        self.probs_dropout = Dropout(spec.attention_dropout, lc.tracker, TP_STREAM, f"{p}.probs_dropout",
-                                     ShardInfo(1, lc.tp_rank, t) if t > 1 else None)
-        self.dropout = lc.hidden_dropout(f"{p}.dropout", spec.dropout)
+        col = dict(tp_group=lctx.tp_group, bias=spec.bias, sequence_parallel=lctx.sequence_parallel, comm_input=False)
+        self.q = ColumnParallelLinear(spec.hidden, q_out, **col, **lctx.linear_kwargs(f"{p}.q"))
+        self.k = ColumnParallelLinear(spec.hidden, kv_out, **col, **lctx.linear_kwargs(f"{p}.k"))
+        self.v = ColumnParallelLinear(spec.hidden, kv_out, **col, **lctx.linear_kwargs(f"{p}.v"))
+        self.out = RowParallelLinear(q_out, spec.hidden, lctx.tp_group, bias=spec.bias, input_is_parallel=True,
+                                     sequence_parallel=lctx.sequence_parallel,
+                                     **lctx.linear_kwargs(f"{p}.out", lctx.output_std))
+        self.probs_dropout = Dropout(spec.attention_dropout, lctx.tracker, TP_STREAM, f"{p}.probs_dropout",
+                                     ShardInfo(1, lctx.tp_rank, t) if t > 1 else None)
+        self.dropout = lctx.hidden_dropout(f"{p}.dropout", spec.dropout)
         if spec.position == "alibi":
-            slopes = alibi_slopes(spec.heads)[lc.tp_rank * self.local_heads:(lc.tp_rank + 1) * self.local_heads]
+            slopes = alibi_slopes(spec.heads)[lctx.tp_rank * self.local_heads:(lctx.tp_rank + 1) * self.local_heads]
             self.register_buffer("alibi", torch.tensor(slopes, dtype=torch.float32,
-                                                       device=lc.device), persistent=False)
+                                                       device=lctx.device), persistent=False)
         # None, or ``fn(core, q, k, v)`` that runs the core as a recompute region (selective checkpointing:
         # `ActivationCheckpointer.attention_core`, handed in through the LayerContext)
-        self.core_checkpoint = lc.attention_core(f"{p}.core") if lc.attention_core is not None else None
+        self.core_checkpoint = lctx.attention_core(f"{p}.core") if lctx.attention_core is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (s, b, h): one f (or sequence all-gather) for q, k, v; under sequence parallelism the

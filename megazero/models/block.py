@@ -34,22 +34,22 @@ class MLP(nn.Module):
     (s, b, h) [(s/t, b, h) under sequence parallelism]; hidden dropout at site ``layers.i.mlp.dropout``.
     """
 
-    def __init__(self, lc: LayerContext, index: int):
+    def __init__(self, lctx: LayerContext, index: int):
         super().__init__()
-        spec = lc.spec
-        self.tp_group, self.sequence_parallel, self.activation = lc.tp_group, lc.sequence_parallel, spec.activation
+        spec = lctx.spec
+        self.tp_group, self.sequence_parallel, self.activation = lctx.tp_group, lctx.sequence_parallel, spec.activation
         p = f"layers.{index}.mlp"
-        col = dict(tp_group=lc.tp_group, bias=spec.bias, sequence_parallel=lc.sequence_parallel, comm_input=False)
-        row = dict(tp_group=lc.tp_group, bias=spec.bias, input_is_parallel=True,
-                   sequence_parallel=lc.sequence_parallel)
+        col = dict(tp_group=lctx.tp_group, bias=spec.bias, sequence_parallel=lctx.sequence_parallel, comm_input=False)
+        row = dict(tp_group=lctx.tp_group, bias=spec.bias, input_is_parallel=True,
+                   sequence_parallel=lctx.sequence_parallel)
         if spec.activation == "swiglu":
-            self.gate = ColumnParallelLinear(spec.hidden, spec.ffn, **col, **lc.linear_kwargs(f"{p}.gate"))
-            self.up = ColumnParallelLinear(spec.hidden, spec.ffn, **col, **lc.linear_kwargs(f"{p}.up"))
-            self.down = RowParallelLinear(spec.ffn, spec.hidden, **row, **lc.linear_kwargs(f"{p}.down", lc.output_std))
+            self.gate = ColumnParallelLinear(spec.hidden, spec.ffn, **col, **lctx.linear_kwargs(f"{p}.gate"))
+            self.up = ColumnParallelLinear(spec.hidden, spec.ffn, **col, **lctx.linear_kwargs(f"{p}.up"))
+            self.down = RowParallelLinear(spec.ffn, spec.hidden, **row, **lctx.linear_kwargs(f"{p}.down", lctx.output_std))
         else:
-            self.fc1 = ColumnParallelLinear(spec.hidden, spec.ffn, **col, **lc.linear_kwargs(f"{p}.fc1"))
-            self.fc2 = RowParallelLinear(spec.ffn, spec.hidden, **row, **lc.linear_kwargs(f"{p}.fc2", lc.output_std))
-        self.dropout = lc.hidden_dropout(f"{p}.dropout", spec.dropout)
+            self.fc1 = ColumnParallelLinear(spec.hidden, spec.ffn, **col, **lctx.linear_kwargs(f"{p}.fc1"))
+            self.fc2 = RowParallelLinear(spec.ffn, spec.hidden, **row, **lctx.linear_kwargs(f"{p}.fc2", lctx.output_std))
+        self.dropout = lctx.hidden_dropout(f"{p}.dropout", spec.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (s, b, h): one f (or sequence all-gather) for the MLP; see SelfAttention.forward
@@ -67,13 +67,13 @@ class TransformerBlock(nn.Module):
     (s, b, h) forward and 2 backward, i.e. 8·b·s·h·(t−1)/t elements per rank counted by comm stats
     (with sequence parallelism: all-gathers + reduce-scatters of the same total)."""
 
-    def __init__(self, lc: LayerContext, index: int):
+    def __init__(self, lctx: LayerContext, index: int):
         super().__init__()
         self.index = index
-        self.attn_norm = Norm(lc, f"layers.{index}.attn_norm")
-        self.attn = SelfAttention(lc, index)
-        self.mlp_norm = Norm(lc, f"layers.{index}.mlp_norm")
-        self.mlp = MLP(lc, index)
+        self.attn_norm = Norm(lctx, f"layers.{index}.attn_norm")
+        self.attn = SelfAttention(lctx, index)
+        self.mlp_norm = Norm(lctx, f"layers.{index}.mlp_norm")
+        self.mlp = MLP(lctx, index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))

@@ -75,12 +75,12 @@ class Norm(nn.Module):
     Parameters are replicated across TP; logical names ``{name}.weight`` and ``{name}.bias``.
     """
 
-    def __init__(self, lc: LayerContext, name: str):
+    def __init__(self, lctx: LayerContext, name: str):
         super().__init__()
-        spec = lc.spec
+        spec = lctx.spec
         self.kind, self.eps = spec.norm, spec.eps
-        self.weight = lc.replicated_param((spec.hidden,), f"{name}.weight", "ones")
-        self.bias = lc.replicated_param((spec.hidden,), f"{name}.bias", "zeros") if spec.norm == "layernorm" else None
+        self.weight = lctx.replicated_param((spec.hidden,), f"{name}.weight", "ones")
+        self.bias = lctx.replicated_param((spec.hidden,), f"{name}.bias", "zeros") if spec.norm == "layernorm" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layernorm":

@@ -28,20 +28,20 @@ TIED_EMBEDDING = "embedding.word"
 class EmbeddingLayer(nn.Module):
     """Token (+ learned position) embedding; see the module docstring."""
 
-    def __init__(self, lc: LayerContext):
+    def __init__(self, lctx: LayerContext):
         super().__init__()
-        spec = lc.spec
-        self.tp_group, self.sequence_parallel = lc.tp_group, lc.sequence_parallel
-        self.word = VocabParallelEmbedding(spec.vocab, spec.hidden, lc.tp_group, vocab_align=spec.vocab_align,
-                                           sequence_parallel=lc.sequence_parallel, name=TIED_EMBEDDING,
-                                           seed=lc.seed, init_std=spec.init_std, device=lc.device,
-                                           dtype=lc.dtype)
+        spec = lctx.spec
+        self.tp_group, self.sequence_parallel = lctx.tp_group, lctx.sequence_parallel
+        self.word = VocabParallelEmbedding(spec.vocab, spec.hidden, lctx.tp_group, vocab_align=spec.vocab_align,
+                                           sequence_parallel=lctx.sequence_parallel, name=TIED_EMBEDDING,
+                                           seed=lctx.seed, init_std=spec.init_std, device=lctx.device,
+                                           dtype=lctx.dtype)
         if spec.tie_embeddings:
             self.word.weight.tied_name = TIED_EMBEDDING
         self.position = None
         if spec.position == "learned":
-            self.position = lc.replicated_param((spec.seq_len, spec.hidden), "embedding.position.weight", "normal")
-        self.dropout = lc.hidden_dropout("embedding.dropout", spec.dropout)
+            self.position = lctx.replicated_param((spec.seq_len, spec.hidden), "embedding.position.weight", "normal")
+        self.dropout = lctx.hidden_dropout("embedding.dropout", spec.dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
@@ -60,17 +60,17 @@ class EmbeddingLayer(nn.Module):
 class HeadLayer(nn.Module):
     """Final norm + vocabulary-parallel LM head; see the module docstring."""
 
-    def __init__(self, lc: LayerContext):
+    def __init__(self, lctx: LayerContext):
         super().__init__()
-        spec = lc.spec
-        t = lc.tp_size
-        self.tp_group, self.sequence_parallel = lc.tp_group, lc.sequence_parallel
+        spec = lctx.spec
+        t = lctx.tp_size
+        self.tp_group, self.sequence_parallel = lctx.tp_group, lctx.sequence_parallel
         self.vocab, self.padded_vocab = spec.vocab, spec.padded_vocab(t)
-        self.norm = Norm(lc, "head.norm")
+        self.norm = Norm(lctx, "head.norm")
         name = f"{TIED_EMBEDDING}.weight" if spec.tie_embeddings else "head.weight"
         self.weight = make_param((self.padded_vocab // t, spec.hidden), logical_name=name,
-                                 full_shape=(spec.vocab, spec.hidden), tp_dim=0, tp_rank=lc.tp_rank, tp_size=t,
-                                 init="normal", seed=lc.seed, std=spec.init_std, device=lc.device, dtype=lc.dtype)
+                                 full_shape=(spec.vocab, spec.hidden), tp_dim=0, tp_rank=lctx.tp_rank, tp_size=t,
+                                 init="normal", seed=lctx.seed, std=spec.init_std, device=lctx.device, dtype=lctx.dtype)
         if spec.tie_embeddings:
             self.weight.tied_name = TIED_EMBEDDING
 

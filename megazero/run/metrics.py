@@ -1,5 +1,5 @@
 """What a user sees while training: per-instruction timers (wall_clock_breakdown), FLOPs and MFU
-(REFERENCE.md's Megatron formulas), the one-screen start summary, and the JSON-lines metrics file.
+(docs/reference.md's Megatron formulas), the one-screen start summary, and the JSON-lines metrics file.
 """
 from __future__ import annotations
 

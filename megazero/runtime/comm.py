@@ -13,7 +13,7 @@ Every function takes a `GroupHandle` (built by `ParallelContext`) and records, i
 | scatter/gather | (n−1)/n · numel(full)                         |
 | send, recv     | numel                                         |
 
-These are the figures ../shared/REFERENCE.md states (plain DP 2Ψ, ZeRO-3 3Ψ, TP 8·b·s·h·(t−1)/t),
+These are the figures docs/reference.md states (plain DP 2Ψ, ZeRO-3 3Ψ, TP 8·b·s·h·(t−1)/t),
 so tests and benchmarks can check volumes exactly. Groups of one rank are no-ops and record nothing.
 
 Point-to-point uses blocking `send`/`recv` (or single `isend`/`irecv`), never

@@ -5,7 +5,7 @@ stage's TP shard) into `FlatGroup`s, accumulates gradients in fp32 through post-
 hooks, reduces them over `pctx.dp_group`, and updates the fp32 master shard with the fused Adam of
 `megazero.runtime.kernels`.
 
-Communication per optimizer step (Ψ = this rank's parameters, ring volumes, see REFERENCE.md):
+Communication per optimizer step (Ψ = this rank's parameters, ring volumes, see docs/reference.md):
 - stage 0: all-reduce of the gradient buckets once per step (2Ψ·(Nd−1)/Nd).
 - stage 1: reduce-scatter once per step + all-gather of the updated params (2Ψ·(Nd−1)/Nd).
 - stage 2: reduce-scatter after every micro-batch's backward (gradients are never held in full
@@ -15,6 +15,11 @@ Communication per optimizer step (Ψ = this rank's parameters, ring volumes, see
 Over other groups: tied embedding/head gradients are summed over `pctx.embedding_group` (their shards
 line up: tied parameters live in their own flat group with the same layout on both stages); the
 overflow flag (max) and the squared gradient norm (sum) are all-reduced over `pctx.world_group`.
+
+The parameters may be a user's (any nn.Module under ModuleEngine), so the attributes megazero's
+layers give theirs at construction are read with defaults (duck typing of user objects): `tp_dim`
+(a TP shard; None: replicated, counted once in the norm), `sequence_parallel` (a partial gradient per
+TP rank), `tied_name` (summed over the embedding group), `no_weight_decay` (default: 1-D parameters).
 """
 from __future__ import annotations
 
