@@ -1,10 +1,20 @@
 """bf16 and fp16 training of the debug GPT on real text (a slice of the Python standard library)
-at pp=2 x tp=2 x dp=2 tracks the fp32 loss curve over 50 steps.
+at pp=2 x tp=2 x dp=2, 50 steps: the parallel run trains like one process in the same precision,
+and like fp32 up to what 16-bit arithmetic itself costs.
 
-Stated tolerance: every step's loss within 3% of fp32's (bf16 keeps 8 mantissa bits: its per-step
-deviation measured here is ~2%), and the mean of the last 10 steps within 1.5%. fp16 uses dynamic
-loss scaling starting at 2^8 (no overflow on this model, so no step is skipped and the curves
-align step by step).
+What was measured on this 2-core AVX2 machine (no native bf16: torch emulates bf16 GEMMs), relative
+to the step's loss:
+
+- 8 ranks vs 1 process, same precision: per step at most 1.3e-2 (bf16) and 7.6e-3 (fp16), noise that
+  does not accumulate (mean of the last 10 steps +2.5e-3 and -1.4e-3). Stated: 2e-2 per step, 5e-3
+  on the tail. This is megazero's part: the layout changes only the order of 16-bit reductions.
+- bf16 vs fp32: the bf16 loss drifts below fp32's, -2.1e-2 on the tail for 8 ranks and -2.4e-2 for
+  one process, so the drift is bf16 arithmetic, not the layout (an earlier machine measured under
+  1.5e-2). Stated: the tail within 5e-2 of fp32's, which a missing fp32 master or a wrong loss scale
+  exceeds by far.
+
+fp16 uses dynamic loss scaling starting at 2^8 (no overflow on this model, so no step is skipped
+and the curves align step by step).
 """
 import pytest
 
@@ -14,20 +24,30 @@ from tests.parity import train_worker
 STEPS = 50
 
 
-def config(corpus, precision, stage):
+def config(corpus, precision, stage, pp=2, tp=2):
     return {"model": {"spec": "model_specs/gpt.py:debug", "vocab": 257, "seq_len": 64},
-            "data": {"path": corpus}, "precision": precision, "parallel": {"pp": 2, "tp": 2},
+            "data": {"path": corpus}, "precision": precision, "parallel": {"pp": pp, "tp": tp},
             "zero": {"stage": stage}, "fp16": {"initial_scale_power": 8},
             "train": {"micro_batch_size": 4, "global_batch_size": 16, "seed": 5},
             "optimizer": {"type": "adamw", "lr": 3e-3, "weight_decay": 0.1}, "gradient_clipping": 1.0}
 
 
+def losses(corpus, precision, stage, world):
+    cfg = config(corpus, precision, stage, *((2, 2) if world == 8 else (1, 1)))
+    return run_ranks(train_worker, world, cfg, STEPS, timeout=300)[0][0]
+
+
+def tail(curve):
+    return sum(curve[-10:]) / 10
+
+
 @pytest.mark.parametrize("precision, stage", [("bf16", 2), ("fp16", 1)])
-def test_low_precision_tracks_fp32(corpus, precision, stage):
-    ref = run_ranks(train_worker, 8, config(corpus, "fp32", stage), STEPS, timeout=300)[0][0]
-    low = run_ranks(train_worker, 8, config(corpus, precision, stage), STEPS, timeout=300)[0][0]
-    assert ref[-1] < 0.6 * ref[0]  # the model learns
-    worst = max(abs(a - b) / b for a, b in zip(low, ref))
-    assert worst <= 0.03, worst
-    tail, tail_ref = sum(low[-10:]) / 10, sum(ref[-10:]) / 10
-    assert abs(tail - tail_ref) <= 0.015 * tail_ref
+def test_low_precision_trains_like_one_process_and_tracks_fp32(corpus, precision, stage):
+    fp32 = losses(corpus, "fp32", stage, 1)
+    serial = losses(corpus, precision, stage, 1)
+    parallel = losses(corpus, precision, stage, 8)
+    assert parallel[-1] < 0.6 * parallel[0]  # the model learns
+    worst = max(abs(a - b) / b for a, b in zip(parallel, serial))
+    assert worst <= 2e-2, worst
+    assert abs(tail(parallel) - tail(serial)) <= 5e-3 * tail(serial)
+    assert abs(tail(parallel) - tail(fp32)) <= 5e-2 * tail(fp32)
