@@ -266,16 +266,13 @@ def test_segments_and_in_flight_micro_batches():
     from megazero.core.schedules import get_schedule
     from megazero.core.simulate import peaks
 
-    def max_live_forwards(program):
-        return peaks(program)[0]
-
     assert segment_sizes(4, 1, None) == [1, 1, 1, 1] and segment_sizes(5, 2, None) == [2, 2, 1]
     assert segment_sizes(4, 1, 3) == [1, 2, 1] and segment_sizes(2, 1, 5) == [1, 1]
     for p, m in [(4, 6), (4, 2), (2, 1)]:
         for name in ("1f1b", "zb-h1"):
             programs = get_schedule(name, p, m)
-            assert [max_live_forwards(prog) for prog in programs] == [min(p - s, m) for s in range(p)], name
-        assert [max_live_forwards(prog) for prog in get_schedule("gpipe", p, m)] == [m] * p
+            assert [peaks(prog)[0] for prog in programs] == [min(p - s, m) for s in range(p)], name
+        assert [peaks(prog)[0] for prog in get_schedule("gpipe", p, m)] == [m] * p
 
 
 def test_contiguous_pool_errors_name_the_key():

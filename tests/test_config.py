@@ -196,14 +196,15 @@ def test_bubble_fraction_values(schedule, p, m, v, expected):
 
 
 @settings(max_examples=40, deadline=None)
-@given(p=st.integers(2, 6), k=st.integers(1, 4), v=st.integers(2, 3))
-def test_bubble_fraction_is_the_closed_form_when_m_is_a_multiple_of_p(p, k, v):
-    m = k * p
+@given(p=st.integers(2, 6), extra=st.integers(0, 9), k=st.integers(1, 4), v=st.integers(2, 3))
+def test_bubble_fraction_is_the_closed_form_when_m_is_at_least_p(p, extra, k, v):
+    m = p + extra
     assert bubble_fraction("1f1b", p, m) == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
     assert bubble_fraction("gpipe", p, m) == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
-    assert bubble_fraction("interleaved", p, m, v) == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)
     assert bubble_fraction("zb-h1", p, m) == pytest.approx((p - 1) / (3 * m + p - 1), rel=1e-12)
     assert bubble_fraction("1f1b", p, m + 1) <= bubble_fraction("1f1b", p, m)  # more micro-batches, less idle
+    m = k * p  # interleaving needs a multiple of p
+    assert bubble_fraction("interleaved", p, m, v) == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)
 
 
 def test_bubble_fraction_rejects_unknown_schedule_and_sizes():

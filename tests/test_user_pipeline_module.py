@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import megazero
+from megazero.core.topology import Topology
 from megazero.engine.factories import synthetic_batches
 from megazero.pipeline.pipeline_module import LayerSpec, PipelineModule
 from tests.harness import RankError, run_ranks
@@ -43,9 +44,13 @@ def loss_fn(logits, labels):
     return F.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1))
 
 
-def user_module(pp: int, stage: int, chunks: int) -> PipelineModule:
+def user_module(pp: int, stage: int, chunks: int, activation_shape=None) -> PipelineModule:
     layers = [LayerSpec(seeded, i, make) for i, make in enumerate(FACTORIES)]
-    return PipelineModule(layers, pp, stage, loss_fn, "uniform", chunks=chunks)
+    return PipelineModule(layers, pp, stage, loss_fn, "uniform", chunks=chunks, activation_shape=activation_shape)
+
+
+def declared_shape(micro_batch_size):  # pp=2, one chunk: the boundary after the 16 -> 24 projection
+    return (micro_batch_size, SEQ, 24)
 
 
 def config(pp: int, dp: int, schedule: str, chunks: int, zero: int) -> dict:
@@ -55,15 +60,20 @@ def config(pp: int, dp: int, schedule: str, chunks: int, zero: int) -> dict:
             "pipeline": {"schedule": schedule, "chunks": chunks}}
 
 
-def train(pp: int, dp: int, schedule: str, chunks: int, zero: int):
-    """Per-step losses and this rank's final parameters by global layer index (dp rank 0 reports)."""
+def train(pp: int, dp: int, schedule: str, chunks: int, zero: int, declare: bool = False, eval_first: bool = False):
+    """Per-step losses and this rank's final parameters by global layer index (dp rank 0 reports).
+    `declare`: the module declares its activation shape; `eval_first`: an eval batch runs before
+    training (the shapes are then learned by the forward-only program)."""
     import torch.distributed as dist
 
-    stage = dist.get_rank() // dp  # order [pp, dp, tp]: a stage's dp ranks are consecutive
-    module = user_module(pp, stage, chunks)
+    stage = Topology(pp=pp, dp=dp).coords(dist.get_rank()).pp  # this rank's stage, before initialize
+    module = user_module(pp, stage, chunks, declared_shape if declare else None)
     engine, optimizer, _, _ = megazero.initialize(model=module, config=config(pp, dp, schedule, chunks, zero))
-    assert engine.p2p is None or engine.p2p.declared is None  # nothing declared: shapes are learned
+    if engine.p2p is not None:
+        assert (engine.p2p.declared is not None) == declare  # nothing declared: shapes are learned
     gas = GLOBAL_BATCH // (MICRO * dp)
+    if eval_first:
+        engine.eval_batch(synthetic_batches(VOCAB, MICRO, gas, SEQ, 99, engine.pctx.dp_rank, dp))
     data = synthetic_batches(VOCAB, MICRO, gas, SEQ, 3, engine.pctx.dp_rank, dp)
     losses = [engine.train_batch(data) for _ in range(STEPS)]
     params = {}
@@ -87,11 +97,12 @@ def serial():
     return _reference["losses"], _reference["params"]
 
 
-@pytest.mark.parametrize("pp, dp, schedule, chunks, zero", [
-    (2, 1, "1f1b", 1, 0), (2, 1, "zb-h1", 1, 1), (2, 2, "gpipe", 1, 2), (2, 1, "interleaved", 2, 0)])
-def test_user_pipeline_module_trains_like_one_process(pp, dp, schedule, chunks, zero):
+@pytest.mark.parametrize("pp, dp, schedule, chunks, zero, declare, eval_first", [
+    (2, 1, "1f1b", 1, 0, False, False), (2, 1, "zb-h1", 1, 1, False, False), (2, 2, "gpipe", 1, 2, False, False),
+    (2, 1, "interleaved", 2, 0, False, False), (3, 1, "1f1b", 1, 3, False, True), (2, 1, "1f1b", 1, 0, True, False)])
+def test_user_pipeline_module_trains_like_one_process(pp, dp, schedule, chunks, zero, declare, eval_first):
     ref_losses, ref_params = serial()
-    results = run_ranks(train, pp * dp, pp, dp, schedule, chunks, zero, timeout=180)
+    results = run_ranks(train, pp * dp, pp, dp, schedule, chunks, zero, declare, eval_first, timeout=180)
     params = {}
     for losses, mine, _ in results:
         for a, b in zip(losses, ref_losses):
@@ -100,9 +111,13 @@ def test_user_pipeline_module_trains_like_one_process(pp, dp, schedule, chunks, 
     assert set(params) == set(ref_params)
     worst = max((params[k] - ref_params[k]).abs().max().item() for k in params)
     assert worst <= 1e-5, worst
-    # the learned shapes: 6 layers split uniformly over pp * chunks virtual stages ([3, 3] or [2, 2, 1, 1])
+    # the learned shapes: 6 layers split uniformly over pp * chunks virtual stages ([3, 3], [2, 2, 2] or [2, 2, 1, 1])
     boundary_shapes = dict(b for _, _, learned in results for b in learned)
-    if chunks == 1:
+    if declare:
+        assert boundary_shapes == {}
+    elif pp == 3:
+        assert boundary_shapes == {0: (MICRO, SEQ, 16), 1: (MICRO, SEQ, 24)}
+    elif chunks == 1:
         assert boundary_shapes == {0: (MICRO, SEQ, 24)}  # after the 16 -> 24 projection
     else:
         assert boundary_shapes == {0: (MICRO, SEQ, 16), 1: (MICRO, SEQ, 24), 2: (MICRO, SEQ, 16)}  # [2, 2, 1, 1] layers
@@ -128,3 +143,24 @@ def test_a_shape_that_changes_later_names_the_stage_and_both_shapes():
     msg = str(err.value)
     assert "PipelineError: stage 0 (rank 0) waiting at SendAct mb 1 to stage 1" in msg, msg
     assert "has shape (2, 7, 24) torch.float32, but the first micro-batch's activation is (2, 8, 24)" in msg, msg
+
+
+def wrong_module_worker(num_stages: int, stage_of_rank):
+    import torch.distributed as dist
+
+    module = user_module(num_stages, stage_of_rank(dist.get_rank()), 1)
+    megazero.initialize(model=module, config=config(2, 1, "1f1b", 1, 0))
+
+
+def stage_zero(rank):
+    return 0
+
+
+def test_a_module_cut_for_another_pipeline_is_refused():
+    with pytest.raises(RankError, match=r"parallel.pp=2, but the PipelineModule was built with num_stages=3"):
+        run_ranks(wrong_module_worker, 2, 3, stage_zero, timeout=60)
+    with pytest.raises(RankError) as err:  # rank 1 built stage 0's layers: every rank stops, none hangs
+        run_ranks(wrong_module_worker, 2, 2, stage_zero, timeout=60)
+    msg = str(err.value)
+    assert "this rank's module was built with stage=0, its pipeline stage is 1" in msg, msg
+    assert "another rank's module was built for another stage" in msg, msg

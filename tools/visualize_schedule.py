@@ -19,7 +19,7 @@ import os
 import sys
 
 from megazero.core import instructions as I
-from megazero.core.schedules import get_schedule
+from megazero.core.schedules import SCHEDULES, get_schedule
 from megazero.core.simulate import simulate
 
 FWD = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -80,7 +80,7 @@ def measured(trace_dir: str, width: int, step: int | None) -> tuple[list[str], s
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Draw a pipeline schedule as text")
-    ap.add_argument("schedule", nargs="?", default="1f1b", help="gpipe | 1f1b | interleaved | zb-h1 | FILE.csv")
+    ap.add_argument("schedule", nargs="?", default="1f1b", help=" | ".join(SCHEDULES + ("FILE.csv",)))
     ap.add_argument("--stages", "-p", type=int, default=4)
     ap.add_argument("--microbatches", "-m", type=int, default=8)
     ap.add_argument("--chunks", "-v", type=int, default=1)

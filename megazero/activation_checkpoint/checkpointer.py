@@ -124,7 +124,7 @@ class _Segment:
 
 
 class _SelectiveCore:
-    """Set as ``attn.core_checkpoint``: runs the attention core ``core(q, k, v)`` as a recompute region
+    """An attention's ``core_checkpoint`` (from `ActivationCheckpointer.attention_core`, given to its constructor): runs the attention core ``core(q, k, v)`` as a recompute region
     that keeps q, k and v (references, no copy)."""
 
     def __init__(self, checkpointer: "ActivationCheckpointer", name: str):

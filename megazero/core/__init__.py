@@ -1,4 +1,4 @@
-"""L0, pure: what can be computed without a process group (never imports torch.distributed).
+"""L0, pure: what can be computed without a process group (never imports torch).
 
 - `config/`: the typed schema, YAML / dotlist / DeepSpeed-JSON loading, validation, `explain`;
 - `topology`: the PP x DP x TP grid: rank <-> coordinates, the rank lists of each axis' groups;

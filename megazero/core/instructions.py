@@ -31,7 +31,12 @@ from typing import ClassVar, Iterable, Sequence, Union
 
 
 class ScheduleError(ValueError):
-    """A schedule, program or schedule file that cannot run; the message says where and why."""
+    """A schedule, program or schedule file that cannot run; the message says where and why.
+    `key` is the config key the problem belongs to, when there is one (``pipeline.chunks``)."""
+
+    def __init__(self, message: str, key: str = "pipeline.schedule") -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:

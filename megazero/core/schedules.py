@@ -219,28 +219,38 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ScheduleError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
-def _check_sizes(name: str, num_stages: int, num_microbatches: int, chunks: int) -> None:
+def check_sizes(name: str, num_stages: int, num_microbatches: int | None, chunks: int) -> None:
+    """Raise ScheduleError (with the config key it concerns) unless built-in schedule `name` can run
+    p = `num_stages` stages, m = `num_microbatches` (None: not known yet, not checked) and v = `chunks`.
+    The config validation calls this too: the rules live here only."""
     _check_int("num_stages", num_stages, 1)
-    _check_int("num_microbatches", num_microbatches, 1)
+    if num_microbatches is not None:
+        _check_int("num_microbatches", num_microbatches, 1)
     _check_int("chunks", chunks, 1)
     if name != "interleaved":
         if chunks != 1:
             raise ScheduleError(f"chunks={chunks} (pipeline.chunks) only applies to the 'interleaved' schedule; "
-                                f"{name!r} runs one chunk per stage (chunks=1)")
+                                f"{name!r} runs one chunk per stage (chunks=1)", key="pipeline.chunks")
         return
     if chunks < 2:
         raise ScheduleError(f"the 'interleaved' schedule needs chunks >= 2 (pipeline.chunks), got {chunks}; "
-                            f"with one chunk per stage use '1f1b'")
+                            f"with one chunk per stage use '1f1b'", key="pipeline.chunks")
     if num_stages < 2:
-        raise ScheduleError("the 'interleaved' schedule needs num_stages >= 2; with one stage use '1f1b'")
+        raise ScheduleError("the 'interleaved' schedule needs num_stages >= 2 (parallel.pp); with one stage use "
+                            "'1f1b'")
+    if num_microbatches is None:
+        return
     if num_microbatches < num_stages:
-        raise ScheduleError(f"the 'interleaved' schedule needs num_microbatches >= num_stages, got "
-                            f"m={num_microbatches} < p={num_stages}")
+        raise ScheduleError(f"the 'interleaved' schedule needs num_microbatches (train.gradient_accumulation_steps) "
+                            f">= num_stages (parallel.pp), got "
+                            f"m={num_microbatches} < p={num_stages}", key="train.gradient_accumulation_steps")
     if num_microbatches % num_stages:
         lower = num_microbatches - num_microbatches % num_stages
-        raise ScheduleError(f"the 'interleaved' schedule needs num_microbatches to be a multiple of "
-                            f"num_stages (it runs groups of p micro-batches per chunk, as Megatron), got "
-                            f"m={num_microbatches}, p={num_stages}; use m={lower} or m={lower + num_stages}")
+        raise ScheduleError(f"the 'interleaved' schedule needs num_microbatches (train.gradient_accumulation_steps) "
+                            f"to be a multiple of num_stages (parallel.pp): it runs groups of p micro-batches per "
+                            f"chunk, as Megatron; got "
+                            f"m={num_microbatches}, p={num_stages}; use m={lower} or m={lower + num_stages}",
+                            key="train.gradient_accumulation_steps")
 
 
 def _check_stage(stage: int, num_stages: int) -> None:
@@ -262,7 +272,7 @@ def _programs(name: str, p: int, m: int, v: int, costs: Costs | None) -> tuple[t
 
 
 def _one_stage(name: str, num_stages: int, num_microbatches: int, stage: int, chunks: int, costs: Costs | None):
-    _check_sizes(name, num_stages, num_microbatches, chunks)
+    check_sizes(name, num_stages, num_microbatches, chunks)
     _check_stage(stage, num_stages)
     return _programs(name, num_stages, num_microbatches, chunks, costs)[stage]
 
@@ -315,7 +325,7 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int 
         hint = f"did you mean {close!r}? " if close else ""
         raise ScheduleError(f"unknown pipeline schedule {name!r} (pipeline.schedule); {hint}valid schedules are "
                             f"{', '.join(SCHEDULES)}, or the path of a .csv schedule")
-    _check_sizes(name, num_stages, num_microbatches, chunks)
+    check_sizes(name, num_stages, num_microbatches, chunks)
     return _programs(name, num_stages, num_microbatches, chunks, costs)
 
 
@@ -325,7 +335,7 @@ def bubble_fraction(name: str, num_stages: int, num_microbatches: int, chunks: i
     + idle), unit costs by default). With m >= p it equals the closed forms of docs/reference.md:
     (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1) zb-h1."""
     if num_stages == 1:
-        _check_sizes("1f1b", 1, num_microbatches, 1)
+        check_sizes("1f1b", 1, num_microbatches, 1)
         return 0.0
     return simulate(get_schedule(name, num_stages, num_microbatches, chunks, costs), costs).bubble_fraction
 
@@ -383,6 +393,6 @@ def load_csv(path: str | os.PathLike, costs: Costs | None = None) -> tuple[tuple
 
 
 __all__ = [
-    "SCHEDULES", "bubble_fraction", "build_programs", "forward_only", "from_csv", "get_schedule", "gpipe",
+    "SCHEDULES", "bubble_fraction", "build_programs", "check_sizes", "forward_only", "from_csv", "get_schedule", "gpipe",
     "interleaved_1f1b", "load_csv", "one_f_one_b", "splits_backward", "zb_h1",
 ]

@@ -1,7 +1,7 @@
 """Pure grid arithmetic for a PP x DP x TP (x EP x CP) process grid.
 
 No torch.distributed here: a `Topology` maps global ranks to coordinates on named axes and
-lists the ranks of every axis group. Only `parallel_context.py` turns those rank lists into
+lists the ranks of every axis group. Only `megazero/runtime/parallel_context.py` turns those rank lists into
 process groups.
 
 Ranks are laid out row-major over `order` (outermost axis first), so with the default order

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
 
-from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve, to_dict
-from megazero.core.simulate import peaks
+from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve
 from megazero.core.topology import Topology
-from megazero.engine.factories import (build_model, build_optimizer, build_scheduler, compute_dtype,
-                                       synthetic_batches)
+from megazero.engine.factories import (build_model, build_optimizer, build_scheduler, check_model_and_schedule,
+                                       compute_dtype, synthetic_batches)
 from megazero.engine.module_engine import ModuleEngine
 from megazero.engine.pipeline_engine import PipelineEngine
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.run.launch import detect, init_distributed
+from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 
 __all__ = ["initialize", "initialize_from_config", "load_run_config", "PipelineEngine", "ModuleEngine"]
@@ -32,14 +33,19 @@ __all__ = ["initialize", "initialize_from_config", "load_run_config", "PipelineE
 
 def load_run_config(config, overrides=(), world_size: int | None = None) -> Config:
     """The resolved, validated Config of a path, dict or Config plus ``key=value`` `overrides`,
-    refusing features not supported yet. Needs no process group (the world size comes from the
-    launcher's environment unless given)."""
+    refusing features not supported yet, with its model spec and schedule checked
+    (`check_model_and_schedule`). Needs no process group (the world size comes from the launcher's
+    environment unless given)."""
     world = world_size if world_size is not None else detect()[1]
     if isinstance(config, Config):
-        cfg = resolve(config, world) if not overrides else load_config(to_dict(config), list(overrides), world)
+        if overrides:
+            raise ConfigError(f"overrides {list(overrides)}: a Config is used as it is; apply key=value overrides "
+                              f"to a config file or dict, or change the Config with dataclasses.replace")
+        cfg = resolve(config, world)
     else:
         cfg = load_config(config, list(overrides), world_size=world)
     assert_supported(cfg)
+    check_model_and_schedule(cfg)
     return cfg
 
 
@@ -58,13 +64,20 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     pipeline instruction (timers, traces)."""
     p = cfg.parallel
     topology = Topology(pp=p.pp, dp=p.dp, tp=p.tp, order=tuple(p.order))
-    if isinstance(model, nn.Module) and not isinstance(model, PipelineModule) and (p.tp > 1 or p.pp > 1):
+    if isinstance(model, str):  # a spec named here instead of in the config: check it like load_run_config
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, spec=model))
+        check_model_and_schedule(cfg)
+    elif isinstance(model, PipelineModule):
+        _check_pipeline_module(model, cfg)
+    elif isinstance(model, nn.Module) and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"parallel.tp={p.tp}, parallel.pp={p.pp}: a plain nn.Module runs with tp = pp = 1 "
                           f"only; build it from megazero layers (a model spec or a PipelineModule)")
-    if model is not None and not isinstance(model, (str, nn.Module)):
+    elif model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a spec string, a PipelineModule or an nn.Module, got {type(model).__name__}")
     info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
     pctx = ParallelContext(topology, timeout_s=cfg.comm.timeout_s)
+    if isinstance(model, PipelineModule):
+        _agree_on_stage(model, pctx, info.device)
     module = _model(model, cfg, pctx, info.device)
     policy = cfg.activation_checkpointing.policy
     if policy != "none" and (not isinstance(module, PipelineModule) or module.activation_checkpointer is None):
@@ -78,17 +91,35 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
         engine = PipelineEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps,
                                 cfg.pipeline.schedule, cfg.pipeline.chunks, t.micro_batch_size, compute_dtype(cfg),
                                 on_instruction=on_instruction, device=info.device)
-        if module.activation_checkpointer is not None:  # the contiguous buffer holds the micro-batches in flight
-            module.activation_checkpointer.set_in_flight(peaks(engine.program)[0])
     else:
         engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps)
     return engine, optimizer, _dataloader(training_data, cfg, pctx, module, engine), scheduler
 
 
+def _check_pipeline_module(module: PipelineModule, cfg: Config) -> None:
+    """A user's PipelineModule must be cut as the config's pipeline is (before any process group)."""
+    for what, mine, key, theirs in (("num_stages", module.num_stages, "parallel.pp", cfg.parallel.pp),
+                                    ("chunks", module.chunks, "pipeline.chunks", cfg.pipeline.chunks)):
+        if mine != theirs:
+            raise ConfigError(f"{key}={theirs}, but the PipelineModule was built with {what}={mine}; "
+                              f"build it with {what}={theirs} or set {key}={mine}")
+
+
+def _agree_on_stage(module: PipelineModule, pctx: ParallelContext, device) -> None:
+    """Every rank's PipelineModule must be built for its own pipeline stage; the ranks agree (max of a
+    flag over the world group), so that all of them stop with the error, not only the wrong ones."""
+    wrong = module.stage_index != pctx.pp_rank
+    flag = torch.tensor([1.0 if wrong else 0.0], device=device)
+    comm.all_reduce(flag, pctx.world_group, op="max")
+    if flag.item() > 0:
+        mine = (f"this rank's module was built with stage={module.stage_index}, its pipeline stage is {pctx.pp_rank}"
+                if wrong else "another rank's module was built for another stage")
+        raise ConfigError(f"PipelineModule stage (global rank {pctx.global_rank}): {mine}; build each rank's module "
+                          f"with stage = Topology(pp=..., dp=..., tp=..., order=...).coords(rank).pp")
+
+
 def _model(model, cfg: Config, pctx: ParallelContext, device):
     if model is None or isinstance(model, str):
-        if isinstance(model, str):
-            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, spec=model))
         if cfg.model.spec is None:
             raise ConfigError("model.spec: no model given; pass model=... or set model.spec "
                               "(e.g. model.spec=model_specs/gpt.py:debug)")

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from megazero.activation_checkpoint import ActivationCheckpointer
-from megazero.core.config import Config
+from megazero.core.config import Config, ConfigError
+from megazero.core.instructions import ScheduleError
 from megazero.core.schedules import get_schedule, splits_backward
 from megazero.core.spec import load_spec
-from megazero.models.pipeline_model import build_pipeline_model
+from megazero.models.pipeline_from_spec import build_pipeline_model
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.tensor_parallel.weight_grad import WeightGradStore
@@ -34,6 +35,27 @@ def model_spec(cfg: Config):
     if cfg.model.seq_len is not None:
         overrides["seq_len"] = cfg.model.seq_len
     return load_spec(cfg.model.spec, overrides)
+
+
+def check_model_and_schedule(cfg: Config) -> None:
+    """What `build_model` and the engine will need, checked before any process group exists: the
+    spec loads and splits over the TP group, and the schedule builds for (pp, micro-batches, chunks).
+
+    Raises:
+        SpecError: naming the spec field; ConfigError: naming the config key of a schedule problem.
+    """
+    if cfg.model.spec is not None:
+        model_spec(cfg).validate_layout(cfg.parallel.tp, cfg.parallel.sequence_parallel)
+    try:
+        get_schedule(cfg.pipeline.schedule, cfg.parallel.pp, cfg.train.gradient_accumulation_steps,
+                     cfg.pipeline.chunks)
+    except ScheduleError as err:
+        raise ConfigError(f"{err.key}={_value(cfg, err.key)!r}: {err}") from None
+
+
+def _value(cfg: Config, key: str):
+    section, _, field = key.partition(".")
+    return getattr(getattr(cfg, section), field)
 
 
 def build_model(cfg: Config, pctx: ParallelContext, device=None, wrap_block=None) -> PipelineModule:

@@ -13,6 +13,7 @@ import torch
 
 from megazero.core import instructions as I
 from megazero.core.schedules import forward_only, get_schedule
+from megazero.core.simulate import peaks
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipeP2P
 from megazero.pipeline.pipeline_module import PipelineModule
@@ -41,6 +42,8 @@ class PipelineEngine:
         self.executor = PipelineExecutor(module, self.p2p, optimizer, pctx.pp_rank, pctx.pp_size,
                                          rank=pctx.global_rank, on_instruction=on_instruction,
                                          wgrad_store=module.wgrad_store, device=self.device)
+        if module.activation_checkpointer is not None:  # its contiguous buffer holds the forwards in flight
+            module.activation_checkpointer.set_in_flight(peaks(self.program)[0])
         self.global_steps = 0
         self.last_info: dict = {}
 

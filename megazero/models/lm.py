@@ -65,17 +65,17 @@ def layer_builders(spec: ModelSpec, tp_group: GroupHandle, *, seed: int = 0, seq
     spec.validate_layout(tp_group.size, sequence_parallel)
     tracker = tracker or RNGStatesTracker(seed, tp_group.rank, pp_rank)
 
-    def lctx(device) -> LayerContext:
+    def make_lctx(device) -> LayerContext:
         device = torch.device(device) if device is not None else torch.device("cpu")
         return LayerContext(spec, tp_group, seed, sequence_parallel and tp_group.size > 1, tracker, device, dtype,
                             wgrad_store, attention_core)
 
     def block(i):
-        return LayerBuilder(f"layers.{i}", "block", i, lambda device: TransformerBlock(lctx(device), i))
+        return LayerBuilder(f"layers.{i}", "block", i, lambda device: TransformerBlock(make_lctx(device), i))
 
-    return ([LayerBuilder("embedding", "embedding", None, lambda device: EmbeddingLayer(lctx(device)))]
+    return ([LayerBuilder("embedding", "embedding", None, lambda device: EmbeddingLayer(make_lctx(device)))]
             + [block(i) for i in range(spec.layers)]
-            + [LayerBuilder("head", "head", None, lambda device: HeadLayer(lctx(device)))])
+            + [LayerBuilder("head", "head", None, lambda device: HeadLayer(make_lctx(device)))])
 
 
 def causal_lm_loss(logits_shard: torch.Tensor, labels: torch.Tensor, tp_group: GroupHandle, vocab_size: int,

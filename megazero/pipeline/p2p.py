@@ -22,8 +22,7 @@ from megazero.runtime import comm
 from megazero.runtime.comm import GroupHandle
 
 MAX_DIMS = 8
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
-          torch.uint8, torch.int8, torch.int16)  # the code of a dtype is its index here
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the code of a dtype is its index here
 
 
 class PipeP2P:
@@ -46,6 +45,9 @@ class PipeP2P:
     def send_activation(self, tensor: torch.Tensor, peer: int, boundary: int) -> None:
         """Send the activation crossing `boundary` (virtual stage `boundary` -> `boundary + 1`) to stage
         `peer`; the first one across an undeclared boundary is preceded by its shape and dtype."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"virtual stage {boundary} returned a {type(tensor).__name__}; the output a pipeline "
+                            f"stage passes on must be one tensor (pack several into one, or keep them in one stage)")
         if self.declared is not None:
             self._check(tensor, boundary, self.declared, self.dtype, "declared activation shape")
             comm.send(tensor.detach().to(self.dtype).contiguous(), peer, self.group)
@@ -92,7 +94,9 @@ class PipeP2P:
     def _check(self, tensor, boundary, shape, dtype, agreed: str, what: str = "activation") -> None:
         got = tuple(tensor.shape)  # dtype None: cast on sending, only the shape must agree
         if got != tuple(shape) or (self.declared is None and dtype is not None and tensor.dtype != dtype):
-            raise ValueError(f"pipeline {what} from virtual stage {boundary} to {boundary + 1} has shape {got} "
+            hop = f"from virtual stage {boundary} to {boundary + 1}" if what == "activation" else \
+                f"from virtual stage {boundary + 1} back to {boundary}"
+            raise ValueError(f"pipeline {what} {hop} has shape {got} "
                              f"{tensor.dtype}, but the {agreed} is {tuple(shape)}{'' if dtype is None else f' {dtype}'}; "
                              f"every micro-batch "
                              f"must give the same shape between stages")
@@ -103,7 +107,8 @@ def _encode(shape, dtype: torch.dtype, device) -> torch.Tensor:
     if len(shape) > MAX_DIMS:
         raise ValueError(f"pipeline activations have at most {MAX_DIMS} dims, got shape {tuple(shape)}")
     if dtype not in DTYPES:
-        raise ValueError(f"pipeline activations of dtype {dtype} are not supported; use one of {DTYPES}")
+        raise ValueError(f"pipeline activations of dtype {dtype} cannot carry gradients between stages; a stage "
+                         f"passes on a floating-point tensor ({', '.join(str(d) for d in DTYPES)})")
     meta = [len(shape), DTYPES.index(dtype), *shape] + [0] * (MAX_DIMS - len(shape))
     return torch.tensor(meta, dtype=torch.int64, device=device)
 

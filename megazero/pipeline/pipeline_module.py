@@ -7,7 +7,7 @@ layers are one module; across stages each end builds its own copy (same layout-i
 whose weight carries `tied_name = key` so the ZeRO optimizer sums its gradient over the embedding
 group. Plain `nn.Module`s and functions (``lambda x: x.float()``) are accepted as layers too.
 
-The layers are split into `num_stages * chunks` virtual stages by `partition.py`; stage s holds
+The layers are split into `num_stages * chunks` virtual stages by `megazero/core/partition.py`; stage s holds
 virtual stages s, s + p, s + 2p, ... (Megatron's interleaved layout).
 """
 from __future__ import annotations

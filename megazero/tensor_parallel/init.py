@@ -24,7 +24,7 @@ Metadata set on every parameter by `make_param` (read by pipeline, ZeRO, clippin
 * ``param.tp_dim``: the dim split across the TP group, or None when the parameter is replicated
   across TP (count it once when clipping; its gradient is identical on every TP rank, except
   with ``param.sequence_parallel`` where per-rank gradients are partial sums, see
-  `megazero.tensor_parallel.layers.sync_sequence_parallel_grads`);
+  `megazero.tensor_parallel.params.sync_sequence_parallel_grads`);
 * ``param.tp_size``, ``param.tp_rank``: the split, so shard ``tp_rank`` of ``tp_size`` equal
   chunks of the padded logical tensor along ``tp_dim``; rows past ``full_shape[tp_dim]`` are padding
   (zeros, used for the vocabulary);

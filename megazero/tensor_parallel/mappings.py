@@ -207,7 +207,7 @@ def enter_column_region(x: torch.Tensor, group: GroupHandle, sequence_parallel: 
 
     full = enter_tp_region(x, group, sequence_parallel)
     if sequence_parallel and regather and group.size > 1:
-        return full, Regather(x, group, uses, lambda shard, g: _all_gather_dim(shard, 0, g))
+        return full, Regather(x, group, uses, lambda shard, tp_group: _all_gather_dim(shard, 0, tp_group))
     return full, None
 
 

@@ -68,8 +68,8 @@ def gather_full_grads(model_or_layers, tp_group: GroupHandle) -> dict[str, torch
     Two copies of a tied parameter contribute the sum of their gradients."""
     out: dict[str, torch.Tensor] = {}
     for p in unique_params(model_or_layers):
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        full = _gather_tensor(g, p, tp_group)
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        full = _gather_tensor(grad, p, tp_group)
         out[p.logical_name] = out[p.logical_name] + full if p.logical_name in out else full
     return out
 
@@ -110,12 +110,12 @@ def sync_sequence_parallel_grads(model_or_layers, tp_group: GroupHandle) -> int:
              if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads or tp_group.size == 1:
         return 0
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
     comm.all_reduce(flat, tp_group)
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
     return flat.numel()
 
 

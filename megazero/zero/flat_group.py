@@ -1,7 +1,7 @@
 """One flat buffer group of ZeRO: its parameters, gradients, fp32 master copy and optimizer state.
 
 Each data-parallel rank *owns* one slice of every bucket (the whole bucket at stage 0, the r-th of
-dp_size equal slices at stages 1-3; see flat_buffer.py). Everything the optimizer touches is kept per
+dp_size equal slices at stages 1-3; see megazero/core/flat_buffer.py). Everything the optimizer touches is kept per
 bucket over that owned range: `grad_owned[b]` (fp32, the reduced gradient), `master[b]` (fp32
 weights), `exp_avg[b]`, `exp_avg_sq[b]`.
 
@@ -158,6 +158,10 @@ class FlatGroup:
         if not async_op:
             self.wait()
 
+    def in_flight(self) -> set[int]:
+        """The buckets whose reduction is launched and not waited for yet."""
+        return {b for _, b, _ in self._inflight}
+
     def wait(self) -> None:
         """Finish every launched reduction and place its result in `grad_owned`."""
         for work, b, tmp in self._inflight:
@@ -196,14 +200,14 @@ class FlatGroup:
                 w.copy_(m)
         if self.stage not in (1, 2) or self.shard_params:
             return
-        group: list = []
+        coalesced: list = []  # consecutive buckets gathered by one all-gather
         for bk in self.layout.buckets:
-            if group and sum(b.numel for b in group) + bk.numel > allgather_bucket_size:
-                self._gather_buckets(group)
-                group = []
-            group.append(bk)
-        if group:
-            self._gather_buckets(group)
+            if coalesced and sum(b.numel for b in coalesced) + bk.numel > allgather_bucket_size:
+                self._gather_buckets(coalesced)
+                coalesced = []
+            coalesced.append(bk)
+        if coalesced:
+            self._gather_buckets(coalesced)
 
     def _gather_buckets(self, buckets) -> None:
         """One all-gather over dp of these buckets' owned shards into their full ranges."""

@@ -207,7 +207,7 @@ class ZeroOptimizer:
         self._reduced = True
         for group in self.groups:
             if group.full_grads:
-                launched = {b for _, b, _ in group._inflight}
+                launched = group.in_flight()
                 for b in range(len(group.layout.buckets)):
                     if b not in launched:
                         group.reduce_bucket(b, async_op=self.overlap)

@@ -10,7 +10,8 @@ import re
 from typing import Any, Sequence
 
 from ..partition import NAMED_METHODS
-from ..schedules import SCHEDULES
+from ..instructions import ScheduleError
+from ..schedules import SCHEDULES, check_sizes
 from .errors import closest
 from .schema import (AXIS_CHOICES, BACKEND_CHOICES, CHECKPOINT_POLICY_CHOICES, OFFLOAD_DEVICE_CHOICES,
                      OPTIMIZER_CHOICES, PRECISION_CHOICES,
@@ -220,12 +221,18 @@ def check_pipeline(cfg: Config) -> list[str]:
     errs = [] if pl.schedule.endswith(".csv") else choice(
         "pipeline.schedule", pl.schedule, SCHEDULES + ("<file>.csv",))
     errs += at_least("pipeline.chunks", pl.chunks, 1)
-    if pl.schedule == "interleaved" and pl.chunks < 2:
-        errs.append(f"pipeline.chunks: the interleaved schedule needs pipeline.chunks >= 2, got {pl.chunks}")
-    if pl.chunks > 1 and pl.schedule in ("gpipe", "1f1b", "zb-h1"):
-        errs.append(f"pipeline.chunks: {pl.chunks} model chunks per stage need pipeline.schedule=interleaved "
-                    f"(got {pl.schedule})")
+    if not errs and pl.schedule in SCHEDULES and cfg.parallel.pp is not None and cfg.parallel.pp >= 1:
+        errs += schedule_sizes(pl.schedule, cfg.parallel.pp, None, pl.chunks)  # m is checked once dp is known
     return errs + check_partition(cfg)
+
+
+def schedule_sizes(schedule: str, pp: int, micro_batches: int | None, chunks: int) -> list[str]:
+    """The schedule's own size rules (`megazero.core.schedules.check_sizes`) as config messages."""
+    try:
+        check_sizes(schedule, pp, micro_batches, chunks)
+    except ScheduleError as err:
+        return [f"{err.key}: {err}"]
+    return []
 
 
 def check_misc(cfg: Config) -> list[str]:

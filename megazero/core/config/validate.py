@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .checks import ALL_CHECKS
+from ..schedules import SCHEDULES
+from .checks import ALL_CHECKS, schedule_sizes
 from .errors import ConfigError
 from .schema import Config
 
@@ -85,10 +86,9 @@ def _derived_checks(cfg: Config, world_size: Optional[int]) -> tuple[list[str], 
         _, gas, _ = derive_batch(t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size, dp)
     except ConfigError as e:
         return [str(e)], dp
-    pl, pp = cfg.pipeline, cfg.parallel.pp
-    if pl.schedule == "interleaved" and pp > 1 and gas % pp:
-        return [f"{_GAS}: the interleaved schedule needs the micro-batches per flush ({gas}) to be a "
-                f"multiple of parallel.pp={pp}"], dp
+    pl = cfg.pipeline
+    if pl.schedule in SCHEDULES:
+        return schedule_sizes(pl.schedule, cfg.parallel.pp, gas, pl.chunks), dp
     return [], dp
 
 

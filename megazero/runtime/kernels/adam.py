@@ -41,7 +41,7 @@ def _as_list(x: TensorOrList | None, name: str, n: int | None = None) -> list[to
 def _kernel_ready(params, grads, exp_avgs, exp_avg_sqs, copies) -> bool:
     """Whether the C++/CUDA kernels take these tensors (else the reference twin runs)."""
     fp32 = all(t.dtype == torch.float32 and t.is_contiguous() for t in (*params, *exp_avgs, *exp_avg_sqs))
-    grads_ok = all(g.dtype in _KERNEL_GRAD_DTYPES and g.dtype == grads[0].dtype for g in grads)
+    grads_ok = all(grad.dtype in _KERNEL_GRAD_DTYPES and grad.dtype == grads[0].dtype for grad in grads)
     copies_ok = all(c.dtype in _KERNEL_COPY_DTYPES and c.is_contiguous() and c.dtype == copies[0].dtype
                     for c in copies)
     sizes = all(t.numel() == p.numel() for lst in (grads, exp_avgs, exp_avg_sqs) for t, p in zip(lst, params))
@@ -61,7 +61,7 @@ def adam_step(param: TensorOrList, grad: TensorOrList, exp_avg: TensorOrList, ex
     """
     params = _as_list(param, "param")
     n = len(params)
-    grads = [g if g.is_contiguous() else g.contiguous() for g in _as_list(grad, "grad", n)]
+    grads = [t if t.is_contiguous() else t.contiguous() for t in _as_list(grad, "grad", n)]
     exp_avgs, exp_avg_sqs = _as_list(exp_avg, "exp_avg", n), _as_list(exp_avg_sq, "exp_avg_sq", n)
     copies = _as_list(param_copy, "param_copy", n) if param_copy is not None else []
     if not isinstance(step, int) or step < 1:
@@ -104,7 +104,7 @@ def _cuda_adam(params, grads, exp_avgs, exp_avg_sqs, copies, step, hyper) -> str
                               hyper["bias_correction"], hyper["maximize"])
         return "megazero_cuda"
     amp_c = loader.apex("amp_C")
-    if amp_c is None or hyper["maximize"] or any(g.dtype != torch.float32 for g in grads):
+    if amp_c is None or hyper["maximize"] or any(grad.dtype != torch.float32 for grad in grads):
         return None
     noop = torch.zeros(1, dtype=torch.int, device=params[0].device)
     amp_c.multi_tensor_adam(_APEX_CHUNK, noop, [grads, params, exp_avgs, exp_avg_sqs], hyper["lr"], hyper["beta1"],

@@ -107,17 +107,17 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     dtype; grad is cast to it. param_copy, when given,
     receives param rounded to its dtype.
     """
-    g = grad.to(param.dtype)
+    grad_t = grad.to(param.dtype)  # the paper's g_t
     if maximize:
-        g = -g
+        grad_t = -grad_t
     if weight_decay != 0 and not adamw_mode:
-        g = g.add(param, alpha=weight_decay)
+        grad_t = grad_t.add(param, alpha=weight_decay)
     if weight_decay != 0 and adamw_mode:
         param.mul_(1 - lr * weight_decay)
     bc1 = 1 - beta1 ** step if bias_correction else 1.0
     bc2 = 1 - beta2 ** step if bias_correction else 1.0
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    exp_avg.lerp_(grad_t, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad_t, grad_t, value=1 - beta2)
     denom = exp_avg_sq.sqrt().mul_(1 / math.sqrt(bc2)).add_(eps)  # the kernels fuse this mul and add
     param.addcdiv_(exp_avg, denom, value=-(lr / bc1))
     if param_copy is not None:

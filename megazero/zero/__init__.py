@@ -1,0 +1,10 @@
+"""ZeRO data parallelism (L2): the optimizer that shards model states over the dp group.
+
+- `optimizer`: `ZeroOptimizer` (stages 0-3, CPU offload, clipping, the step) and `OptimizerSpec`;
+- `flat_group`: `FlatGroup`, one flat fp32 gradient buffer with its buckets, shards and master;
+- `stage3`: `Stage3Gatherer`, ZeRO-3's per-layer parameter gathering;
+- `loss_scaler`, `lr_schedule`: the loss scale and the learning-rate schedule.
+
+The shard and bucket index arithmetic is pure and lives in `megazero.core.flat_buffer`. Import the
+submodules directly; this file imports nothing.
+"""
