@@ -74,16 +74,17 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                           f"only; build it from megazero layers (a model spec or a PipelineModule)")
     elif model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a spec string, a PipelineModule or an nn.Module, got {type(model).__name__}")
+    policy = cfg.activation_checkpointing.policy
+    built = isinstance(model, nn.Module)
+    if policy != "none" and built and (not isinstance(model, PipelineModule) or model.activation_checkpointer is None):
+        raise ConfigError(f"activation_checkpointing.policy={policy}: the model was passed in already built, so "
+                          f"initialize cannot checkpoint it; build it with build_pipeline_model(..., "
+                          f"activation_checkpointer=ActivationCheckpointer.from_config(...)) or pass a model spec")
     info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
     pctx = ParallelContext(topology, timeout_s=cfg.comm.timeout_s)
     if isinstance(model, PipelineModule):
         _agree_on_stage(model, pctx, info.device)
     module = _model(model, cfg, pctx, info.device)
-    policy = cfg.activation_checkpointing.policy
-    if policy != "none" and (not isinstance(module, PipelineModule) or module.activation_checkpointer is None):
-        raise ConfigError(f"activation_checkpointing.policy={policy}: the model was passed in already built, so "
-                          f"initialize cannot checkpoint it; build it with build_pipeline_model(..., "
-                          f"activation_checkpointer=ActivationCheckpointer.from_config(...)) or pass a model spec")
     optimizer = build_optimizer(cfg, module, pctx, model_parameters)
     scheduler = lr_scheduler if lr_scheduler is not None else build_scheduler(cfg, optimizer)
     t = cfg.train
