@@ -53,8 +53,9 @@ class PipeP2P:
             comm.send(tensor.detach().to(self.dtype).contiguous(), peer, self.group)
             return
         if boundary not in self.known:
+            meta = _encode(tensor.shape, tensor.dtype, self.device)  # refuses what cannot travel, before caching
             self.known[boundary] = (tuple(tensor.shape), tensor.dtype)
-            comm.send(_encode(tensor.shape, tensor.dtype, self.device), peer, self.group)
+            comm.send(meta, peer, self.group)
         else:
             shape, dtype = self.known[boundary]
             self._check(tensor, boundary, shape, dtype, "first micro-batch's activation")
