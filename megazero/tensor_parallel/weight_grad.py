@@ -51,8 +51,10 @@ class WeightGradStore:
         return out
 
     @staticmethod
+    @torch.no_grad()
     def compute(entry) -> tuple[torch.nn.Parameter, torch.Tensor]:
-        """(weight, its gradient) of one deferred GEMM: gW = gyᵀ·x over all leading dims."""
+        """(weight, its gradient) of one deferred GEMM: gW = gyᵀ·x over all leading dims. A plain
+        tensor: the saved x may still carry autograd history, W's GEMM is never differentiated."""
         weight, x, gy = entry
         return weight, gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))  # (out, in)
 

@@ -177,9 +177,11 @@ class ZeroOptimizer:
         grad, p.grad = p.grad, None
         self.accumulate_grad(p, grad)
 
+    @torch.no_grad()
     def accumulate_grad(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Add one micro-batch's gradient of `p` (what autograd's hook does; zero-bubble W passes
-        call it directly) and launch the bucket's reduction when the bucket is complete."""
+        call it directly) and launch the bucket's reduction when the bucket is complete. Runs without
+        autograd: a gradient handed in with history must not make the flat buffers part of a graph."""
         group, i = self._where[id(p)]
         done = group.add_grad(i, grad)
         if done is not None and self.overlap and (not group.full_grads or self._last_microbatch):
