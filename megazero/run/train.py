@@ -109,6 +109,7 @@ def run(cfg: Config, rank: int) -> int:
         info = engine.last_info
         record = {"step": step, "loss": loss, "grad_norm": info.get("grad_norm"), "lr": info.get("lr"),
                   "loss_scale": info.get("loss_scale"), "skipped": info.get("skipped", False),
+                  "skipped_steps": info.get("skipped_steps", 0),
                   "tokens_per_s": tokens / dt, "step_time_s": dt,
                   "mfu": mfu(flops, dt, pctx.topology.world_size, cfg.log.peak_tflops)}
         if cfg.log.wall_clock_breakdown:

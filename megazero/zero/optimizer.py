@@ -28,10 +28,19 @@ from dataclasses import dataclass
 
 import torch
 
+from megazero.core.config.schema import NONFINITE_CHOICES
 from megazero.runtime import comm, kernels
 from megazero.zero.flat_group import FlatGroup
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.stage3 import Stage3Gatherer
+
+
+NONFINITE = NONFINITE_CHOICES  # one list: the config schema's
+"""What a step with inf/NaN gradients does: skip it (and count it), or stop every rank with an error."""
+
+
+class NonFiniteGradients(RuntimeError):
+    """A step's reduced gradients hold inf or NaN and ``nonfinite_gradients=error``."""
 
 
 @dataclass(frozen=True)
@@ -61,13 +70,17 @@ class ZeroOptimizer:
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = False, offload_optimizer: bool = False, offload_param: bool = False,
                  gradient_clipping: float = 0.0, loss_scaler: LossScaler | None = None,
-                 units=None, prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0):
+                 units=None, prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
+                 nonfinite: str = "skip"):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {stage}")
         if spec.type not in ("adam", "adamw", "sgd"):
             raise ValueError(f"optimizer.type {spec.type!r} is not one of adam, adamw, sgd")
         if offload_param and stage != 3:
             raise ValueError("zero.offload_param needs zero.stage 3")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite_gradients={nonfinite!r} is not one of {', '.join(NONFINITE)}")
+        self.nonfinite, self.skipped_steps = nonfinite, 0
         if offload_optimizer and stage == 0:
             raise ValueError("zero.offload_optimizer needs zero.stage 1, 2 or 3")
         self.pctx, self.stage, self.spec = pctx, stage, spec
@@ -255,18 +268,30 @@ class ZeroOptimizer:
         return float(sq.sqrt().item())
 
     def step(self) -> dict:
-        """Reduce, unscale, agree on overflow, clip and update. Returns {"skipped", "grad_norm",
-        "loss_scale", "lr"}."""
+        """Reduce, unscale, agree on non-finite gradients, clip and update. Returns {"skipped",
+        "grad_norm", "loss_scale", "lr", "skipped_steps"}.
+
+        Every precision checks for inf/NaN in the reduced gradients, and every rank agrees (max of a
+        flag over the world group). Then a dynamic loss scale backs off, and the step is skipped and
+        counted (``nonfinite="skip"``) or every rank raises `NonFiniteGradients` naming the step and
+        the first non-finite parameter it holds (``nonfinite="error"``)."""
         self.reduce_grads()
         scale = self.scaler.scale
         if scale != 1.0:
             for t in self._all_owned_grads():
                 t.mul_(1.0 / scale)
         info = {"loss_scale": scale, "lr": self.param_groups[0]["lr"]}
-        if self.scaler.dynamic and self._overflow():
-            self.scaler.update(True)
+        if self._overflow():
+            if self.scaler.dynamic:
+                self.scaler.update(True)
+            elif self.nonfinite == "error":
+                first = self._first_nonfinite()
+                where = f"first on this rank: {first}" if first else "on another rank"
+                raise NonFiniteGradients(f"step {self.step_count + 1}: non-finite gradients ({where}); "
+                                         f"nonfinite_gradients=skip skips such steps instead")
+            self.skipped_steps += 1
             self.zero_grad()
-            return info | {"skipped": True, "grad_norm": float("nan")}
+            return info | {"skipped": True, "grad_norm": float("nan"), "skipped_steps": self.skipped_steps}
         norm = self.global_grad_norm()
         coef = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
         self.step_count += 1
@@ -275,7 +300,18 @@ class ZeroOptimizer:
             group.publish_master(self.allgather_bucket_size)
         self.zero_grad()
         self.scaler.update(False)
-        return info | {"skipped": False, "grad_norm": norm}
+        return info | {"skipped": False, "grad_norm": norm, "skipped_steps": self.skipped_steps}
+
+    def _first_nonfinite(self) -> str | None:
+        """The logical name of the first parameter whose owned gradient slice is not finite, here."""
+        for group in self.groups:
+            for b, segs in enumerate(group.segments):
+                lo = group.owned[b][0]
+                for s in segs:
+                    if not torch.isfinite(group.grad_owned[b][s.buf_start - lo:s.buf_end - lo]).all():
+                        param = group.params[s.param]
+                        return getattr(param, "logical_name", None) or f"{group.name} group parameter {s.param}"
+        return None
 
     def _update_group(self, group: FlatGroup, runs, coef: float) -> None:
         s, lr = self.spec, self.param_groups[0]["lr"]

@@ -13,7 +13,7 @@ from ..partition import NAMED_METHODS
 from ..instructions import ScheduleError
 from ..schedules import SCHEDULES, check_sizes
 from .errors import closest
-from .schema import (AXIS_CHOICES, BACKEND_CHOICES, CHECKPOINT_POLICY_CHOICES, OFFLOAD_DEVICE_CHOICES,
+from .schema import (AXIS_CHOICES, BACKEND_CHOICES, NONFINITE_CHOICES, CHECKPOINT_POLICY_CHOICES, OFFLOAD_DEVICE_CHOICES,
                      OPTIMIZER_CHOICES, PRECISION_CHOICES,
                      SCHEDULER_CHOICES, TOKENIZER_CHOICES, WARMUP_TYPE_CHOICES, Config)
 
@@ -121,6 +121,7 @@ def check_precision(cfg: Config) -> list[str]:
         errs.append(f"fp16.min_loss_scale: must be > 0, got {f.min_loss_scale}")
     if cfg.gradient_clipping < 0:
         errs.append(f"gradient_clipping: must be >= 0 (0 = off), got {cfg.gradient_clipping}")
+    errs += choice("nonfinite_gradients", cfg.nonfinite_gradients, NONFINITE_CHOICES)
     return errs
 
 
