@@ -124,7 +124,9 @@ def test_user_pipeline_module_trains_like_one_process(pp, dp, schedule, chunks, 
 
 
 def shape_change_worker():
-    module = user_module(2, __import__("torch.distributed").distributed.get_rank(), 1)
+    import torch.distributed as dist
+
+    module = user_module(2, dist.get_rank(), 1)  # pp=2, dp=1: the rank is the stage
     cfg = config(2, 1, "1f1b", 1, 0) | {"comm": {"timeout_s": 10}}
     engine, _, _, _ = megazero.initialize(model=module, config=cfg)
 

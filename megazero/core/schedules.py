@@ -334,9 +334,6 @@ def bubble_fraction(name: str, num_stages: int, num_microbatches: int, chunks: i
     """The idle fraction of one step of schedule `name`, as the simulator measures it (idle / (work
     + idle), unit costs by default). With m >= p it equals the closed forms of docs/reference.md:
     (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1) zb-h1."""
-    if num_stages == 1:
-        check_sizes("1f1b", 1, num_microbatches, 1)
-        return 0.0
     return simulate(get_schedule(name, num_stages, num_microbatches, chunks, costs), costs).bubble_fraction
 
 

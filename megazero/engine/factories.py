@@ -50,12 +50,7 @@ def check_model_and_schedule(cfg: Config) -> None:
         get_schedule(cfg.pipeline.schedule, cfg.parallel.pp, cfg.train.gradient_accumulation_steps,
                      cfg.pipeline.chunks)
     except ScheduleError as err:
-        raise ConfigError(f"{err.key}={_value(cfg, err.key)!r}: {err}") from None
-
-
-def _value(cfg: Config, key: str):
-    section, _, field = key.partition(".")
-    return getattr(getattr(cfg, section), field)
+        raise ConfigError(f"{err.key}: {err}") from None
 
 
 def build_model(cfg: Config, pctx: ParallelContext, device=None, wrap_block=None) -> PipelineModule:

@@ -24,6 +24,7 @@ TP rank), `tied_name` (summed over the embedding group), `no_weight_decay` (defa
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -251,12 +252,6 @@ class ZeroOptimizer:
     def _all_owned_grads(self):
         return [t for group in self.groups for t in group.grad_owned]
 
-    def _overflow(self) -> bool:
-        local = any(not torch.isfinite(t).all() for t in self._all_owned_grads())
-        flag = torch.tensor([1.0 if local else 0.0], device=self.device)  # NCCL needs device tensors
-        comm.all_reduce(flag, self.pctx.world_group, op="max")
-        return bool(flag.item() > 0)
-
     def global_grad_norm(self) -> float:
         """L2 norm of the full model's gradient, every parameter counted once, over pctx.world_group."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -271,17 +266,19 @@ class ZeroOptimizer:
         """Reduce, unscale, agree on non-finite gradients, clip and update. Returns {"skipped",
         "grad_norm", "loss_scale", "lr", "skipped_steps"}.
 
-        Every precision checks for inf/NaN in the reduced gradients, and every rank agrees (max of a
-        flag over the world group). Then a dynamic loss scale backs off, and the step is skipped and
-        counted (``nonfinite="skip"``) or every rank raises `NonFiniteGradients` naming the step and
-        the first non-finite parameter it holds (``nonfinite="error"``)."""
+        Every precision checks for inf/NaN in the reduced gradients through the global norm: an inf or
+        NaN anywhere makes the all-reduced sum of squares non-finite on every rank, so the ranks agree
+        without a collective of their own. Then a dynamic loss scale backs off, and the step is skipped
+        and counted (``nonfinite="skip"``) or every rank raises `NonFiniteGradients` naming the step
+        and the first non-finite parameter it holds (``nonfinite="error"``)."""
         self.reduce_grads()
         scale = self.scaler.scale
         if scale != 1.0:
             for t in self._all_owned_grads():
                 t.mul_(1.0 / scale)
         info = {"loss_scale": scale, "lr": self.param_groups[0]["lr"]}
-        if self._overflow():
+        norm = self.global_grad_norm()
+        if not math.isfinite(norm):
             if self.scaler.dynamic:
                 self.scaler.update(True)
             elif self.nonfinite == "error":
@@ -292,7 +289,6 @@ class ZeroOptimizer:
             self.skipped_steps += 1
             self.zero_grad()
             return info | {"skipped": True, "grad_norm": float("nan"), "skipped_steps": self.skipped_steps}
-        norm = self.global_grad_norm()
         coef = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
         self.step_count += 1
         for group, runs in zip(self.groups, self._runs):

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from ..partition import NAMED_METHODS
 from ..instructions import ScheduleError
 from ..schedules import SCHEDULES, check_sizes
-from .errors import closest
+from ..suggest import did_you_mean
 from .schema import (AXIS_CHOICES, BACKEND_CHOICES, NONFINITE_CHOICES, CHECKPOINT_POLICY_CHOICES, OFFLOAD_DEVICE_CHOICES,
                      OPTIMIZER_CHOICES, PRECISION_CHOICES,
                      SCHEDULER_CHOICES, TOKENIZER_CHOICES, WARMUP_TYPE_CHOICES, Config)
@@ -24,9 +24,7 @@ def choice(key: str, value: Any, choices: Sequence[str]) -> list[str]:
     """[] if `value` is one of `choices`, else a message naming the closest choice."""
     if value in choices:
         return []
-    guess = closest(str(value), choices)
-    hint = f"; did you mean {guess!r}?" if guess else ""
-    return [f"{key}: {value!r} is not valid{hint} (valid: {', '.join(choices)})"]
+    return [f"{key}: {value!r} is not valid{did_you_mean(str(value), choices)} (valid: {', '.join(choices)})"]
 
 
 def at_least(key: str, value: Any, low: float, what: str = "") -> list[str]:

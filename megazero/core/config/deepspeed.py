@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from .deepspeed_keys import (DICT_SECTIONS, OPTIMIZER_TYPES, OTHER_DS_OPTIMIZERS, OTHER_DS_SCHEDULERS,
                              RULES, SCHEDULER_TYPES, SPECIAL, Rule)
+from ..suggest import did_you_mean
 from .errors import ConfigError, closest, unknown_key_error
 from .schema import Config, field_types
 from .tree import build_config, check_tree
@@ -88,8 +89,7 @@ def _optimizer(flat: Mapping[str, Any], out: dict[str, Any]) -> None:
     if kind is None:
         if name.lower() in OTHER_DS_OPTIMIZERS:
             raise ConfigError(f"optimizer.type={name!r}: not supported yet (valid: Adam, AdamW, SGD)")
-        guess = closest(name.lower(), list(OPTIMIZER_TYPES) + list(OTHER_DS_OPTIMIZERS))
-        hint = f"; did you mean {guess!r}?" if guess else ""
+        hint = did_you_mean(name.lower(), list(OPTIMIZER_TYPES) + list(OTHER_DS_OPTIMIZERS))
         raise ConfigError(f"optimizer.type: unknown optimizer {name!r}{hint} (valid: Adam, AdamW, SGD)")
     out["optimizer.type"] = kind
     if kind == "adam" and "optimizer.params.adam_w_mode" not in flat:
@@ -105,8 +105,7 @@ def _scheduler(flat: Mapping[str, Any], out: dict[str, Any], labels: dict[str, s
     if name not in SCHEDULER_TYPES:
         if name in OTHER_DS_SCHEDULERS:
             raise ConfigError(f"scheduler.type={name!r}: not supported yet (valid: {', '.join(SCHEDULER_TYPES)})")
-        guess = closest(str(name), SCHEDULER_TYPES + OTHER_DS_SCHEDULERS)
-        hint = f"; did you mean {guess!r}?" if guess else ""
+        hint = did_you_mean(str(name), SCHEDULER_TYPES + OTHER_DS_SCHEDULERS)
         raise ConfigError(f"scheduler.type: unknown scheduler {name!r}{hint} (valid: {', '.join(SCHEDULER_TYPES)})")
     out["scheduler.type"] = name
     out.setdefault("scheduler.warmup_steps", DS_DEFAULT_WARMUP_NUM_STEPS)

@@ -87,8 +87,8 @@ def _derived_checks(cfg: Config, world_size: Optional[int]) -> tuple[list[str], 
     except ConfigError as e:
         return [str(e)], dp
     pl = cfg.pipeline
-    if pl.schedule in SCHEDULES:
-        return schedule_sizes(pl.schedule, cfg.parallel.pp, gas, pl.chunks), dp
+    if pl.schedule in SCHEDULES and not schedule_sizes(pl.schedule, par.pp, None, pl.chunks):
+        return schedule_sizes(pl.schedule, par.pp, gas, pl.chunks), dp  # the m rules (check_pipeline has the rest)
     return [], dp
 
 
