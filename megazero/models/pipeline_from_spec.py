@@ -32,7 +32,9 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
     `megazero.activation_checkpoint.ActivationCheckpointer`, exclusive with wrap_block) wraps the
     blocks (full policy) or their attention cores (selective). `wgrad_store` (a
     `megazero.tensor_parallel.weight_grad.WeightGradStore`) is given to every linear layer, for
-    schedules that split backward into B and W."""
+    schedules that split backward into B and W. `partition`: a `megazero.core.partition` method name,
+    or the number of transformer blocks of each virtual stage (as ``pipeline.partition`` in a config;
+    the embedding joins the first stage, the head the last)."""
     attention_core = None
     if activation_checkpointer is not None:
         if wrap_block is not None:
@@ -44,6 +46,8 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
                               tracker=tracker, dtype=dtype, pp_rank=pctx.pp_rank, wgrad_store=wgrad_store,
                               attention_core=attention_core)
     layers = [LayerSpec(_wrap, b, device, wrap_block if b.kind == "block" else None) for b in builders]
+    if isinstance(partition, (list, tuple)):
+        partition = block_counts_to_layer_counts(partition, [b.kind for b in builders])
     infos = [LayerInfo(LAYER_TYPES[b.kind], b.num_params(), float(_flops_per_token(spec, b.kind))) for b in builders]
     tp_group, tp_size = pctx.tp_group, pctx.tp_size
 
@@ -81,3 +85,19 @@ def _flops_per_token(spec: ModelSpec, kind: str) -> float:
     if kind == "head":
         return 6 * v * h
     return 2 * h
+
+
+def block_counts_to_layer_counts(blocks, kinds: list[str]) -> list[int]:
+    """Per-virtual-stage counts of pipeline layers from per-stage counts of transformer blocks: the
+    layers before the first block (embedding) join the first stage, those after the last (head) the
+    last stage."""
+    n_blocks = kinds.count("block")
+    if sum(blocks) != n_blocks:
+        raise ValueError(f"pipeline.partition {list(blocks)} sums to {sum(blocks)} transformer layers, "
+                         f"the model has {n_blocks} (model.layers)")
+    first, last = kinds.index("block"), len(kinds) - 1 - kinds[::-1].index("block")
+    counts = list(blocks)
+    counts[0] += first
+    counts[-1] += len(kinds) - 1 - last
+    return counts
+

@@ -10,7 +10,7 @@ from megazero.tensor_parallel.mappings import (
     gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region, scatter_to_tp_region)
 from megazero.tensor_parallel.params import (
-    counts_once_in_norm, gather_full_grads, gather_full_params, load_full_params, num_logical_params,
+    counts_once_in_norm, gather_full_grads, gather_full_params, gather_full_tensors, load_full_params, num_logical_params,
     sync_sequence_parallel_grads, unique_params)
 from megazero.tensor_parallel.random import (
     REPLICATED_STREAM, TP_STREAM, Dropout, LogicalMaskFn, RNGStatesTracker, ShardInfo, set_dropout_mask_fn)
@@ -20,7 +20,7 @@ __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "enter_tp_region", "exit_tp_region",
-    "make_param", "padded_size", "stable_seed", "gather_full_params", "gather_full_grads",
+    "make_param", "padded_size", "stable_seed", "gather_full_params", "gather_full_grads", "gather_full_tensors",
     "load_full_params", "sync_sequence_parallel_grads", "unique_params", "counts_once_in_norm",
     "num_logical_params", "RNGStatesTracker", "Dropout", "ShardInfo", "LogicalMaskFn",
     "set_dropout_mask_fn", "TP_STREAM", "REPLICATED_STREAM",

@@ -74,6 +74,16 @@ def gather_full_grads(model_or_layers, tp_group: GroupHandle) -> dict[str, torch
     return out
 
 
+def gather_full_tensors(tensors: dict[nn.Parameter, torch.Tensor], tp_group: GroupHandle) -> dict[str, torch.Tensor]:
+    """{logical_name: full tensor} of per-parameter shards (e.g. `ZeroOptimizer.reduced_gradients()`):
+    all-gathers each TP-split one over `tp_group` (every TP rank must call, with the same parameters
+    in the same order). A logical name present twice keeps the first."""
+    out: dict[str, torch.Tensor] = {}
+    for p, t in tensors.items():
+        out.setdefault(p.logical_name, _gather_tensor(t, p, tp_group))
+    return out
+
+
 @torch.no_grad()
 def load_full_params(model_or_layers, full: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
     """Copy each parameter's shard out of `full[logical_name]` (padding rows become zeros).

@@ -176,17 +176,26 @@ def set_dropout_mask_fn(model_or_layers, mask_fn: MaskFn | None) -> int:
 
 
 class LogicalMaskFn:
-    """A mask function whose masks depend only on (seed, site, call number at that site) and the
-    logical full shape, never on the layout: it draws the full keep-mask with its own generator and
-    returns this rank's slice. Calls are counted per site, so create one per run."""
+    """A mask function whose masks depend only on (seed, site, global micro-batch number at that site)
+    and the logical full shape, never on the layout: it draws the full keep-mask with its own generator
+    and returns this rank's slice. Calls are counted per site, so create one per run.
 
-    def __init__(self, seed: int, p: float):
+    Data parallelism: a step's global batch is split into dp_size · micro_batches micro-batches and dp
+    rank r runs numbers r·micro_batches … (r+1)·micro_batches − 1 (the data sampler's split), so the
+    n-th call at a site on rank r is global micro-batch (n // m)·m·dp + r·m + n % m, m = `micro_batches`
+    (gradient accumulation steps). With the defaults (one rank) the call number is used as it is.
+    Activation recomputation replays the call counts (`activation_checkpoint.region.RNGSnapshot`)."""
+
+    def __init__(self, seed: int, p: float, dp_rank: int = 0, dp_size: int = 1, micro_batches: int = 1):
         self.seed, self.p = seed, p
+        self.dp_rank, self.dp_size, self.micro_batches = dp_rank, dp_size, micro_batches
         self.calls: dict[str, int] = {}
 
     def __call__(self, site: str, shape, shard: ShardInfo | None) -> torch.Tensor:
         n = self.calls.get(site, 0)
         self.calls[site] = n + 1
+        m = self.micro_batches
+        n = (n // m) * m * self.dp_size + self.dp_rank * m + n % m  # the global micro-batch number
         full_shape = shard.full_shape(shape) if shard is not None else tuple(shape)
         gen = torch.Generator().manual_seed(stable_seed("mask", self.seed, site, n))
         keep = torch.rand(full_shape, generator=gen) >= self.p

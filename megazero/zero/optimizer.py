@@ -392,16 +392,27 @@ class ZeroOptimizer:
         return total
 
     def reduced_gradients(self) -> dict:
-        """{parameter: its reduced fp32 gradient (this TP shard's shape)} after `reduce_grads`, for
-        stages 0-1 (which keep full gradients). For inspection and tests; the loss scale is not
-        removed."""
-        if self.stage > 1:
-            raise RuntimeError(f"zero.stage={self.stage} keeps only a gradient shard; use stage 0 or 1")
+        """{parameter: its reduced fp32 gradient, loss scale removed, not clipped (this TP shard's
+        shape)}, after `reduce_grads` and before `step` (which reduces first if needed). Stage 0 holds
+        whole reduced buckets; stages 1-3 hold one owned slice of each, all-gathered here over the dp
+        group (every dp rank must call). For inspection and parity checks, not the training path."""
+        self.reduce_grads()
+        inv = 1.0 / self.scaler.scale
         out = {}
         for group in self.groups:
+            layout = group.layout
+            full = []  # one reduced bucket per entry, (bucket numel,)
+            for b, bk in enumerate(layout.buckets):
+                if group.stage == 0:
+                    full.append(group.grad_flat[bk.start:bk.end])
+                else:
+                    buf = torch.empty(bk.numel, dtype=torch.float32, device=self.device)
+                    comm.all_gather(buf, group.grad_owned[b].to(self.device), group.dp)
+                    full.append(buf)
             for i, p in enumerate(group.params):
-                s, e = group.layout.param_range(i)
-                out[p] = group.grad_flat[s:e].view(group.shapes[i])
+                s, e = layout.param_range(i)
+                bk = layout.buckets[layout.bucket_of(i)]
+                out[p] = (full[bk.index][s - bk.start:e - bk.start] * inv).view(group.shapes[i])
         return out
 
     def num_params(self) -> int:

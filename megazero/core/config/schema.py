@@ -18,6 +18,8 @@ the spec's own fields. `ModelConfig.architecture()` merges both into one dict of
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -188,7 +190,8 @@ class ActivationCheckpointingConfig:
 class PipelineConfig:
     """schedule: a `megazero.core.schedules.SCHEDULES` name or a path ending in .csv. chunks: model chunks per stage
     (v, interleaved only). partition: a `megazero.core.partition.NAMED_METHODS` name, ``type:<regex>``, or a list with
-    the layer count of each of the pp * chunks (virtual) stages."""
+    the number of transformer layers of each of the pp * chunks (virtual) stages, summing to model.layers (the
+    embedding joins the first stage, the head the last; as Megatron's uneven first/last stages)."""
 
     schedule: str = "1f1b"
     chunks: int = 1
@@ -250,10 +253,11 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
 
 
-def field_types(cls: type) -> dict[str, Any]:
-    """The resolved type annotation of each field of dataclass `cls`, in declaration order."""
+@functools.cache  # a pure function of a class: resolving string annotations is most of a config load
+def field_types(cls: type) -> typing.Mapping[str, Any]:
+    """The resolved type annotation of each field of dataclass `cls`, in declaration order (read-only)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return types.MappingProxyType({f.name: hints[f.name] for f in dataclasses.fields(cls)})
 
 
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:

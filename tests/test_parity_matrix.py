@@ -1,0 +1,107 @@
+"""The generated parity matrix (megazero/run/parity_matrix.py): its generator, and every case of its
+all-pairs covering set trained against the serial run (megazero/run/parity.py says what is compared
+and with which tolerance).
+
+The generator tests are pure: the same seed gives the same cases, every pair of factor values that
+some allowed case contains is covered, the pairs no case can contain are exactly the ones listed here
+with their reason, and each of those is refused by the validation a user gets, with its message.
+"""
+import pytest
+
+from megazero.core import pairwise
+from megazero.run import parity_matrix as pm
+from megazero.run.parity import compare, format_rows, merge_reports, run_layout, serial_key, serial_overrides
+from tests.harness import run_ranks
+
+STEPS = 2
+CASES = pm.pairwise_cases(seed=0)
+
+# Every pair no allowed case contains, with the words of the user's error (or the world limit).
+IMPOSSIBLE = {
+    (("pp", 3), ("tp", 4)): "world size 12", (("pp", 4), ("tp", 4)): "world size 16",
+    (("pp", 3), ("dp", 4)): "world size 12", (("pp", 4), ("dp", 4)): "world size 16",
+    (("tp", 4), ("dp", 4)): "world size 16",
+    (("pp", 1), ("schedule", "interleaved")): "needs num_stages >= 2",
+    (("tp", 1), ("sequence_parallel", True)): "parallel.sequence_parallel: needs parallel.tp > 1",
+    (("zero", 0), ("offload", "optimizer")): "zero.offload_optimizer.device: offloading the optimizer needs",
+    (("zero", 0), ("offload", "optimizer+params")): "zero.offload_param.device: offloading parameters needs",
+    (("zero", 1), ("offload", "optimizer+params")): "zero.offload_param.device: offloading parameters needs",
+    (("zero", 2), ("offload", "optimizer+params")): "zero.offload_param.device: offloading parameters needs",
+    (("schedule", "interleaved"), ("micro_batches", "1")): "train.gradient_accumulation_steps",
+    (("checkpointing", "partitioned"), ("sequence_parallel", True)): "partition_activations: with parallel.seq",
+    (("checkpointing", "partitioned+cpu"), ("sequence_parallel", True)): "partition_activations: with parallel.seq",
+}
+
+
+@pytest.fixture(scope="module")
+def witnesses():
+    return pairwise.find_witnesses(pm.FACTORS, pm.case_allowed, seed=0)
+
+
+def test_covering_set_is_pure_and_covers_every_allowed_pair(witnesses):
+    assert pm.pairwise_cases(seed=0, witnesses=witnesses) == CASES  # pure: the same cases again
+    covered = set().union(*(pairwise.pairs_in(c, pm.FACTORS) for c in CASES))
+    allowed = {p for p, w in witnesses.items() if w is not None}
+    assert allowed - covered == set()
+    assert covered <= allowed
+    assert all(pm.case_allowed(c) for c in CASES)
+    lower_bound = max(len(a) * len(b) for a in pm.FACTORS.values() for b in pm.FACTORS.values() if a is not b)
+    assert lower_bound <= len(CASES) <= 2 * lower_bound, len(CASES)
+
+
+def test_impossible_pairs_are_the_listed_ones_and_refused_by_user_validation(witnesses):
+    impossible = {p for p, w in witnesses.items() if w is None}
+    assert impossible == set(IMPOSSIBLE), impossible ^ set(IMPOSSIBLE)
+    defaults = {n: v[0] for n, v in pm.FACTORS.items()}
+    for pair, words in IMPOSSIBLE.items():
+        case = dict(defaults, **dict(pair))
+        if case["schedule"] == "interleaved" and case["pp"] == 1 and pair[0][0] != "pp":
+            case["pp"] = 2  # so that the pair itself, not interleaving at pp=1, is what is refused
+        error = pm.case_error(case)
+        assert error is not None and words in error, (pair, error)
+
+
+def test_invalid_combinations_get_the_users_error():
+    from megazero.core.config import ConfigError
+    from megazero.engine import load_run_config
+
+    bad = dict({n: v[0] for n, v in pm.FACTORS.items()}, zero=2, offload="optimizer+params", pp=2, dp=2)
+    with pytest.raises(ConfigError, match="zero.offload_param.device") as err:
+        load_run_config(pm.case_config(bad), world_size=4)
+    assert pm.case_error(bad) == str(err.value)
+    assert bad not in CASES
+
+
+def test_generator_on_a_toy_product():
+    factors = {"a": (0, 1, 2), "b": ("x", "y"), "c": (False, True), "d": (0, 1)}
+
+    def allowed(case):  # c=True needs a > 0; a=2 excludes b=y
+        return not (case["c"] and case["a"] == 0) and not (case["a"] == 2 and case["b"] == "y")
+    cases = pairwise.covering_set(factors, allowed, seed=3)
+    assert cases == pairwise.covering_set(factors, allowed, seed=3) and all(map(allowed, cases))
+    witnesses = pairwise.find_witnesses(factors, allowed)
+    assert {p for p, w in witnesses.items() if w is None} == {(("a", 0), ("c", True)), (("a", 2), ("b", "y"))}
+    covered = set().union(*(pairwise.pairs_in(c, factors) for c in cases))
+    assert covered == {p for p, w in witnesses.items() if w is not None}
+    assert len(cases) < pairwise.product_size(factors)
+
+
+_serial = {}
+
+
+def serial_reference(cfg):
+    """The serial run of `cfg`, shared by the cases whose serial configs are equal."""
+    gb = cfg["train"]["global_batch_size"]
+    key = serial_key(cfg, gb)
+    if key not in _serial:
+        _serial[key] = merge_reports(run_ranks(run_layout, 1, cfg, serial_overrides(gb), STEPS, timeout=300))
+    return _serial[key]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[pm.case_name(c) for c in CASES])
+def test_case_trains_like_one_process(case):
+    cfg = pm.case_config(case)
+    world = case["pp"] * case["tp"] * case["dp"]
+    result = merge_reports(run_ranks(run_layout, world, cfg, (), STEPS, timeout=300))
+    rows = compare(result, serial_reference(cfg))
+    assert all(r["ok"] for r in rows), f"{pm.case_name(case)}\n{format_rows(rows)}"
