@@ -14,11 +14,14 @@ FILE = re.compile(r"`((?:megazero|tests|tools|benchmarks|model_specs|configs|doc
 
 
 def defined_names(path: pathlib.Path) -> set[str]:
-    """Top-level functions and classes of `path`, and `Class.method` for their methods."""
+    """Top-level functions, classes and assigned names of `path`, and `Class.method` for methods."""
     names = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
         if isinstance(node, ast.ClassDef):
             names |= {f"{node.name}.{n.name}" for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     return names

@@ -1,8 +1,9 @@
 """ZeRO composed with pipeline and tensor parallelism on the debug GPT (fp32, CPU, gloo).
 
-Parity: 10 AdamW steps (lr 1e-3, clipping at 1.0) in each layout give per-step losses within
-1e-5 relative of the single-process run, clipped global grad norms within 1e-6 relative, and final
-parameters within 1e-5 absolute. Volumes and memory are measured per rank with Ψ = the rank's own
+Parity over a longer run than the generated matrix's two steps (tests/test_parity_matrix.py, which
+covers stages x offload x overlap x layouts): 10 AdamW steps (lr 1e-3, eps 1e-8, clipping at 1.0) at
+pp2 x tp2 x dp2 give per-step losses within 1e-5 relative of the single-process run, clipped global
+grad norms within 1e-6 relative, and final parameters within 1e-5 absolute. Volumes and memory are measured per rank with Ψ = the rank's own
 model-parallel shard (its stage's TP shard).
 """
 import pytest
@@ -29,30 +30,8 @@ def reference():
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("dp", [2, 4])
-def test_data_parallel_stages(stage, dp):
-    compare(merge(run_ranks(train_worker, dp, layout(stage=stage), STEPS, timeout=180)), reference())
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_3d_pp2_tp2_dp2(stage):
     compare(merge(run_ranks(train_worker, 8, layout(2, 2, stage=stage), STEPS, timeout=240)), reference())
-
-
-@pytest.mark.parametrize("stage, extra", [
-    (1, {"offload_optimizer": {"device": "cpu"}}), (2, {"offload_optimizer": {"device": "cpu"}}),
-    (3, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
-    (2, {"overlap_comm": True}), (3, {"overlap_comm": True, "prefetch_bucket_size": 20000}),
-])
-def test_3d_with_offload_and_overlap(stage, extra):
-    compare(merge(run_ranks(train_worker, 8, layout(2, 2, stage=stage, **extra), 4, timeout=240)),
-            [x[:4] if isinstance(x, list) else x for x in _truncated_reference(4)])
-
-
-def _truncated_reference(steps):
-    if steps not in _ref:
-        _ref[steps] = merge(run_ranks(train_worker, 1, BASE, steps, timeout=120))
-    return _ref[steps]
 
 
 def volume_worker(cfg):
