@@ -8,8 +8,8 @@ A layout is PPxTPxDP. Every layout, and the serial reference, is a `torchrun` la
 `python -m megazero.run.parity` (a user's script: `megazero.initialize`, `train_batch`) with the same
 overrides, seed and global batch. The reference is always the serial run: one process, with the
 options that only several ranks can use reset (sequence parallelism, pipeline schedule / chunks /
-partition, partitioned and CPU activation checkpoints, ZeRO with its offload and overlap, axis
-order; `megazero.run.parity.serial_overrides`), so ``--layouts 1x4x2 parallel.sequence_parallel=true``
+partition, ZeRO with its offload and overlap, axis order) and without activation checkpointing
+(`megazero.run.parity.serial_overrides`), so ``--layouts 1x4x2 parallel.sequence_parallel=true``
 just works. Each layout is judged on its per-step losses, per-step gradient norms, every parameter's
 first-step gradient and the final parameters, with the tolerances of `megazero.run.parity`; a failure
 names the quantity, the worst parameter and the step.

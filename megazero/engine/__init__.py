@@ -28,7 +28,7 @@ from megazero.run.launch import detect, init_distributed
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 
-__all__ = ["initialize", "initialize_from_config", "load_run_config", "PipelineEngine", "ModuleEngine"]
+__all__ = ["initialize", "initialize_from_config", "load_run_config", "data_iterator", "PipelineEngine", "ModuleEngine"]
 
 
 def load_run_config(config, overrides=(), world_size: int | None = None) -> Config:
@@ -97,6 +97,12 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     return engine, optimizer, _dataloader(training_data, cfg, pctx, module, engine), scheduler
 
 
+def data_iterator(cfg: Config, engine, start_step: int):
+    """The configured data of a spec model from global step `start_step` on (a resumed run's data
+    position: batches depend only on the step), as `initialize` builds it for step 0."""
+    return _dataloader(None, cfg, engine.pctx, engine.module, engine, start_step)
+
+
 def _check_pipeline_module(module: PipelineModule, cfg: Config) -> None:
     """A user's PipelineModule must be cut as the config's pipeline is (before any process group)."""
     for what, mine, key, theirs in (("num_stages", module.num_stages, "parallel.pp", cfg.parallel.pp),
@@ -130,9 +136,10 @@ def _model(model, cfg: Config, pctx: ParallelContext, device):
     return model.to(device=device, dtype=compute_dtype(cfg))
 
 
-def _dataloader(training_data, cfg: Config, pctx: ParallelContext, module, engine):
+def _dataloader(training_data, cfg: Config, pctx: ParallelContext, module, engine, start_step: int = 0):
     """DeepSpeed returns a loader for `training_data`; spec models get the configured data (or
-    synthetic tokens when data.path is unset), read only by the stages that need it."""
+    synthetic tokens when data.path is unset), read only by the stages that need it, from global step
+    `start_step` on."""
     t = cfg.train
     if training_data is not None:
         import torch.utils.data as tud
@@ -146,8 +153,8 @@ def _dataloader(training_data, cfg: Config, pctx: ParallelContext, module, engin
     spec = module.model_spec
     if cfg.data.path is None:
         return synthetic_batches(spec.vocab, t.micro_batch_size, t.gradient_accumulation_steps, spec.seq_len, t.seed,
-                                 pctx.dp_rank, pctx.dp_size)
+                                 pctx.dp_rank, pctx.dp_size, start_step=start_step)
     from megazero.data import build_data_iterator
 
     return build_data_iterator(cfg.data.path, spec.seq_len, t.micro_batch_size, t.gradient_accumulation_steps,
-                               pctx.dp_rank, pctx.dp_size, t.seed, start_step=0, model_vocab=spec.vocab)
+                               pctx.dp_rank, pctx.dp_size, t.seed, start_step=start_step, model_vocab=spec.vocab)

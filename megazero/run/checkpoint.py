@@ -1,88 +1,333 @@
-"""Checkpoints that reshard: model weights are stored by logical name at full size, so any
-PP x TP x DP layout (and any ZeRO stage) can load them.
+"""Sharded checkpoints that load into any layout, written so that a crash never leaves a bad one.
 
-Layout on disk (`<dir>/step<N>/`):
-- `model_pp<s>.pt`: {logical_name: full fp32 tensor} of pipeline stage s's layers (written by the
-  rank with dp = 0, tp = 0 of that stage after gathering the TP shards; ZeRO-3 shards are gathered
-  over dp first). A tied embedding/head appears in the first and last stage's files, equal.
-- `optimizer_rank<r>.pt`: this rank's optimizer state (fp32 master and Adam moments of its shard,
-  step, loss scaler, LR schedule): exact resume in the same layout.
-- `meta.json`: step, layout, config.
-`load_weights(dir, module, optimizer)` reads the weights of every file into any layout; `load`
-also restores the optimizer state when the layout and ZeRO stage are the saved ones.
+On disk, ``<dir>/<tag>/`` (tag ``step<N>`` unless given):
+
+- ``rank<r>.safetensors``: what global rank r owns and nobody else writes: for each parameter, the
+  boxes of the logical tensor its ZeRO shard of its TP shard holds (`megazero.core.shard_boxes`), as
+  fp32 tensors ``<kind>/<logical name>/<i>`` for kind in master, exp_avg, exp_avg_sq; and the rank's
+  RNG states (``rng/...``: torch CPU and CUDA, megazero's TP/dropout streams).
+- ``manifest.json``: readable by a person: step, layout (pp, tp, dp, axis order, ZeRO stage, chunks),
+  the optimizer's and LR schedule's scalars, engine counters, the user's client_state, the config,
+  and for every logical tensor its shape and the (file, key, offsets, sizes) of each stored box.
+- ``<dir>/latest``: the newest complete tag.
+
+Saving writes to ``<tag>.tmp/``, fsyncs each file, agrees over the world group that every rank
+succeeded, writes the manifest, renames the directory into place, then moves ``latest``: a process
+killed during a save leaves the previous checkpoint and ``latest`` as they were. No rank gathers
+anything but its own slices; ZeRO-3 shards are written as they are.
+
+Loading reads the manifest on every rank, checks the model's names and shapes against it, and fills
+each rank's own slices (master weights, and Adam moments unless told not to) from the boxes that
+overlap them, whatever layout wrote them; then the working weights are published from the masters.
+RNG states are restored when the layout is the saved one (another layout draws other streams). Every
+rank agrees on a failure and raises the same `CheckpointError`, naming the file and the tensor.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
+import shutil
 
 import torch
 
+from megazero.core.shard_boxes import intersect, numel, slice_boxes
 from megazero.runtime import comm
-from megazero.tensor_parallel import gather_full_params, load_full_params
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+FORMAT = "megazero-sharded-1"
 
 
-def save(directory: str, step: int, module, optimizer, pctx, lr_scheduler=None, config=None) -> str:
-    """Write step `step`'s checkpoint. Collective over every rank (TP gathers over tp_group, ZeRO-3
-    gathers over dp_group, a barrier over world_group at the end)."""
-    path = os.path.join(directory, f"step{step}")
-    os.makedirs(path, exist_ok=True)
-    with optimizer.full_parameters():
-        full = gather_full_params(module, pctx.tp_group)
-    if pctx.dp_rank == 0 and pctx.tp_rank == 0:
-        torch.save({k: v.detach().float().cpu() for k, v in full.items()}, os.path.join(path, f"model_pp{pctx.pp_rank}.pt"))
-    state = {"step": step, "optimizer": optimizer.state_dict(),
-             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
-    torch.save(state, os.path.join(path, f"optimizer_rank{pctx.global_rank}.pt"))
-    if pctx.global_rank == 0:
-        t = pctx.topology
-        meta = {"step": step, "layout": {"pp": t.pp, "dp": t.dp, "tp": t.tp}, "zero_stage": optimizer.stage,
-                "config": config}
-        with open(os.path.join(path, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2, default=str)
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or loaded; the message names the file and the tensor."""
+
+
+# -- the slices a rank owns ------------------------------------------------------------------------
+
+def _pieces(optimizer, pctx, writing: bool):
+    """(logical name, full shape, source index (group, bucket), offset in the owned slice, Piece) of
+    every box this rank holds. Writing skips copies another rank writes too (dp replicas at stage 0,
+    TP replicas of replicated parameters)."""
+    for g, group in enumerate(optimizer.groups):
+        if writing and group.stage == 0 and pctx.dp_rank != 0:
+            continue
+        for b, segs in enumerate(group.segments):
+            lo = group.owned[b][0]
+            for seg in segs:
+                p = group.params[seg.param]
+                if writing and p.tp_dim is None and pctx.tp_rank != 0:
+                    continue
+                shard = tuple(group.shapes[seg.param])
+                tp = (p.tp_dim, pctx.tp_rank, pctx.tp_size) if p.tp_dim is not None else (None, 0, 1)
+                for piece in slice_boxes(tuple(p.full_shape), *tp, shard, seg.param_start,
+                                         seg.param_start + seg.numel):
+                    yield p.logical_name, tuple(p.full_shape), (g, b), seg.buf_start - lo + piece.flat_start, piece
+
+
+def _view(flat: torch.Tensor, offset: int, piece) -> torch.Tensor:
+    """The elements of `piece` inside a bucket's owned slice `flat`, as a view of its logical box."""
+    sizes = piece.shard_box[1]
+    view = flat[offset:offset + numel(piece.shard_box)].view(sizes)  # (box rows, box cols) or (n,)
+    return view[tuple(slice(0, n) for n in piece.box[1])]
+
+
+def _sources(optimizer, kind: str):
+    return {"master": lambda g: g.master, "exp_avg": lambda g: g.exp_avg, "exp_avg_sq": lambda g: g.exp_avg_sq}[kind]
+
+
+def _trackers(module) -> list:
+    from megazero.tensor_parallel import Dropout
+
+    seen = {}
+    for m in module.modules():
+        if isinstance(m, Dropout):
+            seen[id(m.tracker)] = m.tracker
+    return list(seen.values())
+
+
+# -- save --------------------------------------------------------------------------------------------
+
+def save(directory: str, tag: str, step: int, module, optimizer, pctx, lr_scheduler=None, config=None,
+         client_state=None, engine_state=None, save_latest: bool = True, keep_last: int = 0) -> str:
+    """Write checkpoint `tag` under `directory` (see the module docstring); returns its path.
+    Collective over pctx.world_group (an all-gather of the piece lists, an agreement, barriers)."""
+    from safetensors.torch import save_file
+
+    final = os.path.join(directory, tag)
+    tmp = final + ".tmp"
+    rank = pctx.global_rank
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
     comm.barrier(pctx.world_group)
+    error, entries = None, []
+    try:
+        tensors = {}
+        fname = f"rank{rank}.safetensors"
+        for i, (name, shape, (g, b), offset, piece) in enumerate(_pieces(optimizer, pctx, writing=True)):
+            for kind in KINDS:
+                key = f"{kind}/{name}/{i}"
+                tensors[key] = _view(_sources(optimizer, kind)(optimizer.groups[g])[b], offset, piece).float().cpu().contiguous()
+                entries.append((name, list(shape), kind, fname, key, list(piece.box[0]), list(piece.box[1])))
+        tensors.update(_rng_tensors(module))
+        path = os.path.join(tmp, fname)
+        save_file(tensors, path)
+        _fsync(path)
+    except Exception as err:  # agreed below: no rank renames a checkpoint another rank failed to write
+        error = f"rank {rank}: {type(err).__name__}: {err}"
+    gathered = comm.all_gather_object((error, entries), pctx.world_group)
+    errors = [e for e, _ in gathered if e]
+    if errors:
+        raise CheckpointError(f"saving {final} failed ({len(errors)} rank(s)); first: {errors[0]}")
+    if rank == 0:
+        manifest = _manifest(step, pctx, optimizer, lr_scheduler, config, client_state, engine_state,
+                             [e for _, rank_entries in gathered for e in rank_entries])
+        mpath = os.path.join(tmp, "manifest.json")
+        with open(mpath, "w") as f:
+            json.dump(manifest, f, indent=1, default=str)
+        _fsync(mpath)
+        if os.path.exists(final):  # saving a tag again: the old copy goes only once the new one is complete
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync(directory)
+        if save_latest:
+            _write_atomic(os.path.join(directory, "latest"), tag)
+        if keep_last:
+            _prune(directory, keep_last)
+    comm.barrier(pctx.world_group)
+    return final
+
+
+def _manifest(step, pctx, optimizer, lr_scheduler, config, client_state, engine_state, entries) -> dict:
+    t = pctx.topology
+    tensors: dict = {}
+    for name, shape, kind, fname, key, offsets, sizes in entries:
+        record = tensors.setdefault(name, {"shape": shape, **{k: [] for k in KINDS}})
+        boxes = record[kind]
+        if any(bx["offsets"] == offsets and bx["sizes"] == sizes for bx in boxes):
+            continue  # a tied weight written by two stages: one copy is enough
+        boxes.append({"file": fname, "key": key, "offsets": offsets, "sizes": sizes})
+    return {"format": FORMAT, "step": step,
+            "layout": {"pp": t.pp, "tp": t.tp, "dp": t.dp, "order": list(t.order), "zero_stage": optimizer.stage},
+            "optimizer": {"step_count": optimizer.step_count, "lr": optimizer.param_groups[0]["lr"],
+                          "scaler": optimizer.scaler.state_dict(), "skipped_steps": optimizer.skipped_steps},
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "engine": engine_state or {}, "client_state": client_state, "config": config, "tensors": tensors}
+
+
+def _rng_tensors(module) -> dict[str, torch.Tensor]:
+    out = {"rng/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["rng/cuda"] = torch.cuda.get_rng_state()
+    for i, tracker in enumerate(_trackers(module)):
+        for (stream, dev), state in tracker.get_states().items():
+            out[f"rng/tracker{i}/{stream}/{dev}"] = state
+    return out
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _prune(directory: str, keep_last: int) -> None:
+    """Delete complete checkpoints (those with a manifest) beyond the newest `keep_last`, by step."""
+    done = []
+    for tag in os.listdir(directory):
+        mpath = os.path.join(directory, tag, "manifest.json")
+        if not tag.endswith(".tmp") and os.path.isfile(mpath):
+            with open(mpath) as f:
+                done.append((json.load(f)["step"], tag))
+    for _, tag in sorted(done)[:-keep_last]:
+        shutil.rmtree(os.path.join(directory, tag))
+
+
+# -- load --------------------------------------------------------------------------------------------
+
+def resolve(path: str, tag: str | None = None) -> str:
+    """The checkpoint directory of `path`: `path/tag`, `path/<latest>`, or `path` itself."""
+    if tag is not None:
+        return os.path.join(path, tag)
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return os.path.join(path, f.read().strip())
     return path
 
 
-def latest(directory: str) -> str | None:
-    """The newest `step<N>` directory under `directory`, or None."""
-    steps = sorted(glob.glob(os.path.join(directory, "step*")), key=lambda p: int(p.rsplit("step", 1)[1]))
-    return steps[-1] if steps else None
+def has_checkpoint(directory: str | None) -> bool:
+    return bool(directory) and os.path.isfile(os.path.join(directory, "latest"))
 
 
-@torch.no_grad()
-def load_weights(path: str, module, optimizer=None) -> None:
-    """Load full logical weights from every `model_pp*.pt` under `path` into this rank's shards
-    (any layout, any ZeRO stage; no communication but the ZeRO-3 gather/scatter over dp). With a
-    ZeRO optimizer its flat buffers and fp32 master are refreshed too."""
-    files = sorted(glob.glob(os.path.join(path, "model_pp*.pt")))
-    if not files:
-        raise FileNotFoundError(f"no model_pp*.pt under {path!r}: not a megazero checkpoint directory "
-                                f"(expected <checkpoint.dir>/step<N>/)")
-    full = {}
-    for f in files:
-        full.update(torch.load(f, map_location="cpu", weights_only=True))
-    if optimizer is None:
-        load_full_params(module, full, strict=True)
-        return
-    with optimizer.full_parameters(writeback=True):
-        load_full_params(module, full, strict=True)
+def load(path: str, module, optimizer, pctx, lr_scheduler=None, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> dict:
+    """Load checkpoint directory `path` into this rank's slices (see the module docstring); returns
+    the manifest. Collective over pctx.world_group (the agreement on errors; stage 1-2 all-gathers
+    of the published weights)."""
+    error, manifest = None, None
+    try:
+        manifest = _read_manifest(path)
+        _check_model(manifest, module, path)
+        kinds = KINDS if load_optimizer_states and not load_module_only else ("master",)
+        _fill(path, manifest, optimizer, pctx, kinds)
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}" if not isinstance(err, CheckpointError) else str(err)
+    gathered = comm.all_gather_object(error, pctx.world_group)
+    errors = [(r, e) for r, e in enumerate(gathered) if e]
+    if errors:
+        r, first = errors[0]
+        raise CheckpointError(f"loading {path} failed on {len(errors)} rank(s); rank {r}: {first}")
+    for group in optimizer.groups:
+        group.publish_master(optimizer.allgather_bucket_size)
+    if not load_module_only:
+        opt = manifest["optimizer"]
+        if load_optimizer_states:
+            optimizer.step_count = opt["step_count"]
+            optimizer.scaler.load_state_dict(opt["scaler"])
+            optimizer.skipped_steps = opt["skipped_steps"]
+        optimizer.param_groups[0]["lr"] = opt["lr"]
+        if lr_scheduler is not None and load_lr_scheduler_states and manifest["lr_scheduler"] is not None:
+            lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+        if _same_layout(manifest, pctx, optimizer):
+            _restore_rng(path, module, pctx)
+    return manifest
 
 
-def load(path: str, module, optimizer, pctx, lr_scheduler=None) -> tuple[int, bool]:
-    """Resume from checkpoint directory `path`: weights always (any layout); optimizer state, loss
-    scale and LR schedule exactly when the layout and ZeRO stage match the saved ones. Returns
-    (step, whether the optimizer state was restored)."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    load_weights(path, module, optimizer)
+def _same_layout(manifest, pctx, optimizer) -> bool:
     t = pctx.topology
-    same = meta["layout"] == {"pp": t.pp, "dp": t.dp, "tp": t.tp} and meta["zero_stage"] == optimizer.stage
-    if same:
-        state = torch.load(os.path.join(path, f"optimizer_rank{pctx.global_rank}.pt"), map_location="cpu",
-                           weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        if lr_scheduler is not None and state["lr_scheduler"] is not None:
-            lr_scheduler.load_state_dict(state["lr_scheduler"])
-    return meta["step"], same
+    return manifest["layout"] == {"pp": t.pp, "tp": t.tp, "dp": t.dp, "order": list(t.order),
+                                  "zero_stage": optimizer.stage}
+
+
+def _read_manifest(path: str) -> dict:
+    mpath = os.path.join(path, "manifest.json")
+    if not os.path.isfile(mpath):
+        tmp = " (an unfinished save: <tag>.tmp)" if path.endswith(".tmp") else ""
+        raise CheckpointError(f"{mpath}: no manifest; not a complete megazero checkpoint{tmp}")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{mpath}: cannot be read ({err})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def _check_model(manifest: dict, module, path: str) -> None:
+    from megazero.tensor_parallel import unique_params
+
+    saved = manifest["tensors"]
+    for p in unique_params(module):
+        record = saved.get(p.logical_name)
+        if record is None:
+            raise CheckpointError(f"{path}/manifest.json has no tensor {p.logical_name!r}: it was saved from "
+                                  f"another model ({len(saved)} tensors, e.g. {sorted(saved)[:2]})")
+        if tuple(record["shape"]) != tuple(p.full_shape):
+            raise CheckpointError(f"{path}/manifest.json: {p.logical_name} has shape {tuple(record['shape'])}, "
+                                  f"the model's is {tuple(p.full_shape)}: it was saved from another model")
+
+
+def _fill(path: str, manifest: dict, optimizer, pctx, kinds) -> None:
+    """Copy every box this rank needs out of the stored boxes that overlap it (lazy slice reads)."""
+    from safetensors import safe_open
+
+    files: dict = {}
+
+    def reader(fname):
+        if fname not in files:
+            fpath = os.path.join(path, fname)
+            try:
+                files[fname] = safe_open(fpath, framework="pt")
+            except Exception as err:
+                raise CheckpointError(f"{fpath}: {type(err).__name__}: {err}") from None
+        return files[fname]
+
+    for name, _, (g, b), offset, piece in _pieces(optimizer, pctx, writing=False):
+        record = manifest["tensors"][name]
+        for kind in kinds:
+            dest = _view(_sources(optimizer, kind)(optimizer.groups[g])[b], offset, piece)
+            filled = 0
+            for stored in record[kind]:
+                box = (tuple(stored["offsets"]), tuple(stored["sizes"]))
+                common = intersect(piece.box, box)
+                if common is None or numel(common) == 0:
+                    continue
+                src = tuple(slice(c - o, c - o + n) for c, o, n in zip(common[0], box[0], common[1]))
+                dst = tuple(slice(c - o, c - o + n) for c, o, n in zip(common[0], piece.box[0], common[1]))
+                try:
+                    part = reader(stored["file"]).get_slice(stored["key"])[src]
+                except CheckpointError:
+                    raise
+                except Exception as err:
+                    raise CheckpointError(f"{os.path.join(path, stored['file'])}: tensor {stored['key']}: "
+                                          f"{type(err).__name__}: {err}") from None
+                dest[dst].copy_(part)
+                filled += numel(common)
+            if filled != numel(piece.box):
+                raise CheckpointError(f"{path}: {kind} of {name} box {piece.box} is only {filled} of "
+                                      f"{numel(piece.box)} elements in the stored boxes")
+
+
+def _restore_rng(path: str, module, pctx) -> None:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, f"rank{pctx.global_rank}.safetensors"), framework="pt") as f:
+        states = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
+    torch.set_rng_state(states["rng/cpu"])
+    if "rng/cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["rng/cuda"])
+    for i, tracker in enumerate(_trackers(module)):
+        prefix = f"rng/tracker{i}/"
+        mine = {tuple(k[len(prefix):].split("/", 1)): v for k, v in states.items() if k.startswith(prefix)}
+        tracker.set_states(mine)

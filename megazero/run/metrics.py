@@ -57,13 +57,21 @@ def mfu(flops_per_step: float, step_time_s: float, devices: int, peak_tflops: fl
 class MetricsWriter:
     """One JSON object per optimizer step, appended to `path` (rank 0 only)."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, resume_step: int | None = None):
+        """A resumed run (`resume_step`) keeps the records of steps <= resume_step and appends; a new
+        run starts the file afresh."""
         self.path = path
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._f = open(path, "w")
-        else:
-            self._f = None
+        self._f = None
+        if not path:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        kept = []
+        if resume_step is not None and os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        self._f = open(path, "w")
+        self._f.writelines(kept)
+        self._f.flush()
 
     def write(self, record: dict) -> None:
         if self._f is not None:

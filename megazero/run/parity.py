@@ -11,9 +11,9 @@ both by logical name at full size, from the ranks with dp rank 0 and tp rank 0 o
 
 The reference is always the serial run (`serial_overrides`): one process, the same model, data,
 seed, precision, micro-batch size and global batch (gradient accumulation = micro-batches per rank x
-dp), with what only several ranks can use reset: sequence parallelism, the pipeline schedule, chunks
-and partition, partitioned / CPU activation checkpoints, ZeRO (stage 0: no offload, no overlap) and
-the axis order.
+dp), with what only several ranks can use reset (sequence parallelism, the pipeline schedule, chunks
+and partition, ZeRO: stage 0, no offload, no overlap; the axis order) and without activation
+checkpointing (recomputation must not change a number, so the plain run is the reference).
 
 Dropout: the ranks of a layout draw different masks than one process does (Megatron's TP streams), so
 a run with dropout installs `LogicalMaskFn` masks keyed by (site, global micro-batch), the same in
@@ -67,7 +67,11 @@ def serial_overrides(global_batch: int) -> list[str]:
     """Overrides (applied after the user's) that make any config its serial reference."""
     return ["parallel.pp=1", "parallel.tp=1", "parallel.dp=1", "parallel.sequence_parallel=false",
             "parallel.order=[pp,dp,tp]", "pipeline.schedule=1f1b", "pipeline.chunks=1", "pipeline.partition=uniform",
-            "activation_checkpointing.partition_activations=false", "activation_checkpointing.cpu_checkpointing=false",
+            "activation_checkpointing.policy=none", "activation_checkpointing.every_k_layers=1",
+            "activation_checkpointing.number_checkpoints=null", "activation_checkpointing.partition_activations=false",
+            "activation_checkpointing.cpu_checkpointing=false",
+            "activation_checkpointing.contiguous_memory_optimization=false",
+            "activation_checkpointing.synchronize_checkpoint_boundary=false", "activation_checkpointing.profile=false",
             "zero.stage=0", "zero.offload_optimizer.device=none", "zero.offload_param.device=none",
             "zero.overlap_comm=false", f"train.global_batch_size={global_batch}",
             "train.gradient_accumulation_steps=null"]

@@ -7,7 +7,9 @@ Every rank validates the config before any process group exists; a bad config, a
 not fit the world size, or a missing data file ends every rank with one clear line (exit code 2).
 Rank 0 prints a start summary, a progress bar, and the breakdowns; it writes one JSON object per
 step to log.metrics_file. Checkpoints go to checkpoint.dir every checkpoint.save_interval steps
-and at the end; per-rank Chrome traces to <run_dir>/trace/ when trace.enabled.
+and at the end; a run whose checkpoint.dir has a `latest` resumes from it (weights, optimizer, LR
+schedule, RNG, data position; the metrics of later steps are dropped and appended again), else
+checkpoint.load names where to start. Per-rank Chrome traces go to <run_dir>/trace/ when trace.enabled.
 
 Communication beyond the engine's: the per-step metrics are already agreed on every rank by
 `train_batch` (loss) and the optimizer (grad norm, loss scale); the memory breakdown is gathered
@@ -23,7 +25,7 @@ from megazero.core.config import Config, ConfigError, to_dict
 from megazero.core.schedules import bubble_fraction
 from megazero.core.spec import SpecError
 from megazero.core.topology import Topology
-from megazero.engine import initialize_from_config, load_run_config
+from megazero.engine import data_iterator, initialize_from_config, load_run_config
 from megazero.models import count_params
 from megazero.run import checkpoint
 from megazero.run.memory import SavedActivationMeter, memory_report
@@ -82,14 +84,16 @@ def run(cfg: Config, rank: int) -> int:
     timers = Timers(tracer)
     engine, optimizer, data, scheduler = initialize_from_config(cfg, on_instruction=timers)
     pctx = engine.pctx
-    start_step = 0
-    if cfg.checkpoint.load:
-        start_step, exact = checkpoint.load(cfg.checkpoint.load, engine.module, optimizer, pctx, scheduler)
+    start_step, resumed = 0, None
+    source = cfg.checkpoint.dir if checkpoint.has_checkpoint(cfg.checkpoint.dir) else cfg.checkpoint.load
+    if source:  # this run's own latest checkpoint (a restart), else checkpoint.load (any layout)
+        path, _ = engine.load_checkpoint(source)
+        start_step = resumed = engine.global_steps
+        data = data_iterator(cfg, engine, start_step)  # batches depend only on the step
         if rank == 0:
-            print(f"loaded {cfg.checkpoint.load} (step {start_step}; optimizer state "
-                  f"{'restored' if exact else 'fresh: the layout differs'})")
+            print(f"resumed from {path} at step {start_step}", flush=True)
     lead = rank == 0 or cfg.log.all_ranks
-    writer = MetricsWriter(cfg.log.metrics_file if rank == 0 else None)
+    writer = MetricsWriter(cfg.log.metrics_file if rank == 0 else None, resume_step=resumed)
     if rank == 0:
         print(_summary(cfg, engine, optimizer), flush=True)
     spec, t = engine.module.model_spec, cfg.train
@@ -125,7 +129,7 @@ def run(cfg: Config, rank: int) -> int:
         if tracer is not None:
             tracer.next_step()
         if cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps):
-            path = checkpoint.save(cfg.checkpoint.dir, step, engine.module, optimizer, pctx, scheduler, to_dict(cfg))
+            path = engine.save_checkpoint(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, config=to_dict(cfg))
             if rank == 0:
                 _say(bar, f"saved checkpoint {path}")
     if bar is not None:

@@ -224,6 +224,15 @@ def irecv(tensor: torch.Tensor, src: int, group: GroupHandle):
     return dist.irecv(tensor, src=group.global_rank(src), group=group.pg)
 
 
+def all_gather_object(obj, group: GroupHandle) -> list:
+    """Every member's picklable `obj`, in group rank order (not counted: metadata, not tensors)."""
+    if group.size == 1:
+        return [obj]
+    out = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
 def barrier(group: GroupHandle) -> None:
     """Wait until every member of `group` reaches this point (not counted)."""
     if group.size > 1:

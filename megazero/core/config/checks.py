@@ -238,6 +238,7 @@ def check_misc(cfg: Config) -> list[str]:
     errs = choice("data.tokenizer", cfg.data.tokenizer, TOKENIZER_CHOICES)
     errs += at_least("data.num_workers", cfg.data.num_workers, 0)
     errs += at_least("checkpoint.save_interval", cfg.checkpoint.save_interval, 0, " (0 = never)")
+    errs += at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 0, " (0 = keep all)")
     errs += at_least("log.interval", cfg.log.interval, 1)
     if cfg.log.peak_tflops is not None and cfg.log.peak_tflops <= 0:
         errs.append(f"log.peak_tflops: must be > 0 (TFLOP/s per device), got {cfg.log.peak_tflops}")

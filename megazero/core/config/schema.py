@@ -202,7 +202,8 @@ class PipelineConfig:
 class CheckpointConfig:
     dir: Optional[str] = None  # None resolves to <run_dir>/checkpoints
     save_interval: int = 0  # 0 = never save
-    load: Optional[str] = None
+    load: Optional[str] = None  # start from this checkpoint (any layout) unless dir already has one to resume
+    keep_last: int = 0  # keep the newest N complete checkpoints in dir; 0 = keep all
 
 
 @dataclass(frozen=True)
