@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from megazero.engine.checkpointing import CheckpointMethods
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 
 
-class ModuleEngine:
+class ModuleEngine(CheckpointMethods):
     def __init__(self, module, pctx: ParallelContext, optimizer, lr_scheduler, gradient_accumulation_steps: int):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
         self.gas = gradient_accumulation_steps

@@ -14,6 +14,7 @@ import torch
 from megazero.core import instructions as I
 from megazero.core.schedules import forward_only, get_schedule
 from megazero.core.simulate import peaks
+from megazero.engine.checkpointing import CheckpointMethods
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipeP2P
 from megazero.pipeline.pipeline_module import PipelineModule
@@ -21,7 +22,7 @@ from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 
 
-class PipelineEngine:
+class PipelineEngine(CheckpointMethods):
     """Trains a PipelineModule with a ZeroOptimizer; see the module docstring.
 
     The activations between stages have the module's declared `activation_shape(micro_batch_size)`
@@ -46,35 +47,6 @@ class PipelineEngine:
             module.activation_checkpointer.set_in_flight(peaks(self.program)[0])
         self.global_steps = 0
         self.last_info: dict = {}
-
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state=None, save_latest: bool = True,
-                        keep_last: int = 0, config=None) -> str:
-        """DeepSpeed's `save_checkpoint`: every rank writes the slices it owns to `save_dir/tag`
-        (default ``step<global_steps>``) with the optimizer, LR schedule, RNG and `client_state` (any
-        JSON-able value); `latest` moves once every rank succeeded. Collective over the world group
-        (`megazero.run.checkpoint.save`). Returns the checkpoint's path."""
-        from megazero.run import checkpoint
-
-        return checkpoint.save(save_dir, tag or f"step{self.global_steps}", self.global_steps, self.module,
-                               self.optimizer, self.pctx, self.lr_scheduler, config=config, client_state=client_state,
-                               engine_state={"global_steps": self.global_steps}, save_latest=save_latest,
-                               keep_last=keep_last)
-
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
-        """DeepSpeed's `load_checkpoint`: load `load_dir/tag` (default: `load_dir`'s ``latest``, or
-        `load_dir` itself) written by any layout into this one; returns (path, client_state).
-        `load_module_strict` is accepted for DeepSpeed scripts: every parameter must be in the
-        checkpoint. Collective over the world group (`megazero.run.checkpoint.load`)."""
-        from megazero.run import checkpoint
-
-        path = checkpoint.resolve(load_dir, tag)
-        manifest = checkpoint.load(path, self.module, self.optimizer, self.pctx, self.lr_scheduler,
-                                   load_optimizer_states, load_lr_scheduler_states, load_module_only)
-        if not load_module_only:
-            self.global_steps = manifest["engine"].get("global_steps", manifest["step"])
-        return path, manifest["client_state"]
 
     def needs_data(self) -> bool:
         """Whether this stage loads micro-batches (first and last virtual stage only)."""

@@ -43,24 +43,36 @@ class CheckpointError(RuntimeError):
 
 # -- the slices a rank owns ------------------------------------------------------------------------
 
-def _pieces(optimizer, pctx, writing: bool):
+def _named(module) -> dict[int, tuple[str, tuple, object]]:
+    """{id(param): (logical name, full shape, tp_dim)}: megazero's parameter metadata, or for a plain
+    nn.Module (tp = 1) its `named_parameters` names and shapes."""
+    out = {}
+    for name, p in module.named_parameters():
+        if id(p) not in out:
+            logical = getattr(p, "logical_name", None)
+            out[id(p)] = ((logical, tuple(p.full_shape), p.tp_dim) if logical is not None
+                          else (name, tuple(p.shape), None))
+    return out
+
+
+def _pieces(module, optimizer, pctx, writing: bool):
     """(logical name, full shape, source index (group, bucket), offset in the owned slice, Piece) of
     every box this rank holds. Writing skips copies another rank writes too (dp replicas at stage 0,
     TP replicas of replicated parameters)."""
+    named = _named(module)
     for g, group in enumerate(optimizer.groups):
         if writing and group.stage == 0 and pctx.dp_rank != 0:
             continue
         for b, segs in enumerate(group.segments):
             lo = group.owned[b][0]
             for seg in segs:
-                p = group.params[seg.param]
-                if writing and p.tp_dim is None and pctx.tp_rank != 0:
+                name, full_shape, tp_dim = named[id(group.params[seg.param])]
+                if writing and tp_dim is None and pctx.tp_rank != 0:
                     continue
                 shard = tuple(group.shapes[seg.param])
-                tp = (p.tp_dim, pctx.tp_rank, pctx.tp_size) if p.tp_dim is not None else (None, 0, 1)
-                for piece in slice_boxes(tuple(p.full_shape), *tp, shard, seg.param_start,
-                                         seg.param_start + seg.numel):
-                    yield p.logical_name, tuple(p.full_shape), (g, b), seg.buf_start - lo + piece.flat_start, piece
+                tp = (tp_dim, pctx.tp_rank, pctx.tp_size) if tp_dim is not None else (None, 0, 1)
+                for piece in slice_boxes(full_shape, *tp, shard, seg.param_start, seg.param_start + seg.numel):
+                    yield name, full_shape, (g, b), seg.buf_start - lo + piece.flat_start, piece
 
 
 def _view(flat: torch.Tensor, offset: int, piece) -> torch.Tensor:
@@ -103,7 +115,7 @@ def save(directory: str, tag: str, step: int, module, optimizer, pctx, lr_schedu
     try:
         tensors = {}
         fname = f"rank{rank}.safetensors"
-        for i, (name, shape, (g, b), offset, piece) in enumerate(_pieces(optimizer, pctx, writing=True)):
+        for i, (name, shape, (g, b), offset, piece) in enumerate(_pieces(module, optimizer, pctx, writing=True)):
             for kind in KINDS:
                 key = f"{kind}/{name}/{i}"
                 tensors[key] = _view(_sources(optimizer, kind)(optimizer.groups[g])[b], offset, piece).float().cpu().contiguous()
@@ -219,7 +231,7 @@ def load(path: str, module, optimizer, pctx, lr_scheduler=None, load_optimizer_s
         manifest = _read_manifest(path)
         _check_model(manifest, module, path)
         kinds = KINDS if load_optimizer_states and not load_module_only else ("master",)
-        _fill(path, manifest, optimizer, pctx, kinds)
+        _fill(path, manifest, module, optimizer, pctx, kinds)
     except Exception as err:
         error = f"{type(err).__name__}: {err}" if not isinstance(err, CheckpointError) else str(err)
     gathered = comm.all_gather_object(error, pctx.world_group)
@@ -265,20 +277,18 @@ def _read_manifest(path: str) -> dict:
 
 
 def _check_model(manifest: dict, module, path: str) -> None:
-    from megazero.tensor_parallel import unique_params
-
     saved = manifest["tensors"]
-    for p in unique_params(module):
-        record = saved.get(p.logical_name)
+    for name, shape, _ in _named(module).values():
+        record = saved.get(name)
         if record is None:
-            raise CheckpointError(f"{path}/manifest.json has no tensor {p.logical_name!r}: it was saved from "
-                                  f"another model ({len(saved)} tensors, e.g. {sorted(saved)[:2]})")
-        if tuple(record["shape"]) != tuple(p.full_shape):
-            raise CheckpointError(f"{path}/manifest.json: {p.logical_name} has shape {tuple(record['shape'])}, "
-                                  f"the model's is {tuple(p.full_shape)}: it was saved from another model")
+            raise CheckpointError(f"{path}/manifest.json has no tensor {name!r}: it was saved from another "
+                                  f"model ({len(saved)} tensors, e.g. {sorted(saved)[:2]})")
+        if tuple(record["shape"]) != shape:
+            raise CheckpointError(f"{path}/manifest.json: {name} has shape {tuple(record['shape'])}, the model's "
+                                  f"is {shape}: it was saved from another model")
 
 
-def _fill(path: str, manifest: dict, optimizer, pctx, kinds) -> None:
+def _fill(path: str, manifest: dict, module, optimizer, pctx, kinds) -> None:
     """Copy every box this rank needs out of the stored boxes that overlap it (lazy slice reads)."""
     from safetensors import safe_open
 
@@ -293,7 +303,7 @@ def _fill(path: str, manifest: dict, optimizer, pctx, kinds) -> None:
                 raise CheckpointError(f"{fpath}: {type(err).__name__}: {err}") from None
         return files[fname]
 
-    for name, _, (g, b), offset, piece in _pieces(optimizer, pctx, writing=False):
+    for name, _, (g, b), offset, piece in _pieces(module, optimizer, pctx, writing=False):
         record = manifest["tensors"][name]
         for kind in kinds:
             dest = _view(_sources(optimizer, kind)(optimizer.groups[g])[b], offset, piece)

@@ -23,7 +23,7 @@ The values, as config:
   see `megazero.run.parity`).
 
 Every case: AdamW (lr 1e-3, eps 1e-6: see `megazero.run.parity` for why not 1e-8), weight decay 0.01,
-gradient clipping 1.0, micro-batch 2, seed 1234, ZeRO buckets of 5000 elements (several per stage).
+gradient clipping 1.0, micro-batch 1, seed 1234, ZeRO buckets of 5000 elements (several per stage).
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def case_config(case: dict) -> dict:
         "parallel": {"pp": pp, "tp": tp, "dp": dp, "sequence_parallel": case["sequence_parallel"],
                      "order": case["order"].split(",")},
         "model": model,
-        "train": {"micro_batch_size": 2, "global_batch_size": 2 * m * dp, "seed": 1234},
+        "train": {"micro_batch_size": 1, "global_batch_size": m * dp, "seed": 1234},
         "optimizer": {"type": "adamw", "lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01},
         "fp16": {"initial_scale_power": 8},
         "zero": zero,
