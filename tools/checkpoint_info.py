@@ -14,17 +14,18 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout without an install
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir")
     ap.add_argument("--tensors", action="store_true")
     args = ap.parse_args(argv)
-    path = args.dir
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            path = os.path.join(path, f.read().strip())
+    from megazero.core.shard_boxes import numel
+    from megazero.run.checkpoint import resolve
+
+    path = resolve(args.dir)
     mpath = os.path.join(path, "manifest.json")
     if not os.path.isfile(mpath):
         print(f"checkpoint_info: {mpath} does not exist: not a complete megazero checkpoint", file=sys.stderr)
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     sizes = {n: os.path.getsize(os.path.join(path, n)) for n in files}
     tensors = m["tensors"]
-    elements = sum(_numel(rec["shape"]) for rec in tensors.values())
+    elements = sum(numel(((), tuple(rec["shape"]))) for rec in tensors.values())
     print(f"checkpoint {path}")
     print(f"  format   {m['format']}, step {m['step']}")
     print(f"  written  pp={lay['pp']} x tp={lay['tp']} x dp={lay['dp']}, order {','.join(lay['order'])}, "
@@ -52,13 +53,6 @@ def main(argv=None) -> int:
         for name, rec in tensors.items():
             print(f"    {name:<40} {str(tuple(rec['shape'])):<14} {len(rec['master'])} boxes")
     return 0
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 if __name__ == "__main__":

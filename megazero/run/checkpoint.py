@@ -33,7 +33,7 @@ import torch
 from megazero.core.shard_boxes import intersect, numel, slice_boxes
 from megazero.runtime import comm
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+KINDS = ("master", "exp_avg", "exp_avg_sq")  # FlatGroup attributes: per-bucket owned fp32 slices
 FORMAT = "megazero-sharded-1"
 
 
@@ -82,10 +82,6 @@ def _view(flat: torch.Tensor, offset: int, piece) -> torch.Tensor:
     return view[tuple(slice(0, n) for n in piece.box[1])]
 
 
-def _sources(optimizer, kind: str):
-    return {"master": lambda g: g.master, "exp_avg": lambda g: g.exp_avg, "exp_avg_sq": lambda g: g.exp_avg_sq}[kind]
-
-
 def _trackers(module) -> list:
     from megazero.tensor_parallel import Dropout
 
@@ -118,7 +114,7 @@ def save(directory: str, tag: str, step: int, module, optimizer, pctx, lr_schedu
         for i, (name, shape, (g, b), offset, piece) in enumerate(_pieces(module, optimizer, pctx, writing=True)):
             for kind in KINDS:
                 key = f"{kind}/{name}/{i}"
-                tensors[key] = _view(_sources(optimizer, kind)(optimizer.groups[g])[b], offset, piece).float().cpu().contiguous()
+                tensors[key] = _view(getattr(optimizer.groups[g], kind)[b], offset, piece).float().cpu().contiguous()
                 entries.append((name, list(shape), kind, fname, key, list(piece.box[0]), list(piece.box[1])))
         tensors.update(_rng_tensors(module))
         path = os.path.join(tmp, fname)
@@ -306,7 +302,7 @@ def _fill(path: str, manifest: dict, module, optimizer, pctx, kinds) -> None:
     for name, _, (g, b), offset, piece in _pieces(module, optimizer, pctx, writing=False):
         record = manifest["tensors"][name]
         for kind in kinds:
-            dest = _view(_sources(optimizer, kind)(optimizer.groups[g])[b], offset, piece)
+            dest = _view(getattr(optimizer.groups[g], kind)[b], offset, piece)
             filled = 0
             for stored in record[kind]:
                 box = (tuple(stored["offsets"]), tuple(stored["sizes"]))
@@ -315,10 +311,9 @@ def _fill(path: str, manifest: dict, module, optimizer, pctx, kinds) -> None:
                     continue
                 src = tuple(slice(c - o, c - o + n) for c, o, n in zip(common[0], box[0], common[1]))
                 dst = tuple(slice(c - o, c - o + n) for c, o, n in zip(common[0], piece.box[0], common[1]))
+                f = reader(stored["file"])
                 try:
-                    part = reader(stored["file"]).get_slice(stored["key"])[src]
-                except CheckpointError:
-                    raise
+                    part = f.get_slice(stored["key"])[src]
                 except Exception as err:
                     raise CheckpointError(f"{os.path.join(path, stored['file'])}: tensor {stored['key']}: "
                                           f"{type(err).__name__}: {err}") from None
