@@ -21,6 +21,7 @@ class ModuleEngine(CheckpointMethods):
         self.gas = gradient_accumulation_steps
         self.micro_steps = 0
         self.global_steps = 0
+        self.pending_save = None  # the asynchronous checkpoint save in flight (engine/checkpointing.py)
         self.last_info: dict = {}
 
     def __call__(self, *args, **kwargs):

@@ -46,6 +46,7 @@ class PipelineEngine(CheckpointMethods):
         if module.activation_checkpointer is not None:  # its contiguous buffer holds the forwards in flight
             module.activation_checkpointer.set_in_flight(peaks(self.program)[0])
         self.global_steps = 0
+        self.pending_save = None  # the asynchronous checkpoint save in flight (engine/checkpointing.py)
         self.last_info: dict = {}
 
     def needs_data(self) -> bool:

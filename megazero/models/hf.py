@@ -15,6 +15,8 @@ map one to one.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megazero.runtime.comm import GroupHandle
@@ -64,34 +66,60 @@ def spec_from_hf_config(config, **overrides) -> ModelSpec:
     return spec.replace(**overrides) if overrides else spec
 
 
-class _HFState(dict):
-    """A state dict whose missing keys raise a KeyError that says which checkpoint key is missing."""
+def hf_config_dict(spec: ModelSpec) -> dict:
+    """The ``config.json`` of the Hugging Face model equal to `spec` (the inverse of
+    `spec_from_hf_config`); SpecError names the field that model cannot represent."""
+    def need(field, ok, valid):
+        if not ok:
+            raise SpecError(f"{field}={getattr(spec, field)!r} has no Hugging Face {kind} equivalent; valid: {valid}")
 
-    def __missing__(self, key):
-        raise KeyError(f"the Hugging Face state dict has no {key!r} (its keys start with "
-                       f"{sorted(self)[:3]})")
+    if spec.family == "gpt":
+        kind, acts = "GPT-2", {v: k for k, v in reversed(list(_GPT2_ACT.items()))}
+        need("activation", spec.activation in acts, ", ".join(acts))
+        need("norm", spec.norm == "layernorm", "layernorm")
+        need("position", spec.position == "learned", "learned")
+        need("tie_embeddings", spec.tie_embeddings, "True")
+        need("bias", spec.bias, "True")
+        need("kv_heads", spec.num_kv_heads == spec.heads, f"None or {spec.heads}")
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": spec.layers,
+                "n_embd": spec.hidden, "n_head": spec.heads, "n_inner": spec.ffn, "vocab_size": spec.vocab,
+                "n_positions": spec.seq_len, "activation_function": acts[spec.activation],
+                "layer_norm_epsilon": spec.eps, "resid_pdrop": spec.dropout, "embd_pdrop": spec.dropout,
+                "attn_pdrop": spec.attention_dropout, "initializer_range": spec.init_std,
+                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                "reorder_and_upcast_attn": False, "tie_word_embeddings": True}
+    kind = "Llama"
+    need("norm", spec.norm == "rmsnorm", "rmsnorm")
+    need("activation", spec.activation == "swiglu", "swiglu")
+    need("position", spec.position == "rope", "rope")
+    need("dropout", spec.dropout == 0.0, "0.0")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec.hidden,
+            "intermediate_size": spec.ffn, "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "vocab_size": spec.vocab,
+            "max_position_embeddings": spec.seq_len, "rms_norm_eps": spec.eps, "hidden_act": "silu",
+            "rope_theta": spec.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+            "attention_bias": spec.bias, "mlp_bias": spec.bias, "tie_word_embeddings": spec.tie_embeddings,
+            "attention_dropout": spec.attention_dropout, "initializer_range": spec.init_std}
 
 
-def _strip(state: dict, prefix: str) -> dict:
-    return _HFState({k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()})
+# A plan maps each output tensor to (the input tensors it needs, how it is made from them), so that a
+# converter can produce one tensor at a time (bounded memory) and shapes can be found on "meta".
+Plan = dict[str, tuple[list[str], Callable[..., torch.Tensor]]]
+_SAME = lambda t: t  # noqa: E731
+_T = lambda t: t.t()  # noqa: E731  (out, in) <-> GPT-2 Conv1D (in, out)
 
 
-def _gpt2_layer_map(i: int, h: int, sd: dict) -> dict:
-    p, out = f"h.{i}.", {}
-    qkv_w, qkv_b = sd[p + "attn.c_attn.weight"], sd[p + "attn.c_attn.bias"]  # (h, 3h), (3h,)
-    for j, n in enumerate("qkv"):
-        out[f"layers.{i}.attn.{n}.weight"] = qkv_w[:, j * h:(j + 1) * h].t()
-        out[f"layers.{i}.attn.{n}.bias"] = qkv_b[j * h:(j + 1) * h]
-    pairs = {"attn_norm": "ln_1", "mlp_norm": "ln_2"}
-    for ours, theirs in pairs.items():
-        out[f"layers.{i}.{ours}.weight"] = sd[p + theirs + ".weight"]
-        out[f"layers.{i}.{ours}.bias"] = sd[p + theirs + ".bias"]
-    for ours, theirs in {"attn.out": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}.items():
-        out[f"layers.{i}.{ours}.weight"] = sd[p + theirs + ".weight"].t()  # Conv1D (in, out) -> (out, in)
-        out[f"layers.{i}.{ours}.bias"] = sd[p + theirs + ".bias"]
-    return out
+def _cols(j: int, h: int, transpose: bool):
+    """Columns [j·h, (j+1)·h) of GPT-2's fused c_attn ([q | k | v]); transposed for the weight."""
+    return (lambda t: t[:, j * h:(j + 1) * h].t()) if transpose else (lambda t: t[j * h:(j + 1) * h])
 
 
+def _qkv_cat(dim: int, transpose: bool):
+    return lambda q, k, v: torch.cat([x.t() if transpose else x for x in (q, k, v)], dim=dim)
+
+
+_GPT2_LAYER = {"attn_norm": "ln_1", "mlp_norm": "ln_2"}
+_GPT2_LINEAR = {"attn.out": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
 _LLAMA_LAYER = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
                 "attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj",
                 "attn.out": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
@@ -111,42 +139,76 @@ def _llama_names(spec: ModelSpec) -> dict[str, str]:
     return names
 
 
+def _gpt2_pairs(spec: ModelSpec) -> list[tuple[str, str, bool]]:
+    """(megazero logical name, HF key, transposed) of the GPT-2 tensors that map one to one."""
+    pairs = [("embedding.word.weight", "transformer.wte.weight", False),
+             ("embedding.position.weight", "transformer.wpe.weight", False),
+             ("head.norm.weight", "transformer.ln_f.weight", False), ("head.norm.bias", "transformer.ln_f.bias", False)]
+    for i in range(spec.layers):
+        p, q = f"transformer.h.{i}.", f"layers.{i}."
+        for ours, theirs in {**_GPT2_LAYER, **_GPT2_LINEAR}.items():
+            pairs += [(q + ours + ".weight", p + theirs + ".weight", ours in _GPT2_LINEAR),
+                      (q + ours + ".bias", p + theirs + ".bias", False)]
+    return pairs
+
+
+def hf_export_plan(spec: ModelSpec) -> Plan:
+    """{HF key: ([megazero logical names], make)} of the whole HF state dict (tied lm_head included)."""
+    if spec.family == "llama":
+        plan = {theirs: ([ours], _SAME) for ours, theirs in _llama_names(spec).items()}
+        if spec.tie_embeddings:
+            plan["lm_head.weight"] = (["embedding.word.weight"], _SAME)
+        return plan
+    plan = {theirs: ([ours], _T if transposed else _SAME) for ours, theirs, transposed in _gpt2_pairs(spec)}
+    plan["lm_head.weight"] = (["embedding.word.weight"], _SAME)
+    for i in range(spec.layers):
+        p, q = f"transformer.h.{i}.attn.c_attn.", f"layers.{i}.attn."
+        plan[p + "weight"] = ([q + n + ".weight" for n in "qkv"], _qkv_cat(1, True))  # (h, 3h)
+        plan[p + "bias"] = ([q + n + ".bias" for n in "qkv"], _qkv_cat(0, False))  # (3h,)
+    return plan
+
+
+def hf_import_plan(spec: ModelSpec) -> Plan:
+    """{megazero logical name: ([HF keys], make)}: the inverse of `hf_export_plan`."""
+    if spec.family == "llama":
+        return {ours: ([theirs], _SAME) for ours, theirs in _llama_names(spec).items()}
+    plan = {ours: ([theirs], _T if transposed else _SAME) for ours, theirs, transposed in _gpt2_pairs(spec)}
+    h = spec.hidden
+    for i in range(spec.layers):
+        p, q = f"transformer.h.{i}.attn.c_attn.", f"layers.{i}.attn."
+        for j, n in enumerate("qkv"):
+            plan[q + n + ".weight"] = ([p + "weight"], _cols(j, h, True))
+            plan[q + n + ".bias"] = ([p + "bias"], _cols(j, h, False))
+    return plan
+
+
+def run_plan(plan: Plan, get: Callable[[str], torch.Tensor]):
+    """Yield (output name, tensor) of `plan`, one at a time, reading inputs through `get` (which
+    raises naming a missing input)."""
+    for name, (inputs, make) in plan.items():
+        yield name, make(*[get(k) for k in inputs]).contiguous()
+
+
+def _getter(state: dict, what: str):
+    def get(key):
+        if key not in state:
+            raise KeyError(f"the {what} has no {key!r} (its keys start with {sorted(state)[:3]})")
+        return state[key]
+    return get
+
+
 def hf_to_logical(hf_state: dict, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Convert a Hugging Face state dict to {megazero logical name: full tensor}."""
-    if spec.family == "gpt":
-        sd = _strip(hf_state, "transformer.")
-        h = spec.hidden
-        out = {"embedding.word.weight": sd["wte.weight"], "embedding.position.weight": sd["wpe.weight"],
-               "head.norm.weight": sd["ln_f.weight"], "head.norm.bias": sd["ln_f.bias"]}
-        for i in range(spec.layers):
-            out.update(_gpt2_layer_map(i, h, sd))
-    else:
-        sd = _HFState(hf_state)
-        out = {ours: sd[theirs] for ours, theirs in _llama_names(spec).items()}
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+    if spec.family == "gpt" and "wte.weight" in hf_state:  # a GPT2Model's keys, without "transformer."
+        hf_state = {f"transformer.{k}": v for k, v in hf_state.items()}
+    get = _getter(hf_state, "Hugging Face state dict")
+    return {k: v.detach().clone() for k, v in run_plan(hf_import_plan(spec), get)}
 
 
 def logical_to_hf(full: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Convert {megazero logical name: full tensor} to a Hugging Face state dict (the inverse)."""
-    if spec.family == "llama":
-        out = {theirs: full[ours] for ours, theirs in _llama_names(spec).items()}
-        if spec.tie_embeddings:
-            out["lm_head.weight"] = full["embedding.word.weight"]
-        return {k: v.detach().clone().contiguous() for k, v in out.items()}
-    out = {"transformer.wte.weight": full["embedding.word.weight"],
-           "transformer.wpe.weight": full["embedding.position.weight"],
-           "transformer.ln_f.weight": full["head.norm.weight"], "transformer.ln_f.bias": full["head.norm.bias"],
-           "lm_head.weight": full["embedding.word.weight"]}
-    for i in range(spec.layers):
-        p, q = f"transformer.h.{i}.", f"layers.{i}."
-        out[p + "attn.c_attn.weight"] = torch.cat([full[q + f"attn.{n}.weight"].t() for n in "qkv"], dim=1)
-        out[p + "attn.c_attn.bias"] = torch.cat([full[q + f"attn.{n}.bias"] for n in "qkv"])
-        for ours, theirs in {"attn_norm": "ln_1", "mlp_norm": "ln_2"}.items():
-            out[p + theirs + ".weight"], out[p + theirs + ".bias"] = full[q + ours + ".weight"], full[q + ours + ".bias"]
-        for ours, theirs in {"attn.out": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}.items():
-            out[p + theirs + ".weight"] = full[q + ours + ".weight"].t()
-            out[p + theirs + ".bias"] = full[q + ours + ".bias"]
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+    get = _getter(full, "megazero state")
+    return {k: v.detach().clone() for k, v in run_plan(hf_export_plan(spec), get)}
 
 
 def load_hf_state_dict(model_or_layers, hf_state: dict, spec: ModelSpec) -> None:

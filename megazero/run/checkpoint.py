@@ -24,13 +24,17 @@ rank agrees on a failure and raises the same `CheckpointError`, naming the file 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import threading
 
 import torch
+from safetensors import safe_open
 
 from megazero.core.shard_boxes import intersect, numel, slice_boxes
+from megazero.run import safetensors_io
 from megazero.runtime import comm
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # FlatGroup attributes: per-bucket owned fp32 slices
@@ -95,40 +99,90 @@ def _trackers(module) -> list:
 # -- save --------------------------------------------------------------------------------------------
 
 def save(directory: str, tag: str, step: int, module, optimizer, pctx, lr_scheduler=None, config=None,
-         client_state=None, engine_state=None, save_latest: bool = True, keep_last: int = 0) -> str:
-    """Write checkpoint `tag` under `directory` (see the module docstring); returns its path.
-    Collective over pctx.world_group (an all-gather of the piece lists, an agreement, barriers)."""
-    from safetensors.torch import save_file
+         client_state=None, engine_state=None, save_latest: bool = True, keep_last: int = 0,
+         kinds: tuple = KINDS, async_save: bool = False):
+    """Write checkpoint `tag` under `directory` (see the module docstring) and return its path.
 
+    `kinds`: which per-parameter tensors to store (``("master",)`` for weights only). Synchronous
+    saves stream each box straight from the optimizer's buffers to the file (memory: one box) and are
+    collective over pctx.world_group (an all-gather of the piece lists, an agreement, barriers).
+    With `async_save` the boxes are first copied to host memory (the rank's shard of each kind), a
+    background thread writes and commits them with the same collectives over
+    pctx.background_group, and a `PendingSave` is returned at once: training may go on (the snapshot
+    is the state at this call); `PendingSave.wait()` returns the path or raises the agreed error.
+    """
+    layout, tensors, entries = _snapshot(module, optimizer, pctx, kinds, copy=async_save)
+    meta = _meta(step, module, pctx, optimizer, lr_scheduler, config, client_state, engine_state, kinds)
+    args = (directory, tag, layout, tensors, entries, meta, pctx.global_rank, save_latest, keep_last)
+    if not async_save:
+        return write_and_commit(*args, pctx.world_group)
+    return PendingSave(os.path.join(directory, tag), lambda: write_and_commit(*args, pctx.background_group))
+
+
+class PendingSave:
+    """An asynchronous save in flight: a daemon thread writes the host snapshot, agrees with the other
+    ranks over the background group and commits (rename, `latest`). A process that exits before
+    `wait()` leaves ``<tag>.tmp`` and the previous `latest`, as a crash does."""
+
+    def __init__(self, path: str, work):
+        self.path, self._error = path, None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="megazero-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except BaseException as err:  # re-raised by wait() in the training thread
+            self._error = err
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+
+def _snapshot(module, optimizer, pctx, kinds, copy: bool):
+    """(file layout [(key, dtype, shape)], tensors in that order, manifest entries) of this rank's boxes
+    and RNG states; the tensors are views of the optimizer's buffers, or host copies with `copy`."""
+    layout, tensors, entries = [], [], []
+    fname = f"rank{pctx.global_rank}.safetensors"
+    for i, (name, shape, (g, b), offset, piece) in enumerate(_pieces(module, optimizer, pctx, writing=True)):
+        for kind in kinds:
+            key = f"{kind}/{name}/{i}"
+            t = _view(getattr(optimizer.groups[g], kind)[b], offset, piece)
+            tensors.append(t.to("cpu", copy=True) if copy else t)
+            layout.append((key, t.dtype, tuple(t.shape)))
+            entries.append((name, list(shape), kind, fname, key, list(piece.box[0]), list(piece.box[1])))
+    for key, t in _rng_tensors(module).items():  # fresh copies already
+        tensors.append(t)
+        layout.append((key, t.dtype, tuple(t.shape)))
+    return layout, tensors, entries
+
+
+def write_and_commit(directory, tag, layout, tensors, entries, meta, rank, save_latest, keep_last, group) -> str:
+    """Write this rank's file into ``<tag>.tmp``, agree over `group` (every rank) that all succeeded,
+    then rank 0 writes the manifest, renames the directory into place and moves `latest`."""
     final = os.path.join(directory, tag)
     tmp = final + ".tmp"
-    rank = pctx.global_rank
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    comm.barrier(pctx.world_group)
-    error, entries = None, []
+    comm.barrier(group)
+    error = None
     try:
-        tensors = {}
-        fname = f"rank{rank}.safetensors"
-        for i, (name, shape, (g, b), offset, piece) in enumerate(_pieces(module, optimizer, pctx, writing=True)):
-            for kind in KINDS:
-                key = f"{kind}/{name}/{i}"
-                tensors[key] = _view(getattr(optimizer.groups[g], kind)[b], offset, piece).float().cpu().contiguous()
-                entries.append((name, list(shape), kind, fname, key, list(piece.box[0]), list(piece.box[1])))
-        tensors.update(_rng_tensors(module))
-        path = os.path.join(tmp, fname)
-        save_file(tensors, path)
-        _fsync(path)
+        safetensors_io.write(os.path.join(tmp, f"rank{rank}.safetensors"), layout, tensors, {"format": "pt"})
     except Exception as err:  # agreed below: no rank renames a checkpoint another rank failed to write
         error = f"rank {rank}: {type(err).__name__}: {err}"
-    gathered = comm.all_gather_object((error, entries), pctx.world_group)
+    gathered = comm.all_gather_object((error, entries), group)
     errors = [e for e, _ in gathered if e]
     if errors:
         raise CheckpointError(f"saving {final} failed ({len(errors)} rank(s)); first: {errors[0]}")
     if rank == 0:
-        manifest = _manifest(step, pctx, optimizer, lr_scheduler, config, client_state, engine_state,
-                             [e for _, rank_entries in gathered for e in rank_entries])
+        manifest = dict(meta, tensors=tensor_records([e for _, rank_entries in gathered for e in rank_entries]))
         mpath = os.path.join(tmp, "manifest.json")
         with open(mpath, "w") as f:
             json.dump(manifest, f, indent=1, default=str)
@@ -141,12 +195,26 @@ def save(directory: str, tag: str, step: int, module, optimizer, pctx, lr_schedu
             _write_atomic(os.path.join(directory, "latest"), tag)
         if keep_last:
             _prune(directory, keep_last)
-    comm.barrier(pctx.world_group)
+    comm.barrier(group)
     return final
 
 
-def _manifest(step, pctx, optimizer, lr_scheduler, config, client_state, engine_state, entries) -> dict:
+def _meta(step, module, pctx, optimizer, lr_scheduler, config, client_state, engine_state, kinds) -> dict:
+    """Everything of the manifest but the tensor records, as JSON-able copies taken now."""
     t = pctx.topology
+    spec = getattr(module, "model_spec", None)
+    meta = {"format": FORMAT, "step": step,
+            "layout": {"pp": t.pp, "tp": t.tp, "dp": t.dp, "order": list(t.order), "zero_stage": optimizer.stage},
+            "kinds": list(kinds), "rng": True, "model": dataclasses.asdict(spec) if spec is not None else None,
+            "optimizer": {"step_count": optimizer.step_count, "lr": optimizer.param_groups[0]["lr"],
+                          "scaler": optimizer.scaler.state_dict(), "skipped_steps": optimizer.skipped_steps},
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "engine": engine_state or {}, "client_state": client_state, "config": config}
+    return json.loads(json.dumps(meta, default=str))  # a deep copy: training may go on while it is written
+
+
+def tensor_records(entries) -> dict:
+    """{logical name: {"shape", kind: [{"file", "key", "offsets", "sizes"}]}} of every rank's entries."""
     tensors: dict = {}
     for name, shape, kind, fname, key, offsets, sizes in entries:
         record = tensors.setdefault(name, {"shape": shape, **{k: [] for k in KINDS}})
@@ -154,12 +222,7 @@ def _manifest(step, pctx, optimizer, lr_scheduler, config, client_state, engine_
         if any(bx["offsets"] == offsets and bx["sizes"] == sizes for bx in boxes):
             continue  # a tied weight written by two stages: one copy is enough
         boxes.append({"file": fname, "key": key, "offsets": offsets, "sizes": sizes})
-    return {"format": FORMAT, "step": step,
-            "layout": {"pp": t.pp, "tp": t.tp, "dp": t.dp, "order": list(t.order), "zero_stage": optimizer.stage},
-            "optimizer": {"step_count": optimizer.step_count, "lr": optimizer.param_groups[0]["lr"],
-                          "scaler": optimizer.scaler.state_dict(), "skipped_steps": optimizer.skipped_steps},
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "engine": engine_state or {}, "client_state": client_state, "config": config, "tensors": tensors}
+    return tensors
 
 
 def _rng_tensors(module) -> dict[str, torch.Tensor]:
@@ -224,10 +287,10 @@ def load(path: str, module, optimizer, pctx, lr_scheduler=None, load_optimizer_s
     of the published weights)."""
     error, manifest = None, None
     try:
-        manifest = _read_manifest(path)
+        manifest = read_manifest(path)
         _check_model(manifest, module, path)
-        kinds = KINDS if load_optimizer_states and not load_module_only else ("master",)
-        _fill(path, manifest, module, optimizer, pctx, kinds)
+        wanted = KINDS if load_optimizer_states and not load_module_only else ("master",)
+        _fill(path, manifest, module, optimizer, pctx, [k for k in wanted if k in manifest["kinds"]])
     except Exception as err:
         error = f"{type(err).__name__}: {err}" if not isinstance(err, CheckpointError) else str(err)
     gathered = comm.all_gather_object(error, pctx.world_group)
@@ -238,15 +301,16 @@ def load(path: str, module, optimizer, pctx, lr_scheduler=None, load_optimizer_s
     for group in optimizer.groups:
         group.publish_master(optimizer.allgather_bucket_size)
     if not load_module_only:
-        opt = manifest["optimizer"]
-        if load_optimizer_states:
+        opt = manifest["optimizer"]  # None: weights only (an import, a 16-bit model): a fresh optimizer
+        if opt is not None and load_optimizer_states and "exp_avg" in manifest["kinds"]:
             optimizer.step_count = opt["step_count"]
             optimizer.scaler.load_state_dict(opt["scaler"])
             optimizer.skipped_steps = opt["skipped_steps"]
-        optimizer.param_groups[0]["lr"] = opt["lr"]
+        if opt is not None:
+            optimizer.param_groups[0]["lr"] = opt["lr"]
         if lr_scheduler is not None and load_lr_scheduler_states and manifest["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(manifest["lr_scheduler"])
-        if _same_layout(manifest, pctx, optimizer):
+        if manifest["rng"] and _same_layout(manifest, pctx, optimizer):
             _restore_rng(path, module, pctx)
     return manifest
 
@@ -257,7 +321,7 @@ def _same_layout(manifest, pctx, optimizer) -> bool:
                                   "zero_stage": optimizer.stage}
 
 
-def _read_manifest(path: str) -> dict:
+def read_manifest(path: str) -> dict:
     mpath = os.path.join(path, "manifest.json")
     if not os.path.isfile(mpath):
         tmp = " (an unfinished save: <tag>.tmp)" if path.endswith(".tmp") else ""
@@ -284,49 +348,62 @@ def _check_model(manifest: dict, module, path: str) -> None:
                                   f"is {shape}: it was saved from another model")
 
 
-def _fill(path: str, manifest: dict, module, optimizer, pctx, kinds) -> None:
-    """Copy every box this rank needs out of the stored boxes that overlap it (lazy slice reads)."""
-    from safetensors import safe_open
+class Readers:
+    """The rank files of checkpoint `path`, opened lazily (safetensors mmap) with errors naming the file;
+    a context manager that closes them."""
 
-    files: dict = {}
+    def __init__(self, path: str):
+        self.path, self._files = path, {}
 
-    def reader(fname):
-        if fname not in files:
-            fpath = os.path.join(path, fname)
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._files.clear()
+
+    def slice(self, fname: str, key: str, index: tuple) -> torch.Tensor:
+        """`index` (a tuple of slices) of stored tensor `key` in `fname`: only those bytes are read."""
+        fpath = os.path.join(self.path, fname)
+        if fname not in self._files:
             try:
-                files[fname] = safe_open(fpath, framework="pt")
+                self._files[fname] = safe_open(fpath, framework="pt")
             except Exception as err:
                 raise CheckpointError(f"{fpath}: {type(err).__name__}: {err}") from None
-        return files[fname]
+        try:
+            return self._files[fname].get_slice(key)[index]
+        except Exception as err:
+            raise CheckpointError(f"{fpath}: tensor {key}: {type(err).__name__}: {err}") from None
 
-    for name, _, (g, b), offset, piece in _pieces(module, optimizer, pctx, writing=False):
-        record = manifest["tensors"][name]
-        for kind in kinds:
-            dest = _view(getattr(optimizer.groups[g], kind)[b], offset, piece)
-            filled = 0
-            for stored in record[kind]:
-                box = (tuple(stored["offsets"]), tuple(stored["sizes"]))
-                common = intersect(piece.box, box)
-                if common is None or numel(common) == 0:
-                    continue
-                src = tuple(slice(c - o, c - o + n) for c, o, n in zip(common[0], box[0], common[1]))
-                dst = tuple(slice(c - o, c - o + n) for c, o, n in zip(common[0], piece.box[0], common[1]))
-                f = reader(stored["file"])
-                try:
-                    part = f.get_slice(stored["key"])[src]
-                except Exception as err:
-                    raise CheckpointError(f"{os.path.join(path, stored['file'])}: tensor {stored['key']}: "
-                                          f"{type(err).__name__}: {err}") from None
-                dest[dst].copy_(part)
-                filled += numel(common)
-            if filled != numel(piece.box):
-                raise CheckpointError(f"{path}: {kind} of {name} box {piece.box} is only {filled} of "
-                                      f"{numel(piece.box)} elements in the stored boxes")
+
+def copy_overlaps(readers: Readers, stored: list[dict], box, dest: torch.Tensor) -> int:
+    """Copy into `dest` (holding logical box `box` = (offsets, sizes) of a tensor) every part of the
+    `stored` boxes (manifest records) that overlaps it; returns the number of elements copied."""
+    filled = 0
+    for record in stored:
+        have = (tuple(record["offsets"]), tuple(record["sizes"]))
+        common = intersect(box, have)
+        if common is None or numel(common) == 0:
+            continue
+        src = tuple(slice(c - o, c - o + n) for c, o, n in zip(common[0], have[0], common[1]))
+        dst = tuple(slice(c - o, c - o + n) for c, o, n in zip(common[0], box[0], common[1]))
+        dest[dst].copy_(readers.slice(record["file"], record["key"], src))
+        filled += numel(common)
+    return filled
+
+
+def _fill(path: str, manifest: dict, module, optimizer, pctx, kinds) -> None:
+    """Copy every box this rank needs out of the stored boxes that overlap it (lazy slice reads)."""
+    with Readers(path) as readers:
+        for name, _, (g, b), offset, piece in _pieces(module, optimizer, pctx, writing=False):
+            for kind in kinds:
+                dest = _view(getattr(optimizer.groups[g], kind)[b], offset, piece)
+                filled = copy_overlaps(readers, manifest["tensors"][name][kind], piece.box, dest)
+                if filled != numel(piece.box):
+                    raise CheckpointError(f"{path}: {kind} of {name} box {piece.box} is only {filled} of "
+                                          f"{numel(piece.box)} elements in the stored boxes")
 
 
 def _restore_rng(path: str, module, pctx) -> None:
-    from safetensors import safe_open
-
     with safe_open(os.path.join(path, f"rank{pctx.global_rank}.safetensors"), framework="pt") as f:
         states = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
     torch.set_rng_state(states["rng/cpu"])

@@ -129,9 +129,12 @@ def run(cfg: Config, rank: int) -> int:
         if tracer is not None:
             tracer.next_step()
         if cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps):
-            path = engine.save_checkpoint(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, config=to_dict(cfg))
+            c = cfg.checkpoint
+            path = engine.save_checkpoint(c.dir, keep_last=c.keep_last, config=to_dict(cfg), async_save=c.async_save)
             if rank == 0:
-                _say(bar, f"saved checkpoint {path}")
+                _say(bar, f"{'saving' if c.async_save else 'saved'} checkpoint {path}")
+    if engine.wait_for_checkpoint() is not None and rank == 0:  # an asynchronous save still in flight
+        _say(bar, "the last checkpoint is written")
     if bar is not None:
         bar.close()
     writer.close()

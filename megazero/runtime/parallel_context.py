@@ -24,7 +24,9 @@ class ParallelContext:
 
     Attributes: ``tp_group/tp_rank/tp_size`` and the same for ``dp`` and ``pp``;
     ``mp_group`` (model parallel: pp x tp), ``embedding_group`` (first + last pipeline stage),
-    ``world_group`` (every rank, for global norms and agreement), ``stats`` (CommStats shared by all
+    ``world_group`` (every rank, for global norms and agreement), ``background_group`` (every rank
+    again, a gloo group of its own: an asynchronous checkpoint agrees and commits over it from a
+    background thread, so its collectives never interleave with training's), ``stats`` (CommStats shared by all
     of this context's groups), and ``pp_prev_rank/pp_next_rank`` (global ranks or None).
     """
 
@@ -49,6 +51,7 @@ class ParallelContext:
         self.mp_group = self._build("mp", topology.model_parallel_groups())
         self.embedding_group = self._build("embedding", topology.embedding_groups())
         self.world_group = self._build("world", [list(range(world))])
+        self.background_group = self._build_background(world)
         self.pp_prev_rank, self.pp_next_rank = topology.pipeline_peers(self.global_rank)
 
     def _build(self, axis: str, groups: list[list[int]]) -> GroupHandle:
@@ -68,6 +71,15 @@ class ParallelContext:
             return GroupHandle(axis, (self.global_rank,), 0, None, self.stats, self.timeout_s)
         return GroupHandle(axis, mine, mine.index(self.global_rank), self._pg_cache.get(mine),
                            self.stats, self.timeout_s)
+
+    def _build_background(self, world: int) -> GroupHandle:
+        """A second world group on gloo (host objects, any device) with its own CommStats: it is used
+        from another thread while training's groups are busy."""
+        pg = None
+        if world > 1:
+            pg = dist.new_group(list(range(world)), timeout=timedelta(seconds=self.timeout_s), backend="gloo")
+            self._pg_cache[("background",)] = pg
+        return GroupHandle("background", tuple(range(world)), self.global_rank, pg, CommStats(), self.timeout_s)
 
     # -- convenience --------------------------------------------------------------------
     tp_rank = property(lambda self: self.tp_group.rank)

@@ -204,6 +204,7 @@ class CheckpointConfig:
     save_interval: int = 0  # 0 = never save
     load: Optional[str] = None  # start from this checkpoint (any layout) unless dir already has one to resume
     keep_last: int = 0  # keep the newest N complete checkpoints in dir; 0 = keep all
+    async_save: bool = False  # copy to host memory, write in a background thread while training goes on
 
 
 @dataclass(frozen=True)
