@@ -101,7 +101,8 @@ def test_two_node_launch_on_localhost(corpus, tmp_path):
 def test_a_restarted_run_resumes_exactly(corpus, tmp_path):
     """8 steps in one go vs 4 steps, then the same command with train.steps=8: the second launch finds
     checkpoint.dir's latest, resumes (data position included) and appends to the metrics."""
-    args = ["configs/debug_gpt.yaml", "parallel.pp=1", "parallel.tp=1", "zero.stage=3", "checkpoint.save_interval=4"]
+    args = ["configs/debug_gpt.yaml", "parallel.pp=1", "parallel.tp=1", "zero.stage=3", "checkpoint.save_interval=4",
+            "checkpoint.async_save=true"]  # written in the background; the trainer waits for it at the end
     whole = torchrun(2, [*args, *small(corpus, tmp_path / "whole", "train.steps=8")])
     assert whole.returncode == 0, whole.stderr[-3000:]
     first = torchrun(2, [*args, *small(corpus, tmp_path / "run", "train.steps=4")])

@@ -350,10 +350,11 @@ def _check_model(manifest: dict, module, path: str) -> None:
 
 class Readers:
     """The rank files of checkpoint `path`, opened lazily (safetensors mmap) with errors naming the file;
-    a context manager that closes them."""
+    a context manager that closes them. A file is closed (unmapped) again after every `window` bytes
+    read from it, so that the pages read stay bounded by the window, not by the shard."""
 
-    def __init__(self, path: str):
-        self.path, self._files = path, {}
+    def __init__(self, path: str, window: int = 16 << 20):
+        self.path, self.window, self._files, self._read = path, window, {}, {}
 
     def __enter__(self):
         return self
@@ -370,9 +371,14 @@ class Readers:
             except Exception as err:
                 raise CheckpointError(f"{fpath}: {type(err).__name__}: {err}") from None
         try:
-            return self._files[fname].get_slice(key)[index]
+            part = self._files[fname].get_slice(key)[index]
         except Exception as err:
             raise CheckpointError(f"{fpath}: tensor {key}: {type(err).__name__}: {err}") from None
+        self._read[fname] = self._read.get(fname, 0) + part.numel() * part.element_size()
+        if self._read[fname] >= self.window:
+            del self._files[fname]
+            self._read[fname] = 0
+        return part
 
 
 def copy_overlaps(readers: Readers, stored: list[dict], box, dest: torch.Tensor) -> int:
