@@ -8,6 +8,10 @@ dicts and config objects, so megazero does not import `transformers`:
     load_hf_state_dict(model, hf_model.state_dict(), spec)  # each rank copies its shards
     hf_state = export_hf_state_dict(model, spec, tp_group)  # all-gathers over the TP group
 
+For converting files tensor by tensor (`megazero.run.checkpoint_convert`), `hf_export_plan` and
+`hf_import_plan` give, for each output tensor, the input tensors it is made of and how;
+`hf_config_dict` writes the ``config.json`` of a spec.
+
 GPT-2 stores linear weights as Conv1D (in, out) and fuses q, k, v in ``c_attn`` (columns [q | k | v]);
 megazero keeps (out, in) and separate q, k, v, so import transposes and splits and export does the
 inverse; both are exact (no arithmetic). Llama's q_proj/k_proj/v_proj/o_proj and gate/up/down_proj

@@ -14,11 +14,15 @@ On disk, ``<dir>/<tag>/`` (tag ``step<N>`` unless given):
 Saving writes to ``<tag>.tmp/``, fsyncs each file, agrees over the world group that every rank
 succeeded, writes the manifest, renames the directory into place, then moves ``latest``: a process
 killed during a save leaves the previous checkpoint and ``latest`` as they were. No rank gathers
-anything but its own slices; ZeRO-3 shards are written as they are.
+anything but its own slices; ZeRO-3 shards are written as they are, streamed box by box. An
+asynchronous save copies the boxes to host memory first and commits from a background thread over
+pctx.background_group. A weights-only checkpoint (kinds ``("master",)``: an import, the scratch
+of `save_16bit_model`) loads into a fresh optimizer.
 
 Loading reads the manifest on every rank, checks the model's names and shapes against it, and fills
 each rank's own slices (master weights, and Adam moments unless told not to) from the boxes that
-overlap them, whatever layout wrote them; then the working weights are published from the masters.
+overlap them, whatever layout wrote them (reading slices, never whole files); then the working
+weights are published from the masters.
 RNG states are restored when the layout is the saved one (another layout draws other streams). Every
 rank agrees on a failure and raises the same `CheckpointError`, naming the file and the tensor.
 """
