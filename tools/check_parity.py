@@ -66,7 +66,7 @@ def launch(config: str, overrides: list[str], world: int, steps: int, out: str, 
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         errors = [line for line in lines if "Error" in line or "error:" in line]
         raise RuntimeError(f"exit {proc.returncode}:\n" + "\n".join((errors or lines)[-8:]))
-    return merge_reports([torch.load(p, map_location="cpu", weights_only=False) for p in reports])
+    return merge_reports([torch.load(p, map_location="cpu", weights_only=True) for p in reports])
 
 
 def layout_overrides(layout, global_batch: int) -> list[str]:
