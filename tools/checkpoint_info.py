@@ -42,9 +42,16 @@ def main(argv=None) -> int:
     print(f"  written  pp={lay['pp']} x tp={lay['tp']} x dp={lay['dp']}, order {','.join(lay['order'])}, "
           f"ZeRO-{lay['zero_stage']}")
     opt = m["optimizer"]
-    print(f"  optimizer step {opt['step_count']}, lr {opt['lr']:.3g}, loss scale {opt['scaler'].get('scale')}, "
-          f"skipped steps {opt['skipped_steps']}; LR schedule {m['lr_scheduler']}")
-    print(f"  tensors  {len(tensors)} logical ({elements / 1e6:.3f}M elements; master + 2 Adam moments each)")
+    if opt is None:
+        print("  optimizer none (weights only: a fresh optimizer starts from it)")
+    else:
+        print(f"  optimizer step {opt['step_count']}, lr {opt['lr']:.3g}, loss scale {opt['scaler'].get('scale')}, "
+              f"skipped steps {opt['skipped_steps']}; LR schedule {m['lr_scheduler']}")
+    if m.get("model"):
+        spec = m["model"]
+        print(f"  model    {spec['name'] or spec['family']}: {spec['layers']} layers, hidden {spec['hidden']}, "
+              f"{spec['heads']} heads, vocab {spec['vocab']}")
+    print(f"  tensors  {len(tensors)} logical ({elements / 1e6:.3f}M elements; {', '.join(m['kinds'])} each)")
     print(f"  files    {len(files)} rank files, {sum(sizes.values()) / 2**20:.2f} MiB "
           f"(largest {max(sizes.values(), default=0) / 2**20:.2f} MiB)")
     if m.get("client_state") is not None:
