@@ -50,7 +50,10 @@ def worker(zero):
     model = hf_model()
     cfg = {"train": {"micro_batch_size": MICRO, "gradient_accumulation_steps": GAS},
            "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}, "zero": zero}
-    engine, optimizer, _, _ = megazero.initialize(model=model, config=cfg)
+    decay = [p for p in model.parameters() if p.ndim >= 2]  # the usual no_decay split of HF scripts
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    engine, optimizer, _, _ = megazero.initialize(model=model, model_parameters=groups, config=cfg)
     dp, r = dist.get_world_size(), dist.get_rank()
     losses = []
     for s in range(STEPS):

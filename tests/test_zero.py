@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.core.topology import Topology
-from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
+from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer, megatron_param_groups
 from tests.harness import run_ranks
 
 STEPS, GAS, BATCH = 4, 2, 16
@@ -63,8 +63,8 @@ def zero_worker(stage, spec, steps=STEPS, clip=0.0, **kw):
     pctx = ParallelContext(Topology(dp=dist.get_world_size()))
     model = make_model()
     units = [model[0], model[2], model[4]]
-    opt = ZeroOptimizer(list(model.parameters()), pctx, stage=stage, spec=spec, gradient_clipping=clip,
-                        units=units, **kw)
+    opt = ZeroOptimizer(megatron_param_groups(model.parameters(), spec.weight_decay), pctx, stage=stage, spec=spec,
+                        gradient_clipping=clip, units=units, **kw)
     n, r = pctx.dp_size, pctx.dp_rank
     losses, norms = [], []
     for s in range(steps):

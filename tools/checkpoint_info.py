@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     if opt is None:
         print("  optimizer none (weights only: a fresh optimizer starts from it)")
     else:
-        print(f"  optimizer step {opt['step_count']}, lr {opt['lr']:.3g}, loss scale {opt['scaler'].get('scale')}, "
+        print(f"  optimizer step {opt['step_count']}, lr {opt['param_groups'][0]['lr']:.3g}, loss scale {opt['scaler'].get('scale')}, "
               f"skipped steps {opt['skipped_steps']}; LR schedule {m['lr_scheduler']}")
     if m.get("model"):
         spec = m["model"]

@@ -20,7 +20,7 @@ from torch import nn
 from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve
 from megazero.core.topology import Topology
 from megazero.engine.factories import (build_model, build_optimizer, build_scheduler, check_model_and_schedule,
-                                       compute_dtype, synthetic_batches)
+                                       compute_dtype, synthetic_batches, take_over)
 from megazero.engine.module_engine import ModuleEngine
 from megazero.engine.pipeline_engine import PipelineEngine
 from megazero.pipeline.pipeline_module import PipelineModule
@@ -49,19 +49,48 @@ def load_run_config(config, overrides=(), world_size: int | None = None) -> Conf
     return cfg
 
 
-def initialize(model=None, config=None, model_parameters=None, training_data=None, lr_scheduler=None,
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None, *,
                overrides=(), on_instruction=None):
-    """Build (engine, optimizer, dataloader, lr_scheduler); see the module docstring."""
+    """Build (engine, optimizer, dataloader, lr_scheduler), with DeepSpeed's arguments; see the
+    module docstring.
+
+    `config` (or DeepSpeed's `config_params`, or `args.deepspeed_config`): a path or a dict, in
+    megazero's format or DeepSpeed's (told apart by its keys; a dict and the same file give the same
+    Config). `optimizer`: a client optimizer (torch's Adam, AdamW or SGD, megazero.ops.adam's, or a
+    callable returning one from the parameters) that the ZeRO optimizer takes over with its parameter
+    groups and hyper-parameters. `lr_scheduler`: a scheduler instance (on the client optimizer or
+    the returned one) or a callable taking the optimizer. `mpu` is refused (the layout comes from
+    the config's parallel section); `dist_init_required` is accepted (megazero initializes
+    torch.distributed when it is not yet).
+    """
+    config = _config_source(args, config, config_params)
+    if mpu is not None:
+        raise ConfigError("initialize(mpu=...): megazero builds its own process groups from the config's "
+                          "parallel.pp / parallel.tp / parallel.dp (DeepSpeed: the pipeline and tensor-parallel "
+                          "sizes); pass mpu=None and set those")
     cfg = load_run_config(config if config is not None else {}, overrides)
-    return initialize_from_config(cfg, model, model_parameters, training_data, lr_scheduler, on_instruction)
+    return initialize_from_config(cfg, model, model_parameters, training_data, lr_scheduler, on_instruction,
+                                  client_optimizer=optimizer, collate_fn=collate_fn)
+
+
+def _config_source(args, config, config_params):
+    """The one config given: `config`, `config_params` (DeepSpeed's older name) or
+    `args.deepspeed_config` (DeepSpeed's command-line flag)."""
+    given = {"config": config, "config_params": config_params,
+             "args.deepspeed_config": getattr(args, "deepspeed_config", None) if args is not None else None}
+    present = [k for k, v in given.items() if v is not None]
+    if len(present) > 1:
+        raise ConfigError(f"initialize: a config was given twice ({' and '.join(present)}); pass one of them")
+    return given[present[0]] if present else None
 
 
 def initialize_from_config(cfg: Config, model=None, model_parameters=None, training_data=None, lr_scheduler=None,
-                           on_instruction=None):
+                           on_instruction=None, client_optimizer=None, collate_fn=None):
     """`initialize` for a Config that `load_run_config` returned: creates the process groups
     (`init_distributed`, then every group of the ParallelContext), builds or places the model, the
-    ZeRO optimizer, the LR schedule and the engine. `on_instruction(ins, start_s, end_s)` sees every
-    pipeline instruction (timers, traces)."""
+    ZeRO optimizer (taking over `client_optimizer` if given), the LR schedule and the engine.
+    `on_instruction(ins, start_s, end_s)` sees every pipeline instruction (timers, traces)."""
     p = cfg.parallel
     topology = Topology(pp=p.pp, dp=p.dp, tp=p.tp, order=tuple(p.order))
     if isinstance(model, str):  # a spec named here instead of in the config: check it like load_run_config
@@ -85,8 +114,12 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     if isinstance(model, PipelineModule):
         _agree_on_stage(model, pctx, info.device)
     module = _model(model, cfg, pctx, info.device)
-    optimizer = build_optimizer(cfg, module, pctx, model_parameters)
-    scheduler = lr_scheduler if lr_scheduler is not None else build_scheduler(cfg, optimizer)
+    spec = None
+    if client_optimizer is not None:
+        spec, model_parameters = take_over(client_optimizer, model_parameters if model_parameters is not None
+                                           else module.parameters())
+    optimizer = build_optimizer(cfg, module, pctx, model_parameters, spec)
+    scheduler = _scheduler(lr_scheduler, cfg, optimizer)
     t = cfg.train
     if isinstance(module, PipelineModule):
         engine = PipelineEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps,
@@ -123,6 +156,15 @@ def _agree_on_stage(module: PipelineModule, pctx: ParallelContext, device) -> No
                 if wrong else "another rank's module was built for another stage")
         raise ConfigError(f"PipelineModule stage (global rank {pctx.global_rank}): {mine}; build each rank's module "
                           f"with stage = Topology(pp=..., dp=..., tp=..., order=...).coords(rank).pp")
+
+
+def _scheduler(lr_scheduler, cfg: Config, optimizer):
+    """The configured schedule, or the client's: an instance, or a callable given the optimizer."""
+    if lr_scheduler is None:
+        return build_scheduler(cfg, optimizer)
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        return lr_scheduler(optimizer)
+    return lr_scheduler
 
 
 def _model(model, cfg: Config, pctx: ParallelContext, device):

@@ -20,7 +20,7 @@ from megazero.runtime.parallel_context import ParallelContext
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.lr_schedule import LRScheduler
-from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
+from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer, megatron_param_groups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -95,10 +95,75 @@ def zero_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
 
 
-def build_optimizer(cfg: Config, model: nn.Module, pctx: ParallelContext, params=None) -> ZeroOptimizer:
+def param_groups(cfg: Config, model: nn.Module, params=None) -> list:
+    """The optimizer's parameters: `params` (parameters or parameter groups, as the user gave them)
+    or the model's; plain parameters are split by Megatron's rule (`megatron_param_groups`) when
+    optimizer.no_decay_1d says so (unset: for megazero-built models, a PipelineModule)."""
+    given = list(params if params is not None else model.parameters())
+    if any(isinstance(g, dict) for g in given):
+        return given  # the user's groups decay exactly as they say
+    rule = cfg.optimizer.no_decay_1d
+    if rule is None:
+        rule = isinstance(model, PipelineModule)
+    return megatron_param_groups(given, cfg.optimizer.weight_decay) if rule else given
+
+
+def take_over(client, params) -> tuple[OptimizerSpec, list[dict]]:
+    """The update rule and parameter groups of a client optimizer (an instance, or a callable that
+    builds one from `params`), for the ZeRO optimizer to run instead. The groups are the client's own
+    dicts, so a scheduler built on the client optimizer drives the ZeRO optimizer too. Only updates
+    the ZeRO optimizer computes the same way are taken: torch's Adam, AdamW, SGD (no dampening,
+    no nesterov), megazero's CPUAdam / FusedAdam; the client's own state (if it stepped) is not."""
+    if not isinstance(client, torch.optim.Optimizer):
+        if not callable(client):
+            raise TypeError(f"initialize(optimizer=...): expected a torch.optim.Optimizer or a callable building one "
+                            f"from the parameters, got {type(client).__name__}")
+        client = client(params)
+        if not isinstance(client, torch.optim.Optimizer):
+            raise TypeError(f"initialize(optimizer=callable): it returned a {type(client).__name__}, not a "
+                            "torch.optim.Optimizer")
+    name, groups = type(client).__name__, client.param_groups
+    first = groups[0]
+
+    def same(key, default=None):
+        values = {repr(g.get(key, default)) for g in groups}
+        if len(values) > 1:
+            raise ConfigError(f"initialize(optimizer={name}): parameter groups differ in {key} ({sorted(values)}); "
+                              f"the ZeRO optimizer runs one {key} for all groups")
+        return first.get(key, default)
+
+    for key in ("amsgrad", "maximize", "nesterov"):
+        if same(key, False):
+            raise ConfigError(f"initialize(optimizer={name}({key}=True)): not supported by the ZeRO optimizer; "
+                              f"use {key}=False")
+    if isinstance(client, torch.optim.AdamW):
+        kind = "adamw"
+    elif isinstance(client, torch.optim.Adam):
+        kind = "adamw" if same("decoupled_weight_decay", False) else "adam"
+    elif isinstance(client, torch.optim.SGD):
+        if same("dampening", 0.0):
+            raise ConfigError(f"initialize(optimizer=SGD(dampening={first['dampening']})): the ZeRO optimizer's SGD "
+                              "has no dampening; use dampening=0")
+        kind = "sgd"
+    elif "adamw_mode" in first:  # megazero.runtime.kernels.CPUAdam and megazero.ops.adam's classes
+        kind = "adamw" if same("adamw_mode") else "adam"
+    else:
+        raise ConfigError(f"initialize(optimizer={name}): the ZeRO optimizer can take over torch.optim.Adam, AdamW "
+                          f"and SGD, and megazero.ops.adam.FusedAdam / DeepSpeedCPUAdam; for {name}, use one of "
+                          f"those or set the config's optimizer section")
+    spec = OptimizerSpec(kind, lr=first["lr"], betas=tuple(first.get("betas", (0.9, 0.999))), eps=first.get("eps", 1e-8),
+                         weight_decay=first.get("weight_decay", 0.0), momentum=first.get("momentum", 0.0),
+                         bias_correction=bool(same("bias_correction", True)))
+    return spec, groups
+
+
+def build_optimizer(cfg: Config, model: nn.Module, pctx: ParallelContext, params=None,
+                    spec: OptimizerSpec | None = None) -> ZeroOptimizer:
+    """The ZeRO optimizer of `model` (or of `params`: parameters or groups) with the config's update
+    rule, or `spec` (a client optimizer's, from `take_over`)."""
     z = cfg.zero
     return ZeroOptimizer(
-        list(params if params is not None else model.parameters()), pctx, stage=z.stage, spec=optimizer_spec(cfg),
+        param_groups(cfg, model, params), pctx, stage=z.stage, spec=spec or optimizer_spec(cfg),
         reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
         overlap_comm=bool(z.overlap_comm), offload_optimizer=z.offload_optimizer.device == "cpu",
         offload_param=z.offload_param.device == "cpu", gradient_clipping=cfg.gradient_clipping,

@@ -13,6 +13,7 @@ import torch
 from megazero.engine.checkpointing import CheckpointMethods
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
+from megazero.zero.lr_schedule import step_lr_scheduler
 
 
 class ModuleEngine(CheckpointMethods):
@@ -43,7 +44,7 @@ class ModuleEngine(CheckpointMethods):
         if self.is_gradient_accumulation_boundary():
             self.last_info = self.optimizer.step()
             if self.lr_scheduler is not None and not self.last_info.get("skipped", False):
-                self.lr_scheduler.step()
+                step_lr_scheduler(self.lr_scheduler)
             self.global_steps += 1
         self.micro_steps += 1
 

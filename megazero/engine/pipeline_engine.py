@@ -20,6 +20,7 @@ from megazero.pipeline.p2p import PipeP2P
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
+from megazero.zero.lr_schedule import step_lr_scheduler
 
 
 class PipelineEngine(CheckpointMethods):
@@ -59,7 +60,7 @@ class PipelineEngine(CheckpointMethods):
         st = self.executor.run(self.program, data_iter, self.num_microbatches)
         self.last_info = dict(st.info)
         if self.lr_scheduler is not None and not st.info.get("skipped", False):
-            self.lr_scheduler.step()
+            step_lr_scheduler(self.lr_scheduler)
         self.global_steps += 1
         return self._agree_loss(st.losses)
 

@@ -210,7 +210,7 @@ def _meta(step, module, pctx, optimizer, lr_scheduler, config, client_state, eng
     meta = {"format": FORMAT, "step": step,
             "layout": {"pp": t.pp, "tp": t.tp, "dp": t.dp, "order": list(t.order), "zero_stage": optimizer.stage},
             "kinds": list(kinds), "rng": True, "model": dataclasses.asdict(spec) if spec is not None else None,
-            "optimizer": {"step_count": optimizer.step_count, "lr": optimizer.param_groups[0]["lr"],
+            "optimizer": {"step_count": optimizer.step_count, "param_groups": optimizer.hyperparameters(),
                           "scaler": optimizer.scaler.state_dict(), "skipped_steps": optimizer.skipped_steps},
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
             "engine": engine_state or {}, "client_state": client_state, "config": config}
@@ -293,6 +293,11 @@ def load(path: str, module, optimizer, pctx, lr_scheduler=None, load_optimizer_s
     try:
         manifest = read_manifest(path)
         _check_model(manifest, module, path)
+        saved = (manifest["optimizer"] or {}).get("param_groups")
+        if saved is not None and not load_module_only and len(saved) != len(optimizer.param_groups):
+            raise CheckpointError(f"{path}/manifest.json: saved with {len(saved)} optimizer parameter groups, this "
+                                  f"optimizer has {len(optimizer.param_groups)}; build it with the same groups, or "
+                                  f"load with load_module_only=True")
         wanted = KINDS if load_optimizer_states and not load_module_only else ("master",)
         _fill(path, manifest, module, optimizer, pctx, [k for k in wanted if k in manifest["kinds"]])
     except Exception as err:
@@ -311,7 +316,7 @@ def load(path: str, module, optimizer, pctx, lr_scheduler=None, load_optimizer_s
             optimizer.scaler.load_state_dict(opt["scaler"])
             optimizer.skipped_steps = opt["skipped_steps"]
         if opt is not None:
-            optimizer.param_groups[0]["lr"] = opt["lr"]
+            optimizer.load_hyperparameters(opt["param_groups"])
         if lr_scheduler is not None and load_lr_scheduler_states and manifest["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(manifest["lr_scheduler"])
         if manifest["rng"] and _same_layout(manifest, pctx, optimizer):

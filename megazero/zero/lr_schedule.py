@@ -7,6 +7,7 @@ decay to min_lr at total_steps); DeepSpeed's WarmupLR (warmup then constant) and
 from __future__ import annotations
 
 import math
+import warnings
 
 from megazero.core.config.schema import SCHEDULER_CHOICES
 
@@ -69,3 +70,13 @@ class LRScheduler:
     def load_state_dict(self, sd: dict) -> None:
         self.last_step = sd["last_step"]
         self._apply()
+
+
+def step_lr_scheduler(scheduler) -> None:
+    """`scheduler.step()` after an optimizer step. A torch scheduler built on a client optimizer that
+    the ZeRO optimizer took over (they share the parameter-group dicts) cannot see the ZeRO step, so
+    torch's check of the call order would warn wrongly; that one warning is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        warnings.filterwarnings("ignore", message=r"Seems like `optimizer\.step\(\)` has been overridden")
+        scheduler.step()

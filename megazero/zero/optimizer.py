@@ -16,10 +16,17 @@ Over other groups: tied embedding/head gradients are summed over `pctx.embedding
 line up: tied parameters live in their own flat group with the same layout on both stages); the
 overflow flag (max) and the squared gradient norm (sum) are all-reduced over `pctx.world_group`.
 
+It is a `torch.optim.Optimizer`: `params` are parameters or parameter groups (dicts with
+"params" and any of lr, betas, eps, weight_decay, momentum; the rest come from `spec`), and every
+step reads each group's hyper-parameters from `param_groups`, so torch's LR schedulers (and any code
+that edits `param_groups`) drive the update. Weight decay is exactly what each group says;
+`megatron_param_groups` makes Megatron's split (no decay for biases and norm weights), which
+megazero applies to the models it builds.
+
 The parameters may be a user's (any nn.Module under ModuleEngine), so the attributes megazero's
 layers give theirs at construction are read with defaults (duck typing of user objects): `tp_dim`
 (a TP shard; None: replicated, counted once in the norm), `sequence_parallel` (a partial gradient per
-TP rank), `tied_name` (summed over the embedding group), `no_weight_decay` (default: 1-D parameters).
+TP rank), `tied_name` (summed over the embedding group).
 """
 from __future__ import annotations
 
@@ -57,12 +64,21 @@ class OptimizerSpec:
     bias_correction: bool = True
 
 
-def _no_decay(p: torch.nn.Parameter, shape: torch.Size) -> bool:
-    """Megatron's rule: biases and norm weights (1-D) get no weight decay unless marked otherwise."""
-    return bool(getattr(p, "no_weight_decay", len(shape) < 2))
+HYPER = ("lr", "betas", "eps", "weight_decay", "momentum")
+"""The per-group hyper-parameters a step reads."""
 
 
-class ZeroOptimizer:
+def megatron_param_groups(params, weight_decay: float) -> list[dict]:
+    """Megatron's split: [{params with decay}, {biases and norm weights (1-D), weight_decay 0}], both
+    kept when empty (every pipeline stage has the same two groups). A parameter with a
+    `no_weight_decay` attribute says for itself."""
+    decay, no_decay = [], []
+    for p in params:
+        (no_decay if getattr(p, "no_weight_decay", p.dim() < 2) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
     """See the module docstring. Use: `scale_loss(loss).backward()` per micro-batch, then
     `after_backward()` per micro-batch, `step()` once per global batch (it reduces, unscales,
     checks overflow, clips, updates, publishes and zeroes the gradients)."""
@@ -91,16 +107,20 @@ class ZeroOptimizer:
         self.allgather_bucket_size = allgather_bucket_size
         self.clip = gradient_clipping
         self.scaler = loss_scaler or LossScaler.static(1.0)
-        self.param_groups = [{"lr": spec.lr}]
         self.step_count = 0
         self._last_microbatch = True
         self._reduced = False
-        params = [p for p in params if p.requires_grad]
+        defaults = {"lr": spec.lr, "betas": tuple(spec.betas), "eps": spec.eps, "weight_decay": spec.weight_decay,
+                    "momentum": spec.momentum}
+        given = list(params)
+        super().__init__(given or [{"params": []}], defaults)  # checks: leaf tensors, no parameter in two groups
+        self._group_index = {id(p): g for g, pg in enumerate(self.param_groups) for p in pg["params"]}
         seen, unique = set(), []
-        for p in params:
-            if id(p) not in seen:
-                seen.add(id(p))
-                unique.append(p)
+        for pg in self.param_groups:
+            for p in pg["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    unique.append(p)
         self.groups = self._make_groups(unique, units, reduce_bucket_size, offload_optimizer, offload_param,
                                         param_persistence_threshold)
         self._where = {id(p): (group, i) for group in self.groups for i, p in enumerate(group.params)}
@@ -109,10 +129,19 @@ class ZeroOptimizer:
         self._counted = [self._counted_ranges(group) for group in self.groups]
         self._sp_ranges = [self._ranges_where(group, lambda p: getattr(p, "sequence_parallel", False))
                            for group in self.groups]
-        self._runs = [self._decay_runs(group) for group in self.groups]
+        self._runs = [self._group_runs(group) for group in self.groups]
         self.gatherer = None
         if stage == 3 and units:
             self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size)
+        self._flattened = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Only during construction: the flat buffers are laid out once, so a group added later
+        could never be updated."""
+        if getattr(self, "_flattened", False):
+            raise NotImplementedError("ZeroOptimizer.add_param_group: the parameters are flattened when the optimizer "
+                                      "is built; pass every parameter group to megazero.initialize (model_parameters)")
+        super().add_param_group(param_group)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _make_groups(self, params, units, bucket, offload_opt, offload_param, persist):
@@ -164,18 +193,19 @@ class ZeroOptimizer:
         return [[(s.buf_start - group.owned[b][0], s.buf_end - group.owned[b][0]) for s in segs if pred(group.params[s.param])]
                 for b, segs in enumerate(group.segments)]
 
-    def _decay_runs(self, group: FlatGroup) -> list[list[tuple[int, int, bool]]]:
-        """Per bucket, maximal contiguous local ranges of the owned slice with one weight-decay flag."""
+    def _group_runs(self, group: FlatGroup) -> list[list[tuple[int, int, int]]]:
+        """Per bucket, maximal contiguous local ranges (start, end, param group index) of the owned
+        slice whose parameters share one parameter group (one set of hyper-parameters)."""
         out = []
         for b, segs in enumerate(group.segments):
             lo, runs = group.owned[b][0], []
             for s in segs:
-                decay = not _no_decay(group.params[s.param], group.shapes[s.param])
+                g = self._group_index[id(group.params[s.param])]
                 a, e = s.buf_start - lo, s.buf_end - lo
-                if runs and runs[-1][2] == decay and runs[-1][1] == a:
-                    runs[-1] = (runs[-1][0], e, decay)
+                if runs and runs[-1][2] == g and runs[-1][1] == a:
+                    runs[-1] = (runs[-1][0], e, g)
                 else:
-                    runs.append((a, e, decay))
+                    runs.append((a, e, g))
             out.append(runs)
         return out
 
@@ -310,22 +340,24 @@ class ZeroOptimizer:
         return None
 
     def _update_group(self, group: FlatGroup, runs, coef: float) -> None:
-        s, lr = self.spec, self.param_groups[0]["lr"]
+        """The update of each run with its parameter group's hyper-parameters, read now."""
+        s = self.spec
         for b, bucket_runs in enumerate(runs):
             grad = group.grad_owned[b]
             if group.offload:
                 grad = grad.to("cpu")  # blocking: Adam reads it right away
             if coef != 1.0:
                 grad = grad * coef
-            for a, e, decay in bucket_runs:
-                wd = s.weight_decay if decay else 0.0
+            for a, e, g in bucket_runs:
+                h = self.param_groups[g]
                 p, gr, m, v = group.master[b][a:e], grad[a:e], group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e]
                 if s.type == "sgd":
-                    _sgd(p, gr, m, lr, s.momentum, wd, first=self.step_count == 1)
+                    _sgd(p, gr, m, h["lr"], h["momentum"], h["weight_decay"], first=self.step_count == 1)
                 else:
-                    kernels.adam_step(p, gr, m, v, step=self.step_count, lr=lr, beta1=s.betas[0],
-                                      beta2=s.betas[1], eps=s.eps, weight_decay=wd,
-                                      adamw_mode=s.type == "adamw", bias_correction=s.bias_correction)
+                    beta1, beta2 = h["betas"]
+                    kernels.adam_step(p, gr, m, v, step=self.step_count, lr=h["lr"], beta1=beta1, beta2=beta2,
+                                      eps=h["eps"], weight_decay=h["weight_decay"], adamw_mode=s.type == "adamw",
+                                      bias_correction=s.bias_correction)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False
@@ -363,7 +395,7 @@ class ZeroOptimizer:
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (layout-specific): master shard, moments, step, scaler."""
-        return {"step_count": self.step_count, "scaler": self.scaler.state_dict(), "lr": self.param_groups[0]["lr"],
+        return {"step_count": self.step_count, "scaler": self.scaler.state_dict(), "param_groups": self.hyperparameters(),
                 "groups": [{"name": group.name, "numel": group.layout.total, "master": [m.detach().clone() for m in group.master],
                             "state": group.state_flat.detach().clone()} for group in self.groups]}
 
@@ -376,12 +408,26 @@ class ZeroOptimizer:
             raise ValueError(f"optimizer state was saved for flat groups {theirs}, this layout has {mine}")
         self.step_count = sd["step_count"]
         self.scaler.load_state_dict(sd["scaler"])
-        self.param_groups[0]["lr"] = sd["lr"]
+        self.load_hyperparameters(sd["param_groups"])
         for group, saved in zip(self.groups, sd["groups"]):
             for m, src in zip(group.master, saved["master"]):
                 m.copy_(src)
             group.state_flat.copy_(saved["state"])
             group.publish_master(self.allgather_bucket_size)
+
+    def hyperparameters(self) -> list[dict]:
+        """Each parameter group's settings without its parameters (lr, betas, …, and whatever an LR
+        scheduler added, such as initial_lr), for checkpoints."""
+        return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in pg.items() if k != "params"}
+                for pg in self.param_groups]
+
+    def load_hyperparameters(self, saved: list[dict]) -> None:
+        """Restore `hyperparameters()` into the same number of parameter groups."""
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"the saved optimizer had {len(saved)} parameter groups, this one has "
+                             f"{len(self.param_groups)}; build the optimizer with the same groups")
+        for pg, h in zip(self.param_groups, saved):
+            pg.update({k: (tuple(v) if k == "betas" else v) for k, v in h.items()})
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now: params, grads, master, optimizer_states, comm_buffers."""

@@ -155,6 +155,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     momentum: float = 0.0  # sgd only
     adamw_mode: Optional[bool] = None
+    no_decay_1d: Optional[bool] = None  # Megatron's rule (no decay for biases, norms); None: megazero-built models only
 
 
 @dataclass(frozen=True)
