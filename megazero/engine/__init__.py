@@ -124,9 +124,10 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     if isinstance(module, PipelineModule):
         engine = PipelineEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps,
                                 cfg.pipeline.schedule, cfg.pipeline.chunks, t.micro_batch_size, compute_dtype(cfg),
-                                on_instruction=on_instruction, device=info.device)
+                                on_instruction=on_instruction, device=info.device, local_rank=info.local_rank)
     else:
-        engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps)
+        engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps, t.micro_batch_size,
+                              info.local_rank, info.device)
     return engine, optimizer, _dataloader(training_data, cfg, pctx, module, engine), scheduler
 
 

@@ -8,18 +8,24 @@ pctx.dp_group inside the ZeRO optimizer.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megazero.engine.checkpointing import CheckpointMethods
+from megazero.engine.surface import EngineSurface
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.zero.lr_schedule import step_lr_scheduler
 
 
-class ModuleEngine(CheckpointMethods):
-    def __init__(self, module, pctx: ParallelContext, optimizer, lr_scheduler, gradient_accumulation_steps: int):
+class ModuleEngine(CheckpointMethods, EngineSurface):
+    def __init__(self, module, pctx: ParallelContext, optimizer, lr_scheduler, gradient_accumulation_steps: int,
+                 micro_batch_size: int = 1, local_rank: int = 0, device="cpu"):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
-        self.gas = gradient_accumulation_steps
+        self.gas, self.micro_batch_size = gradient_accumulation_steps, micro_batch_size
+        self.local_rank, self.device = local_rank, torch.device(device)
+        self.syncing = True  # False inside no_sync()
         self.micro_steps = 0
         self.global_steps = 0
         self.pending_save = None  # the asynchronous checkpoint save in flight (engine/checkpointing.py)
@@ -30,8 +36,26 @@ class ModuleEngine(CheckpointMethods):
 
     forward = __call__
 
+    def gradient_accumulation_steps(self) -> int:
+        return self.gas
+
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gas == 0
+        return self.syncing and (self.micro_steps + 1) % self.gas == 0
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients without reducing them and without counting
+        towards the accumulation boundary, as DeepSpeed's: `step()` inside is an error. ZeRO-2 and -3
+        reduce-scatter every micro-batch's gradients (that is how they save memory), so, as in
+        DeepSpeed, they refuse it."""
+        if self.optimizer.stage >= 2:
+            raise RuntimeError(f"engine.no_sync(): not compatible with ZeRO stage {self.optimizer.stage}, which "
+                               "reduce-scatters every micro-batch's gradients; use stage 0 or 1")
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (scaled by 1/gas and the loss scale)."""
@@ -41,6 +65,8 @@ class ModuleEngine(CheckpointMethods):
 
     def step(self) -> None:
         """Call after every micro-batch: steps the optimizer at the accumulation boundary."""
+        if not self.syncing:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave the context first, as in DeepSpeed")
         if self.is_gradient_accumulation_boundary():
             self.last_info = self.optimizer.step()
             if self.lr_scheduler is not None and not self.last_info.get("skipped", False):
@@ -48,16 +74,39 @@ class ModuleEngine(CheckpointMethods):
             self.global_steps += 1
         self.micro_steps += 1
 
+    def _loss(self, batch, loss_fn) -> torch.Tensor:
+        """One micro-batch's loss: `loss_fn(module, batch)`, or the module's output (a tensor, or an
+        object with `.loss`) for a dict batch (keyword arguments) or a tuple/list (positional)."""
+        if loss_fn is not None:
+            out = loss_fn(self.module, batch)
+        elif isinstance(batch, dict):
+            out = self.module(**batch)
+        else:
+            out = self.module(*batch)
+        return out if isinstance(out, torch.Tensor) else out.loss
+
+    def _mean_over_dp(self, total: torch.Tensor) -> float:
+        comm.all_reduce(total, self.pctx.dp_group)
+        return float(total.item()) / (self.gas * self.pctx.dp_size)
+
     def train_batch(self, data_iter, loss_fn=None) -> float:
-        """gas micro-batches of forward/backward and one step; `loss_fn(module, batch) -> loss`
-        (default: the module returns the loss, or an object with `.loss`). Mean loss over dp."""
+        """gas micro-batches of forward/backward and one step (see `_loss` for what a batch may be).
+        Mean loss over the micro-batches and dp."""
+        self.module.train()
         total = torch.zeros(1, dtype=torch.float64, device=self.optimizer.device)
         for _ in range(self.gas):
-            batch = next(data_iter)
-            out = loss_fn(self.module, batch) if loss_fn else self.module(**batch)
-            loss = out if isinstance(out, torch.Tensor) else out.loss
+            loss = self._loss(next(data_iter), loss_fn)
             self.backward(loss)
             self.step()
             total += loss.detach().double()
-        comm.all_reduce(total, self.pctx.dp_group)
-        return float(total.item()) / (self.gas * self.pctx.dp_size)
+        return self._mean_over_dp(total)
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter, loss_fn=None) -> float:
+        """gas micro-batches of forward only, in eval mode; the mean loss over them and dp (an
+        all-reduce over pctx.dp_group)."""
+        self.module.eval()
+        total = torch.zeros(1, dtype=torch.float64, device=self.optimizer.device)
+        for _ in range(self.gas):
+            total += self._loss(next(data_iter), loss_fn).detach().double()
+        return self._mean_over_dp(total)

@@ -15,6 +15,7 @@ from megazero.core import instructions as I
 from megazero.core.schedules import forward_only, get_schedule
 from megazero.core.simulate import peaks
 from megazero.engine.checkpointing import CheckpointMethods
+from megazero.engine.surface import EngineSurface
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipeP2P
 from megazero.pipeline.pipeline_module import PipelineModule
@@ -23,7 +24,7 @@ from megazero.runtime.parallel_context import ParallelContext
 from megazero.zero.lr_schedule import step_lr_scheduler
 
 
-class PipelineEngine(CheckpointMethods):
+class PipelineEngine(CheckpointMethods, EngineSurface):
     """Trains a PipelineModule with a ZeroOptimizer; see the module docstring.
 
     The activations between stages have the module's declared `activation_shape(micro_batch_size)`
@@ -33,9 +34,10 @@ class PipelineEngine(CheckpointMethods):
 
     def __init__(self, module: PipelineModule, pctx: ParallelContext, optimizer, lr_scheduler,
                  num_microbatches: int, schedule: str = "1f1b", chunks: int = 1, micro_batch_size: int = 1,
-                 dtype=torch.float32, on_instruction=None, device="cpu"):
+                 dtype=torch.float32, on_instruction=None, device="cpu", local_rank: int = 0):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
         self.num_microbatches, self.chunks = num_microbatches, chunks
+        self.micro_batch_size, self.local_rank = micro_batch_size, local_rank
         self.program = get_schedule(schedule, pctx.pp_size, num_microbatches, chunks)[pctx.pp_rank]
         self.eval_program = forward_only(pctx.pp_size, num_microbatches, pctx.pp_rank, chunks)
         self.device = torch.device(device)
@@ -63,6 +65,15 @@ class PipelineEngine(CheckpointMethods):
             step_lr_scheduler(self.lr_scheduler)
         self.global_steps += 1
         return self._agree_loss(st.losses)
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.num_microbatches
+
+    def is_first_stage(self) -> bool:
+        return self.pctx.is_first_stage
+
+    def is_last_stage(self) -> bool:
+        return self.pctx.is_last_stage
 
     @torch.no_grad()
     def eval_batch(self, data_iter=None) -> float:

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from .errors import ConfigError
 from .explain import explain
-from .loading import load_config
+from .loading import deepspeed_defaults_of, load_config
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -27,7 +27,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     path = None if args.config == "none" else args.config
     try:
         cfg = load_config(path, args.overrides, world_size=args.world_size)
-        sys.stdout.write(explain(cfg, args.world_size))
+        sys.stdout.write(explain(cfg, args.world_size, deepspeed_defaults_of(path)))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,27 @@ DS_DEFAULT_WARMUP_MAX_LR = 0.001
 DS_DEFAULT_WARMUP_NUM_STEPS = 1000
 DS_DEFAULT_WARMUP_TYPE = "log"
 
+DS_DEFAULTS: dict[str, tuple[str, Any]] = {"gradient_clipping": ("gradient_clipping", 1.0)}
+"""DeepSpeed keys whose DeepSpeed default differs from megazero's: {DeepSpeed key: (megazero key,
+DeepSpeed's default)}. A DeepSpeed config that leaves one unset gets DeepSpeed's value, so that the
+same file trains the same in both. (The scheduler's warmup defaults are applied in `_scheduler`.)"""
+
+
+def defaults_applied(ds: Mapping[str, Any]) -> list[str]:
+    """Lines naming each DeepSpeed default `translate` fills in for `ds` (for `config explain`)."""
+    flat = _flatten(ds)
+    return [f"{mz}: {value}  # {key} unset: DeepSpeed's default (megazero's own is "
+            f"{_schema_default(mz)})" for key, (mz, value) in DS_DEFAULTS.items() if key not in flat]
+
+
+def _schema_default(dotted: str):
+    import dataclasses
+
+    node = Config()
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node if not dataclasses.is_dataclass(node) else None
+
 
 def _flatten(section: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Dotted DeepSpeed key -> value, descending only into `DICT_SECTIONS`."""
@@ -191,6 +212,10 @@ def translate(ds: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         elif rule.target != SPECIAL:
             out[rule.target] = value
             labels[rule.target] = key
+    for key, (target, value) in DS_DEFAULTS.items():
+        if key not in flat:
+            out[target] = value
+            labels[target] = key
     _optimizer(flat, out)
     _scheduler(flat, out, labels)
     _deprecated_offload(flat, out)

@@ -9,7 +9,7 @@ counterpart is accepted only for the values at which it is truly a no-op for meg
 | train_batch_size | train.global_batch_size | "auto": derived from the other two and dp |
 | train_micro_batch_size_per_gpu | train.micro_batch_size | "auto": derived |
 | gradient_accumulation_steps | train.gradient_accumulation_steps | "auto": derived |
-| gradient_clipping | gradient_clipping | |
+| gradient_clipping | gradient_clipping | DeepSpeed's default 1.0 when absent (megazero's own default is 0 = off) |
 | steps_per_print | log.interval | |
 | wall_clock_breakdown | log.wall_clock_breakdown | |
 | memory_breakdown | log.memory_breakdown | |

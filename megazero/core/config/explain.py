@@ -6,7 +6,7 @@ reaches for m >= p are in docs/reference.md.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..instructions import ScheduleError
 from ..schedules import bubble_fraction
@@ -30,10 +30,15 @@ def derived_values(cfg: Config) -> dict[str, object]:
             "pipeline_schedule": pl.schedule, "bubble_fraction": bubble}
 
 
-def explain(cfg: Config, world_size: Optional[int] = None) -> str:
-    """The resolved config as YAML, then the derived values and any not-supported-yet keys."""
+def explain(cfg: Config, world_size: Optional[int] = None, deepspeed_defaults: Sequence[str] = ()) -> str:
+    """The resolved config as YAML, then the DeepSpeed defaults a DeepSpeed file got (lines from
+    `deepspeed.defaults_applied`), the derived values and any not-supported-yet keys."""
     cfg = resolve(cfg, world_size)
-    lines = [to_yaml(cfg).rstrip(), "", "# derived"]
+    lines = [to_yaml(cfg).rstrip(), ""]
+    if deepspeed_defaults:
+        lines += ["# DeepSpeed defaults (keys the DeepSpeed file leaves unset take DeepSpeed's value)"]
+        lines += [f"#   {line}" for line in deepspeed_defaults] + [""]
+    lines += ["# derived"]
     d = derived_values(cfg)
     p, m, v = cfg.parallel.pp, d["micro_batches_per_flush"], cfg.pipeline.chunks
     lines += [f"world_size: {d['world_size']}",

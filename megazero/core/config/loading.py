@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .deepspeed import is_deepspeed, translate
+from .deepspeed import defaults_applied, is_deepspeed, translate
 from .errors import ConfigError
 from .schema import Config
 from .tree import build_config, check_tree
@@ -72,6 +72,15 @@ def read_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     if path.endswith(YAML_SUFFIXES):
         return _read_yaml(path), {}
     raise ConfigError(f"{path}: unknown config file type; use .yaml, .yml or .json (DeepSpeed or megazero)")
+
+
+def deepspeed_defaults_of(path: str | None) -> list[str]:
+    """For a DeepSpeed JSON file, the lines of `deepspeed.defaults_applied` (else none)."""
+    if path is None or not path.endswith(".json"):
+        return []
+    with open(path) as f:
+        data = json.load(f)
+    return defaults_applied(data) if isinstance(data, dict) and is_deepspeed(data) else []
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
