@@ -128,7 +128,7 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     else:
         engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps, t.micro_batch_size,
                               info.local_rank, info.device)
-    return engine, optimizer, _dataloader(training_data, cfg, pctx, module, engine), scheduler
+    return engine, optimizer, _dataloader(training_data, cfg, pctx, module, engine, collate_fn=collate_fn), scheduler
 
 
 def data_iterator(cfg: Config, engine, start_step: int):
@@ -179,16 +179,17 @@ def _model(model, cfg: Config, pctx: ParallelContext, device):
     return model.to(device=device, dtype=compute_dtype(cfg))
 
 
-def _dataloader(training_data, cfg: Config, pctx: ParallelContext, module, engine, start_step: int = 0):
+def _dataloader(training_data, cfg: Config, pctx: ParallelContext, module, engine, start_step: int = 0,
+                collate_fn=None):
     """DeepSpeed returns a loader for `training_data`; spec models get the configured data (or
     synthetic tokens when data.path is unset), read only by the stages that need it, from global step
     `start_step` on."""
     t = cfg.train
-    if training_data is not None:
+    if training_data is not None:  # as DeepSpeed's: micro-batches of a DistributedSampler over dp (shuffled, seed 0)
         import torch.utils.data as tud
 
-        sampler = tud.DistributedSampler(training_data, num_replicas=pctx.dp_size, rank=pctx.dp_rank, shuffle=False)
-        return tud.DataLoader(training_data, batch_size=t.micro_batch_size, sampler=sampler, drop_last=True)
+        sampler = tud.DistributedSampler(training_data, num_replicas=pctx.dp_size, rank=pctx.dp_rank)
+        return tud.DataLoader(training_data, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate_fn)
     if not isinstance(module, PipelineModule) or module.model_spec is None:
         return None
     if not engine.needs_data():
