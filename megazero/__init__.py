@@ -10,7 +10,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("zero", "pipe", "ops", "engine", "run", "core", "runtime", "models", "data", "tensor_parallel",
+_SUBPACKAGES = ("zero", "pipe", "ops", "utils", "engine", "run", "core", "runtime", "models", "data", "tensor_parallel",
                 "pipeline", "activation_checkpoint")
 
 

@@ -121,7 +121,7 @@ def test_documented_noops_load(ds):
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "zero_optimization.offload_optimizer.ratio"),
     ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad"),
-    ({"pipeline": {"stages": "auto"}}, "pipeline"),
+    ({"pipeline": {"seed_layers": True}}, "pipeline.seed_layers"),
     ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint.tag_validation"),
     ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type"),
 ])
@@ -165,3 +165,13 @@ def test_key_table_is_documented():
     targets = {r.target for r in deepspeed_keys.RULES} - {None, deepspeed_keys.SPECIAL}
     from megazero.core.config import all_keys
     assert targets <= set(all_keys()), targets - set(all_keys())
+
+
+def test_the_pipeline_section_maps_key_by_key():
+    cfg = from_deepspeed({"train_micro_batch_size_per_gpu": 2, "pipeline": {
+        "stages": 2, "partition": "uniform", "pipe_partitioned": True, "grad_partitioned": True,
+        "activation_checkpoint_interval": 0, "seed_layers": False}})
+    assert cfg.parallel.pp == 2 and cfg.pipeline.partition == "uniform"
+    assert from_deepspeed({"pipeline": {"stages": "auto"}}).parallel.pp == 1  # initialize takes the module's
+    with pytest.raises(ConfigError, match="activation_checkpoint_interval.*PipelineModule"):
+        from_deepspeed({"pipeline": {"activation_checkpoint_interval": 2}})

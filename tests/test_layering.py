@@ -28,7 +28,7 @@ LAYERS = {
     "core": 0, "runtime": 1,
     "tensor_parallel": 2, "pipeline": 2, "zero": 2, "activation_checkpoint": 2,
     "models": 3,
-    "engine": 4, "run": 4, "data": 4, "ops": 4, "pipe": 4, "": 4,
+    "engine": 4, "run": 4, "data": 4, "ops": 4, "pipe": 4, "utils": 4, "": 4,
 }
 FORBIDDEN = ("model_specs", "tools", "benchmarks")
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve
+from megazero.core.config.loading import read_file, read_tree
 from megazero.core.topology import Topology
 from megazero.engine.factories import (build_model, build_optimizer, build_scheduler, check_model_and_schedule,
                                        compute_dtype, synthetic_batches, take_over)
@@ -69,9 +70,24 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError("initialize(mpu=...): megazero builds its own process groups from the config's "
                           "parallel.pp / parallel.tp / parallel.dp (DeepSpeed: the pipeline and tensor-parallel "
                           "sizes); pass mpu=None and set those")
+    if isinstance(model, PipelineModule) and not _sets_pp(config, overrides):
+        overrides = (*overrides, f"parallel.pp={model.num_stages}")  # DeepSpeed: the module's num_stages decides
     cfg = load_run_config(config if config is not None else {}, overrides)
     return initialize_from_config(cfg, model, model_parameters, training_data, lr_scheduler, on_instruction,
                                   client_optimizer=optimizer, collate_fn=collate_fn)
+
+
+def _sets_pp(config, overrides) -> bool:
+    """Whether the config (or an override) sets the pipeline size itself (parallel.pp; DeepSpeed's
+    pipeline.stages other than "auto")."""
+    if any(str(o).split("=", 1)[0].strip() == "parallel.pp" for o in overrides):
+        return True
+    if isinstance(config, Config):
+        return True
+    if config is None:
+        return False
+    tree = read_tree(config)[0] if isinstance(config, dict) else read_file(config)[0]
+    return tree.get("parallel", {}).get("pp") is not None
 
 
 def _config_source(args, config, config_params):
@@ -121,20 +137,22 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     optimizer = build_optimizer(cfg, module, pctx, model_parameters, spec)
     scheduler = _scheduler(lr_scheduler, cfg, optimizer)
     t = cfg.train
+    loader = _training_loader(training_data, cfg, pctx, collate_fn) if training_data is not None else None
     if isinstance(module, PipelineModule):
         engine = PipelineEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps,
                                 cfg.pipeline.schedule, cfg.pipeline.chunks, t.micro_batch_size, compute_dtype(cfg),
-                                on_instruction=on_instruction, device=info.device, local_rank=info.local_rank)
+                                on_instruction=on_instruction, device=info.device, local_rank=info.local_rank,
+                                training_data=loader)
     else:
         engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps, t.micro_batch_size,
                               info.local_rank, info.device)
-    return engine, optimizer, _dataloader(training_data, cfg, pctx, module, engine, collate_fn=collate_fn), scheduler
+    return engine, optimizer, loader if loader is not None else _dataloader(cfg, pctx, module, engine), scheduler
 
 
 def data_iterator(cfg: Config, engine, start_step: int):
     """The configured data of a spec model from global step `start_step` on (a resumed run's data
     position: batches depend only on the step), as `initialize` builds it for step 0."""
-    return _dataloader(None, cfg, engine.pctx, engine.module, engine, start_step)
+    return _dataloader(cfg, engine.pctx, engine.module, engine, start_step)
 
 
 def _check_pipeline_module(module: PipelineModule, cfg: Config) -> None:
@@ -179,17 +197,19 @@ def _model(model, cfg: Config, pctx: ParallelContext, device):
     return model.to(device=device, dtype=compute_dtype(cfg))
 
 
-def _dataloader(training_data, cfg: Config, pctx: ParallelContext, module, engine, start_step: int = 0,
-                collate_fn=None):
-    """DeepSpeed returns a loader for `training_data`; spec models get the configured data (or
-    synthetic tokens when data.path is unset), read only by the stages that need it, from global step
-    `start_step` on."""
-    t = cfg.train
-    if training_data is not None:  # as DeepSpeed's: micro-batches of a DistributedSampler over dp (shuffled, seed 0)
-        import torch.utils.data as tud
+def _training_loader(training_data, cfg: Config, pctx: ParallelContext, collate_fn=None):
+    """DeepSpeed's loader of `training_data`: micro-batches of a DistributedSampler over the dp group
+    (shuffled, seed 0, as DeepSpeed's), each batch made by `collate_fn`."""
+    import torch.utils.data as tud
 
-        sampler = tud.DistributedSampler(training_data, num_replicas=pctx.dp_size, rank=pctx.dp_rank)
-        return tud.DataLoader(training_data, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate_fn)
+    sampler = tud.DistributedSampler(training_data, num_replicas=pctx.dp_size, rank=pctx.dp_rank)
+    return tud.DataLoader(training_data, batch_size=cfg.train.micro_batch_size, sampler=sampler, collate_fn=collate_fn)
+
+
+def _dataloader(cfg: Config, pctx: ParallelContext, module, engine, start_step: int = 0):
+    """Spec models get the configured data (or synthetic tokens when data.path is unset), read only
+    by the stages that need it, from global step `start_step` on; other models none."""
+    t = cfg.train
     if not isinstance(module, PipelineModule) or module.model_spec is None:
         return None
     if not engine.needs_data():

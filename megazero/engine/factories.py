@@ -98,13 +98,13 @@ def zero_units(model: nn.Module) -> list[nn.Module]:
 def param_groups(cfg: Config, model: nn.Module, params=None) -> list:
     """The optimizer's parameters: `params` (parameters or parameter groups, as the user gave them)
     or the model's; plain parameters are split by Megatron's rule (`megatron_param_groups`) when
-    optimizer.no_decay_1d says so (unset: for megazero-built models, a PipelineModule)."""
+    optimizer.no_decay_1d says so (unset: for models megazero built from a spec)."""
     given = list(params if params is not None else model.parameters())
     if any(isinstance(g, dict) for g in given):
         return given  # the user's groups decay exactly as they say
     rule = cfg.optimizer.no_decay_1d
     if rule is None:
-        rule = isinstance(model, PipelineModule)
+        rule = isinstance(model, PipelineModule) and model.model_spec is not None  # built from a spec
     return megatron_param_groups(given, cfg.optimizer.weight_decay) if rule else given
 
 

@@ -15,6 +15,7 @@ from megazero.core import instructions as I
 from megazero.core.schedules import forward_only, get_schedule
 from megazero.core.simulate import peaks
 from megazero.engine.checkpointing import CheckpointMethods
+from megazero.data.repeating import RepeatingLoader
 from megazero.engine.surface import EngineSurface
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipeP2P
@@ -34,10 +35,12 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
 
     def __init__(self, module: PipelineModule, pctx: ParallelContext, optimizer, lr_scheduler,
                  num_microbatches: int, schedule: str = "1f1b", chunks: int = 1, micro_batch_size: int = 1,
-                 dtype=torch.float32, on_instruction=None, device="cpu", local_rank: int = 0):
+                 dtype=torch.float32, on_instruction=None, device="cpu", local_rank: int = 0, training_data=None):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
         self.num_microbatches, self.chunks = num_microbatches, chunks
         self.micro_batch_size, self.local_rank = micro_batch_size, local_rank
+        # DeepSpeed's train_batch() without an iterator reads initialize(training_data=...)'s loader, endlessly
+        self.training_iter = iter(RepeatingLoader(training_data)) if training_data is not None else None
         self.program = get_schedule(schedule, pctx.pp_size, num_microbatches, chunks)[pctx.pp_rank]
         self.eval_program = forward_only(pctx.pp_size, num_microbatches, pctx.pp_rank, chunks)
         self.device = torch.device(device)
@@ -57,7 +60,9 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         return any(isinstance(i, I.LoadMicroBatch) for i in self.program)
 
     def train_batch(self, data_iter=None) -> float:
-        """One optimizer step over `num_microbatches` micro-batches; the mean loss on every rank."""
+        """One optimizer step over `num_microbatches` micro-batches (dicts or DeepSpeed's (inputs, labels)
+        pairs, from `data_iter` or else the training data's loader); the mean loss on every rank."""
+        data_iter = self._data(data_iter)
         self.module.train()
         st = self.executor.run(self.program, data_iter, self.num_microbatches)
         self.last_info = dict(st.info)
@@ -75,9 +80,16 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
     def is_last_stage(self) -> bool:
         return self.pctx.is_last_stage
 
+    def _data(self, data_iter):
+        if data_iter is None and self.training_iter is None and self.needs_data():
+            raise ValueError("train_batch(data_iter=None): pass an iterator of micro-batches, or give "
+                             "megazero.initialize(training_data=...) a dataset")
+        return data_iter if data_iter is not None else self.training_iter
+
     @torch.no_grad()
     def eval_batch(self, data_iter=None) -> float:
         """Forward only over `num_microbatches` micro-batches; the mean loss on every rank."""
+        data_iter = self._data(data_iter)
         self.module.eval()
         st = self.executor.run(self.eval_program, data_iter, self.num_microbatches)
         return self._agree_loss(st.losses)

@@ -43,6 +43,9 @@ class Stage(Protocol):
     def forward_chunk(self, chunk: int, x: torch.Tensor | None, batch: dict | None) -> torch.Tensor:
         """Run `chunk` on `x` (None on the first virtual stage, which reads `batch`)."""
 
+    def as_batch(self, item) -> dict:
+        """A micro-batch from the data iterator as the dict the stages read."""
+
     def loss(self, out: torch.Tensor, batch: dict) -> torch.Tensor:
         """The micro-batch's loss from the last virtual stage's output and `batch`'s labels."""
 
@@ -139,7 +142,7 @@ class PipelineExecutor:
 
     # -- handlers ------------------------------------------------------------------------------
     def _load(self, ins, st):
-        batch = next(st.data_iter)
+        batch = self.stage.as_batch(next(st.data_iter))
         st.batches[ins.mb] = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
                               for k, v in batch.items()}
 

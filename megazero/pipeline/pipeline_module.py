@@ -12,7 +12,11 @@ virtual stages s, s + p, s + 2p, ... (Megatron's interleaved layout).
 """
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 from megazero.core import partition as part
@@ -78,12 +82,19 @@ class PipelineModule(nn.Module):
 
     Args:
         layers: LayerSpec / TiedLayerSpec / nn.Module / callable, in model order.
-        num_stages, stage: pipeline size and this rank's stage (pctx.pp_size, pctx.pp_rank).
+        num_stages, stage: pipeline size and this rank's stage (pctx.pp_size, pctx.pp_rank). Without
+            `stage` (DeepSpeed's way), it is this process' stage on DeepSpeed's default grid: pipeline
+            outermost, then data (`stage_of_this_process`); `megazero.initialize` checks it against
+            the config's grid.
         loss_fn: `loss_fn(output, labels)` on the last virtual stage.
         partition_method: "uniform", "parameters", "type:<regex>", "flops" or a list of per-(virtual-)
             stage layer counts.
         chunks: model chunks per stage (v, for the interleaved schedule).
-        input_key, label_key: micro-batch dict keys of the first layer's input and of the labels.
+        input_key, label_key: micro-batch dict keys of the first layer's input and of the labels; a
+            micro-batch may also be DeepSpeed's ``(inputs, labels)`` pair (`as_batch`).
+        activation_checkpoint_interval: DeepSpeed's: recompute every run of that many consecutive
+            layers of a chunk in backward (torch.utils.checkpoint, non-reentrant, RNG restored);
+            0 = off.
 
     What the engine needs beyond the layers, all optional (a user's module declares none of them):
         layer_infos: one `megazero.core.partition.LayerInfo` per layer (type name, parameters, cost);
@@ -99,12 +110,17 @@ class PipelineModule(nn.Module):
             weight GEMMs move from B to W); None: W computes nothing the B did not already hold.
     """
 
-    def __init__(self, layers, num_stages: int, stage: int, loss_fn=None, partition_method="parameters",
-                 chunks: int = 1, input_key: str = "input_ids", label_key: str = "labels", *,
-                 layer_infos=None, activation_shape=None, model_spec=None, activation_checkpointer=None,
-                 wgrad_store=None):
+    def __init__(self, layers, num_stages: int, stage: int | None = None, loss_fn=None,
+                 partition_method="parameters", chunks: int = 1, input_key: str = "input_ids",
+                 label_key: str = "labels", *, activation_checkpoint_interval: int = 0, layer_infos=None,
+                 activation_shape=None, model_spec=None, activation_checkpointer=None, wgrad_store=None):
         super().__init__()
         layers = list(layers)
+        if stage is None:
+            stage = stage_of_this_process(num_stages)
+        if activation_checkpoint_interval < 0:
+            raise ValueError(f"activation_checkpoint_interval={activation_checkpoint_interval}: must be >= 0 (0 = off)")
+        self.checkpoint_interval = activation_checkpoint_interval
         self.num_stages, self.stage_index, self.chunks = num_stages, stage, chunks
         self.loss_fn, self.input_key, self.label_key = loss_fn, input_key, label_key
         self.activation_shape, self.model_spec = activation_shape, model_spec
@@ -153,12 +169,28 @@ class PipelineModule(nn.Module):
     def is_last(self, chunk: int) -> bool:
         return self.virtual_stage(chunk) == self.num_stages * self.chunks - 1
 
+    def as_batch(self, item) -> dict:
+        """A micro-batch as the stages read it: a dict as it is, DeepSpeed's (inputs, labels) pair as
+        {input_key: inputs, label_key: labels}."""
+        if isinstance(item, dict):
+            return item
+        if isinstance(item, (tuple, list)) and len(item) == 2:
+            return {self.input_key: item[0], self.label_key: item[1]}
+        raise TypeError(f"a pipeline micro-batch must be a dict or an (inputs, labels) pair, got "
+                        f"{type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else ""))
+
     def forward_chunk(self, chunk: int, x, batch=None):
-        """Run local chunk `chunk` on `x` (the micro-batch's input on the first virtual stage)."""
+        """Run local chunk `chunk` on `x` (the micro-batch's input on the first virtual stage); with
+        activation_checkpoint_interval, each run of that many layers is recomputed in backward."""
         if self.is_first(chunk):
             x = batch[self.input_key]
-        for mod, fn in zip(self.local_chunks[chunk], self._forward_fns[chunk]):
-            x = fn(mod, x) if fn is not None else mod(x)
+        steps = list(zip(self.local_chunks[chunk], self._forward_fns[chunk]))
+        span = self.checkpoint_interval or len(steps) or 1
+        for lo in range(0, len(steps), span):
+            if self.checkpoint_interval and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(_run_layers, steps[lo:lo + span], x, use_reentrant=False)
+            else:
+                x = _run_layers(steps[lo:lo + span], x)
         return x
 
     def loss(self, out, batch):
@@ -182,6 +214,25 @@ class PipelineModule(nn.Module):
         if self.num_stages != 1 or self.chunks != 1:
             raise RuntimeError("PipelineModule.forward runs only with one stage and one chunk; use an engine")
         return self.loss(self.forward_chunk(0, None, batch), batch)
+
+
+def _run_layers(steps, x):
+    for mod, fn in steps:
+        x = fn(mod, x) if fn is not None else mod(x)
+    return x
+
+
+def stage_of_this_process(num_stages: int) -> int:
+    """This process' pipeline stage on DeepSpeed's default grid (pipeline outermost, then data; no
+    tensor parallelism): global rank // (world size / num_stages). Rank and world size come from
+    torch.distributed when it is initialized, else from the launcher's RANK / WORLD_SIZE."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if num_stages < 1 or world % num_stages:
+        raise ValueError(f"PipelineModule(num_stages={num_stages}): the world size {world} is not a multiple of it")
+    return rank // (world // num_stages)
 
 
 class _Fn(nn.Module):

@@ -204,6 +204,8 @@ def translate(ds: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         if isinstance(value, str) and value == "auto":
             if not rule.auto:
                 raise _auto_error(key, rule)
+            if rule.target == "parallel.pp":
+                continue  # pipeline.stages "auto": the PipelineModule's num_stages (megazero.initialize)
             value = None
         if rule.target is None:
             if not rule.noop(value):

@@ -61,7 +61,11 @@ counterpart is accepted only for the values at which it is truly a no-op for meg
 | checkpoint.tag_validation | - | no-op when "Ignore" |
 | checkpoint.load_universal, use_node_local_storage | - | no-op when false |
 | tensorboard, wandb, csv_monitor, comet, flops_profiler, comms_logger, autotuning, elasticity, curriculum_learning, data_efficiency, compression_training, progressive_layer_drop, eigenvalue, quantize_training, nebula, amp | - | no-op when {"enabled": false}; otherwise not supported yet |
-| pipeline, sparse_attention, bf16.immediate_grad_update, bf16.check_grad_overflow | - | not supported yet (any value); use megazero's pipeline.* keys |
+| pipeline.stages | parallel.pp | "auto" (DeepSpeed's default): the PipelineModule's num_stages |
+| pipeline.partition | pipeline.partition | parameters, uniform, type:<regex> (DeepSpeed's methods) |
+| pipeline.seed_layers / activation_checkpoint_interval | - | no-op when false / 0 (the interval is PipelineModule's argument) |
+| pipeline.pipe_partitioned, grad_partitioned, use_reentrant | - | no-op for any value: how activations travel, not what they are |
+| sparse_attention, bf16.immediate_grad_update, bf16.check_grad_overflow | - | not supported yet (any value) |
 """
 from __future__ import annotations
 
@@ -202,13 +206,21 @@ RULES: tuple[Rule, ...] = (
         "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger", "autotuning",
         "elasticity", "curriculum_learning", "data_efficiency", "compression_training",
         "progressive_layer_drop", "eigenvalue", "quantize_training", "nebula", "amp")),
-    Rule("pipeline", None, note="DeepSpeed's pipeline section; use megazero's pipeline.* keys"),
+    # DeepSpeed's pipeline section (the PipelineModule's num_stages decides the pipeline size when
+    # stages is "auto", which megazero.initialize applies)
+    Rule("pipeline.stages", "parallel.pp", auto=True),
+    Rule("pipeline.partition", "pipeline.partition"),
+    Rule("pipeline.seed_layers", None, _off, note="per-layer seeds; megazero's layers draw from the model seed"),
+    Rule("pipeline.activation_checkpoint_interval", None, lambda v: v == 0,
+         note="pass PipelineModule(activation_checkpoint_interval=...), as DeepSpeed reads it from there"),
+    *(Rule("pipeline." + k, None, _any, note="how activations travel, not what they are") for k in (
+        "pipe_partitioned", "grad_partitioned", "use_reentrant")),
     Rule("sparse_attention", None, note="sparse attention"),
 )
 
 DICT_SECTIONS = ("zero_optimization", _Z + "offload_optimizer", _Z + "offload_param", "fp16", "bf16",
                  "bfloat16", "optimizer", "optimizer.params", "scheduler", "scheduler.params",
-                 "activation_checkpointing", "data_types", "checkpoint")
+                 "activation_checkpointing", "data_types", "checkpoint", "pipeline")
 """DeepSpeed keys whose values are sections (mappings) of further keys."""
 
 OPTIMIZER_TYPES = MappingProxyType({"adam": "adam", "adamw": "adamw", "sgd": "sgd"})
