@@ -175,3 +175,18 @@ def test_the_pipeline_section_maps_key_by_key():
     assert from_deepspeed({"pipeline": {"stages": "auto"}}).parallel.pp == 1  # initialize takes the module's
     with pytest.raises(ConfigError, match="activation_checkpoint_interval.*PipelineModule"):
         from_deepspeed({"pipeline": {"activation_checkpoint_interval": 2}})
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(os.path.dirname(__file__), "configs"))
+                                        if f.startswith("ds_")))
+def test_a_dict_and_its_file_give_the_same_config(name):
+    """DeepSpeed's documented configs (getting started, ZeRO-2/3 offload, fp16, the HF Trainer's with
+    its "auto" values, a pipeline): the dict passed to initialize and the same JSON file resolve to
+    one Config, values kept typed (no YAML re-parsing of strings)."""
+    path = _ds(name)
+    with open(path) as f:
+        data = json.load(f)
+    from_file = load_config(path, ["name=x"], world_size=4)
+    from_dict = load_config(data, ["name=x"], world_size=4)
+    assert from_file == from_dict
+    assert from_dict.gradient_clipping == data.get("gradient_clipping", 1.0)  # DeepSpeed's default when unset

@@ -171,8 +171,13 @@ def build_optimizer(cfg: Config, model: nn.Module, pctx: ParallelContext, params
         prefetch_bucket_size=z.prefetch_bucket_size, param_persistence_threshold=z.param_persistence_threshold)
 
 
-def build_scheduler(cfg: Config, optimizer) -> LRScheduler:
+def build_scheduler(cfg: Config, optimizer) -> LRScheduler | None:
+    """The configured schedule; none for "constant", so that every parameter group keeps its own lr
+    (and a client's torch scheduler is the only one), as DeepSpeed without a scheduler section. The
+    schedules set one lr for all groups, as DeepSpeed's WarmupLR does."""
     s = cfg.scheduler
+    if s.type == "constant":
+        return None
     return LRScheduler(optimizer, s.type, cfg.optimizer.lr, s.warmup_steps, s.total_steps or cfg.train.steps,
                        s.min_lr, s.warmup_min_lr, s.warmup_type)
 

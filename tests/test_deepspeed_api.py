@@ -1,0 +1,120 @@
+"""The DeepSpeed surface in one process: client optimizers taken over (and refused), the ZeRO optimizer
+as a torch.optim.Optimizer driven by its parameter groups and torch's schedulers, initialize's
+arguments, the engine accessors and no_sync, the import paths. Multi-rank parity of whole scripts is
+in tests/test_deepspeed_scripts.py."""
+import argparse
+
+import pytest
+import torch
+
+import megazero
+from megazero.core.config import ConfigError
+from megazero.engine.factories import take_over
+
+CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0}
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("make, kind", [
+    (lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=0.1), "adam"),
+    (lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True), "adamw"),
+    (lambda p: torch.optim.AdamW(p, lr=1e-3), "adamw"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "sgd"),
+    (lambda p: megazero.ops.adam.FusedAdam(p, adam_w_mode=False), "adam"),
+    (lambda p: megazero.ops.adam.DeepSpeedCPUAdam(p), "adamw"),
+])
+def test_client_optimizers_are_taken_over_with_their_groups(make, kind):
+    params = list(model().parameters())
+    client = make(params)
+    spec, groups = take_over(client, params)
+    assert spec.type == kind and groups is client.param_groups
+    spec2, _ = take_over(make, params)  # a callable building one from the parameters
+    assert spec2.type == kind
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda p: torch.optim.AdamW(p, amsgrad=True), "amsgrad=True"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True), "nesterov=True"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, dampening=0.5), "dampening"),
+    (lambda p: torch.optim.RMSprop(p), "RMSprop.*Adam, AdamW"),
+    (lambda p: torch.optim.AdamW([{"params": p[:2], "amsgrad": True}, {"params": p[2:]}]), "amsgrad"),
+])
+def test_what_the_zero_optimizer_cannot_run_is_refused_by_name(make, match):
+    params = list(model().parameters())
+    with pytest.raises(ConfigError, match=match):
+        take_over(make(params), params)
+
+
+def test_parameter_groups_drive_each_step_like_torch():
+    """Two groups with their own lr and weight decay, a torch LambdaLR on the returned optimizer, and
+    an lr edited by hand: 3 steps equal torch.optim.AdamW's on the same groups."""
+    ref, net = model(), model()
+    groups = lambda m: [{"params": [m[0].weight, m[2].weight], "weight_decay": 0.1},  # noqa: E731
+                        {"params": [m[0].bias, m[1].weight, m[1].bias, m[2].bias], "weight_decay": 0.0, "lr": 3e-3}]
+    torch_opt = torch.optim.AdamW(groups(ref), lr=1e-2)
+    torch_sched = torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda s: 1.0 / (s + 1))
+    engine, opt, _, _ = megazero.initialize(model=net, model_parameters=groups(net),
+                                            config={**CFG, "gradient_accumulation_steps": 1,
+                                                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    assert isinstance(opt, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        for m, o, s, backward in ((ref, torch_opt, torch_sched, lambda l: l.backward()),
+                                  (net, opt, sched, engine.backward)):
+            if step == 2:
+                o.param_groups[1]["lr"] = 5e-4  # by hand, as some scripts do
+            backward(m(x).pow(2).mean())
+            (engine.step if m is net else o.step)()
+            if m is ref:
+                o.zero_grad()
+            s.step()
+    assert engine.get_lr() == pytest.approx([g["lr"] for g in torch_opt.param_groups])
+    for a, b in zip(ref.parameters(), net.parameters()):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(NotImplementedError, match="flattened"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+
+
+def test_initialize_takes_deepspeeds_arguments_and_refuses_what_it_cannot_use(tmp_path):
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(CFG))
+    args = megazero.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepspeed_config", str(path)])
+    engine, *_ = megazero.initialize(args=args, model=model())
+    assert engine.gradient_accumulation_steps() == 2 and engine.train_micro_batch_size_per_gpu() == 2
+    assert engine.train_batch_size() == 4 and engine.local_rank == 0 and engine.device == torch.device("cpu")
+    with pytest.raises(ConfigError, match="given twice"):
+        megazero.initialize(args=args, model=model(), config=CFG)
+    with pytest.raises(ConfigError, match="mpu"):
+        megazero.initialize(model=model(), config=CFG, mpu=object())
+    engine, *_ = megazero.initialize(model=model(), config_params=CFG)
+    assert engine.gradient_accumulation_steps() == 2
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_no_sync_and_the_accessors(stage):
+    engine, *_ = megazero.initialize(model=model(), config={**CFG, "zero_optimization": {"stage": stage}})
+    x = torch.randn(2, 4)
+    if stage >= 2:
+        with pytest.raises(RuntimeError, match="not compatible with ZeRO stage 2"):
+            with engine.no_sync():
+                pass
+        return
+    with engine.no_sync():
+        engine.backward(engine(x).sum())  # accumulates, does not count towards the boundary
+        with pytest.raises(RuntimeError, match="inside engine.no_sync"):
+            engine.step()
+    assert engine.micro_steps == 0 and engine.get_global_grad_norm() is None
+    for _ in range(2):
+        engine.backward(engine(x).sum())
+        engine.step()
+    assert engine.global_steps == 1 and engine.get_global_grad_norm() > 0
+    assert engine.eval() is engine and not engine.module.training
+    loss = engine.eval_batch(iter([(x,), (x,)]), loss_fn=lambda m, b: m(*b).sum())
+    assert loss == pytest.approx(engine(x).sum().item(), rel=1e-6)
