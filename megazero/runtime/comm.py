@@ -111,6 +111,15 @@ def single_rank_group(axis: str = "world", stats: CommStats | None = None) -> Gr
     return GroupHandle(axis, (0,), 0, None, stats or CommStats())
 
 
+def world_group(stats: CommStats | None = None) -> GroupHandle:
+    """Every rank of the default process group (a single-rank group when there is none): for code
+    that runs before a ParallelContext exists, such as `megazero.zero.Init`."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return single_rank_group("world", stats)
+    world = dist.get_world_size()
+    return GroupHandle("world", tuple(range(world)), dist.get_rank(), dist.group.WORLD, stats or CommStats())
+
+
 def _op(name: str):
     op = _REDUCE_OPS.get(name)
     if op is None:

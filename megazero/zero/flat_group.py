@@ -22,6 +22,7 @@ import torch
 from megazero.runtime import comm
 from megazero.runtime.comm import GroupHandle
 from megazero.core.flat_buffer import FlatLayout, build_layout
+from megazero.zero.init import full_shape, full_value, is_partitioned
 
 
 def _flat_views(flat: torch.Tensor, ranges: list[tuple[int, int]], base: int = 0) -> list[torch.Tensor]:
@@ -41,11 +42,11 @@ class FlatGroup:
         self.shard_params = shard_params
         self.full_grads = stage <= 1
         self.offload = offload
-        self.layout: FlatLayout = build_layout([p.numel() for p in params], dp_group.size, bucket_size,
+        self.shapes = [full_shape(p) for p in params]  # kept: stage 3 empties the parameters' data
+        self.layout: FlatLayout = build_layout([s.numel() for s in self.shapes], dp_group.size, bucket_size,
                                                boundaries)
         self.dtype = params[0].dtype
         self.device = params[0].device
-        self.shapes = [p.shape for p in params]  # kept: stage 3 empties the parameters' data
         lay = self.layout
         self.owned = [(b.start, b.end) if stage == 0 else b.shard(dp_group.rank, dp_group.size)
                       for b in lay.buckets]
@@ -59,28 +60,42 @@ class FlatGroup:
         self._inflight: list = []  # (work, bucket, temp shard) of async reduce-scatters
 
     # -- construction -------------------------------------------------------------------
+    def _full(self, i: int) -> torch.Tensor:
+        """Parameter i's full value: its data, or for one built under `megazero.zero.Init` its
+        partitions all-gathered over the dp group (every rank calls this for every i, in order)."""
+        p = self.params[i]
+        if not is_partitioned(p):
+            return p.data
+        full = full_value(p, self.dp)
+        p.zero_init_shape = p.zero_init_partition = None  # from here on the flat buffers hold it
+        return full
+
     def _build_params(self) -> None:
         lay = self.layout
         if not self.shard_params:
             self.param_flat = torch.zeros(lay.total, dtype=self.dtype, device=self.device)
             for i, p in enumerate(self.params):
                 s, e = lay.param_range(i)
-                self.param_flat[s:e].copy_(p.data.reshape(-1))
-                p.data = self.param_flat[s:e].view_as(p)
+                self.param_flat[s:e].copy_(self._full(i).reshape(-1))
+                p.data = self.param_flat[s:e].view(self.shapes[i])
             self.param_owned = _flat_views(self.param_flat, self.owned)
             return
         shard = torch.zeros(lay.shard_numel, dtype=self.dtype,
                             device="cpu" if self.offload else self.device)
-        self.param_owned, pos = [], 0
+        self.param_owned, pos, mine = [], 0, {}  # mine: param -> [(owned view, its segment)]
         for b in lay.buckets:
             n = b.numel // self.dp.size
             view = shard[pos:pos + n]
             lo = self.owned[b.index][0]
             for seg in self.segments[b.index]:
-                src = self.params[seg.param].data.reshape(-1)[seg.param_start:seg.param_start + seg.numel]
-                view[seg.buf_start - lo:seg.buf_end - lo].copy_(src)
+                mine.setdefault(seg.param, []).append((view[seg.buf_start - lo:seg.buf_end - lo], seg))
             self.param_owned.append(view)
             pos += n
+        for i in range(len(self.params)):  # one full parameter at a time (Init: gathered, then dropped)
+            full = self._full(i).reshape(-1)  # (numel,)
+            for dest, seg in mine.get(i, ()):
+                dest.copy_(full[seg.param_start:seg.param_start + seg.numel])
+            del full
         self.param_shard = shard
         for p in self.params:
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ import torch
 from megazero.core.config.schema import NONFINITE_CHOICES
 from megazero.runtime import comm, kernels
 from megazero.zero.flat_group import FlatGroup
+from megazero.zero.init import full_shape
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.stage3 import Stage3Gatherer
 
@@ -74,7 +76,7 @@ def megatron_param_groups(params, weight_decay: float) -> list[dict]:
     `no_weight_decay` attribute says for itself."""
     decay, no_decay = [], []
     for p in params:
-        (no_decay if getattr(p, "no_weight_decay", p.dim() < 2) else decay).append(p)
+        (no_decay if getattr(p, "no_weight_decay", len(full_shape(p)) < 2) else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -124,6 +126,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.groups = self._make_groups(unique, units, reduce_bucket_size, offload_optimizer, offload_param,
                                         param_persistence_threshold)
         self._where = {id(p): (group, i) for group in self.groups for i, p in enumerate(group.params)}
+        for group in self.groups:  # megazero.zero.GatheredParameters finds the optimizer of a parameter
+            for p in group.params:
+                p.zero_optimizer = weakref.ref(self)
         self.device = unique[0].device if unique else torch.device("cpu")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for group in self.groups for p in group.params]
         self._counted = [self._counted_ranges(group) for group in self.groups]
@@ -156,8 +161,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for u, mod in enumerate(units or []):
                 for p in mod.parameters():
                     unit_of.setdefault(id(p), u)
-            sharded = [p for p in rest if id(p) in unit_of and p.numel() >= persist]
-            persistent = [p for p in rest if not (id(p) in unit_of and p.numel() >= persist)]
+            big = {id(p) for p in rest if id(p) in unit_of and full_shape(p).numel() >= persist}
+            sharded = [p for p in rest if id(p) in big]
+            persistent = [p for p in rest if id(p) not in big]
             sharded.sort(key=lambda p: -unit_of[id(p)])  # reverse forward order: fills first in backward
             cuts = [i for i in range(1, len(sharded)) if unit_of[id(sharded[i])] != unit_of[id(sharded[i - 1])]]
             if sharded:
@@ -366,20 +372,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- introspection ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def full_parameters(self, writeback: bool = False):
-        """Within the block every parameter holds its full (this rank's TP shard) value; at stage 3
-        this all-gathers every sharded bucket over dp and releases them after. With `writeback`,
-        values written into the parameters inside the block are kept (stage 3 copies each rank's
-        owned slice back into its shard) and the fp32 master is refreshed from them."""
+    def full_parameters(self, writeback: bool = False, params=None, modifier_rank: int | None = None):
+        """Within the block every parameter (or those in `params`) holds its full (this rank's TP
+        shard) value; at stage 3 this all-gathers the sharded buckets over dp and releases them after.
+        With `writeback`, values written into the parameters inside the block are kept (stage 3 copies
+        each rank's owned slice back into its shard) and the fp32 master is refreshed from them. With
+        `modifier_rank`, that dp rank's values of `params` are broadcast over dp first (what
+        `megazero.zero.GatheredParameters(params, modifier_rank)` does), then written back."""
+        wanted = None if params is None else {id(p) for p in params}
         held = []
         try:
             for group in self.groups:
                 if group.shard_params:
-                    for b in range(len(group.layout.buckets)):
-                        _, full = group.gather_bucket(b)
-                        group.attach_bucket(b, full)
-                        held.append((group, b, full))
+                    for b, bk in enumerate(group.layout.buckets):
+                        if wanted is None or any(id(group.params[i]) in wanted for i in bk.params):
+                            _, full = group.gather_bucket(b)
+                            group.attach_bucket(b, full)
+                            held.append((group, b, full))
             yield
+            if modifier_rank is not None:
+                for group in self.groups:
+                    for p in group.params:
+                        if wanted is None or id(p) in wanted:
+                            comm.broadcast(p.data, modifier_rank, group.dp)
+                writeback = True
             if writeback:
                 for group, b, full in held:
                     start = group.layout.buckets[b].start
