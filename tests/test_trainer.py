@@ -4,7 +4,7 @@ Covers: a short run writes metrics (with the documented fields), a checkpoint an
 run twice gives bit-identical metrics (timing fields aside); bad input (missing config, world size
 that does not fit the layout, missing data) ends every rank with one clear line and no hang; a
 2-node launch with two torchrun agents on localhost; a restarted run resumes from its checkpoint
-exactly, at pp2 x dp2 with dropout (tests/test_checkpoint.py has 2x2x2 and the resharding).
+exactly, at pp2 with dropout (tests/test_checkpoint.py has 2x2x2 and the resharding).
 """
 import json
 import os
@@ -99,16 +99,17 @@ def test_two_node_launch_on_localhost(corpus, tmp_path):
 
 
 def test_a_restarted_run_resumes_exactly(corpus, tmp_path):
-    """pp2 x dp2, ZeRO-1, dropout 0.1: 20 steps in one go (no checkpoint) vs 10 steps, then the
+    """pp2, ZeRO-1, dropout 0.1: 20 steps in one go (no checkpoint) vs 10 steps, then the
     same command with train.steps=20. The second launch finds checkpoint.dir's latest, resumes (data
     position and RNG streams included) and appends to the metrics: the same records, bit for bit."""
-    args = ["configs/debug_gpt.yaml", "parallel.tp=1", "zero.stage=1", "model.dropout=0.1", "checkpoint.async_save=true"]
-    whole = torchrun(4, [*args, *small(corpus, tmp_path / "whole", "train.steps=20")])
+    args = ["configs/debug_gpt.yaml", "parallel.tp=1", "zero.stage=1", "model.dropout=0.1", "checkpoint.async_save=true",
+            "train.global_batch_size=4"]
+    whole = torchrun(2, [*args, *small(corpus, tmp_path / "whole", "train.steps=20")])
     assert whole.returncode == 0, whole.stderr[-3000:]
     saving = [*args, "checkpoint.save_interval=10"]  # written in the background; the trainer waits at the end
-    first = torchrun(4, [*saving, *small(corpus, tmp_path / "run", "train.steps=10")])
+    first = torchrun(2, [*saving, *small(corpus, tmp_path / "run", "train.steps=10")])
     assert first.returncode == 0, first.stderr[-3000:]
-    again = torchrun(4, [*saving, *small(corpus, tmp_path / "run", "train.steps=20")])
+    again = torchrun(2, [*saving, *small(corpus, tmp_path / "run", "train.steps=20")])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "at step 10" in again.stdout
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
