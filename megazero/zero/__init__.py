@@ -5,12 +5,12 @@
 - `stage3`: `Stage3Gatherer`, ZeRO-3's per-layer parameter gathering;
 - `loss_scaler`, `lr_schedule`: the loss scale and the learning-rate schedule.
 
-- `init`: DeepSpeed's `Init` (build a model partitioned over the ranks) and `GatheredParameters`,
+- `partitioned_init`: DeepSpeed's `Init` (build a model partitioned over the ranks) and `GatheredParameters`,
   reachable as `megazero.zero.Init` / `megazero.zero.GatheredParameters` as in DeepSpeed.
 
 The shard and bucket index arithmetic is pure and lives in `megazero.core.flat_buffer`. Import the
 other submodules directly.
 """
-from megazero.zero.init import GatheredParameters, Init
+from megazero.zero.partitioned_init import GatheredParameters, Init
 
 __all__ = ["Init", "GatheredParameters"]

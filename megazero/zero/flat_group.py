@@ -22,7 +22,7 @@ import torch
 from megazero.runtime import comm
 from megazero.runtime.comm import GroupHandle
 from megazero.core.flat_buffer import FlatLayout, build_layout
-from megazero.zero.init import full_shape, full_value, is_partitioned
+from megazero.zero.partitioned_init import full_shape, full_value, is_partitioned
 
 
 def _flat_views(flat: torch.Tensor, ranges: list[tuple[int, int]], base: int = 0) -> list[torch.Tensor]:

@@ -40,7 +40,7 @@ import torch
 from megazero.core.config.schema import NONFINITE_CHOICES
 from megazero.runtime import comm, kernels
 from megazero.zero.flat_group import FlatGroup
-from megazero.zero.init import full_shape
+from megazero.zero.partitioned_init import full_shape
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.stage3 import Stage3Gatherer
 
