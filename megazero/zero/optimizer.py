@@ -142,11 +142,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """Only during construction: the flat buffers are laid out once, so a group added later
-        could never be updated."""
+        could never be updated. torch's rules (tensors, leaves, no parameter in two groups, defaults
+        for what the group leaves out), but not torch's implementation: its dynamo guard imports
+        torch._dynamo, seconds in every process that builds an optimizer."""
         if getattr(self, "_flattened", False):
             raise NotImplementedError("ZeroOptimizer.add_param_group: the parameters are flattened when the optimizer "
                                       "is built; pass every parameter group to megazero.initialize (model_parameters)")
-        super().add_param_group(param_group)
+        params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, not a set")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"optimizer can only optimize Tensors, got {type(p).__name__}")
+            if not p.is_leaf:
+                raise ValueError("can't optimize a non-leaf Tensor")
+        seen = {id(q) for group in self.param_groups for q in group["params"]}
+        if any(id(p) in seen for p in params):
+            raise ValueError("some parameters appear in more than one parameter group")
+        param_group["params"] = params
+        for key, value in self.defaults.items():
+            param_group.setdefault(key, value)
+        self.param_groups.append(param_group)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _make_groups(self, params, units, bucket, offload_opt, offload_param, persist):
