@@ -25,6 +25,18 @@ class RankError(RuntimeError):
     """A rank raised, died, or did not finish in time."""
 
 
+def mmap_large_allocations(threshold: int = 65536) -> None:
+    """glibc: allocations above `threshold` bytes get their own mmap and go back to the OS when freed
+    (a fixed threshold, no dynamic raising), so that a resident-set peak shows what a step really
+    allocates. Call it first thing in a rank process: an environment variable would not reach
+    processes forked from a forkserver that started earlier."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
