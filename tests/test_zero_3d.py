@@ -60,34 +60,45 @@ def test_3d_volume_and_memory_per_rank(stage):
         assert abs(states - expected_bytes) <= 0.05 * expected_bytes, (mem, expected_bytes)
 
 
-def release_worker(stage):
-    """After a forward (before backward), how many gathered ZeRO-3 buckets are still alive."""
+def release_worker(stage, plain):
+    """After a forward (before backward), how many bytes of gathered ZeRO-3 buckets are still
+    allocated, out of how many gathers: megazero's GPT (its linear layers refer to the Parameter)
+    or plain `nn.Linear`s, which save views of their weight for backward."""
     import gc
 
-    from torch.multiprocessing.reductions import StorageWeakRef
+    import torch
 
     import megazero
     from megazero.zero.flat_group import FlatGroup
 
-    alive = []
+    gathered = []
     original = FlatGroup.gather_bucket
 
     def recording(self, b, async_op=False):
         work, full = original(self, b, async_op)
-        alive.append(StorageWeakRef(full.untyped_storage()))  # the memory, not the tensor object
+        gathered.append(full)  # the buffer object lives on; what counts is whether its storage has bytes
         return work, full
     FlatGroup.gather_bucket = recording
-    engine, optimizer, data, _ = megazero.initialize(config=layout(1, 2, stage=stage))
-    batch = next(data)
-    loss = engine.module.loss(engine.module.forward_chunk(0, None, batch), batch)
+    if plain:
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        engine, *_ = megazero.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+                "stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 1000,
+                "stage3_prefetch_bucket_size": 1000}})
+        loss = engine(torch.randn(2, 64)).square().mean()
+    else:
+        engine, optimizer, data, _ = megazero.initialize(config=layout(1, 2, stage=stage))
+        batch = next(data)
+        loss = engine.module.loss(engine.module.forward_chunk(0, None, batch), batch)
     gc.collect()
-    held = sum(not r.expired() for r in alive)
+    held = sum(t.untyped_storage().nbytes() for t in gathered)
     loss.backward()
-    return held, len(alive)
+    return held, len(gathered)
 
 
-def test_zero3_frees_gathered_parameters_between_forward_and_backward():
-    """ZeRO-3 releases each layer's gathered parameters after its forward; autograd must not keep
-    them alive through saved views (megazero's linear layers refer to the Parameter instead)."""
-    for held, gathered in run_ranks(release_worker, 4, 3, timeout=120):
+@pytest.mark.parametrize("plain", [False, True], ids=["megazero-gpt", "nn-linear"])
+def test_zero3_frees_gathered_parameters_between_forward_and_backward(plain):
+    """ZeRO-3 frees each layer's gathered bytes after its forward, even where autograd keeps views
+    of them for backward (the storage is freed, and refilled before the layer's backward)."""
+    for held, gathered in run_ranks(release_worker, 4, 3, plain, timeout=120):
         assert gathered > 0 and held == 0, (held, gathered)

@@ -36,6 +36,8 @@ class FlatGroup:
     buckets, all-gather of updated (stages 1-2) or used (stage 3) parameter buckets.
     """
 
+    MAX_INFLIGHT = 2  # asynchronous gradient reductions launched and not yet waited for
+
     def __init__(self, name: str, params: list[torch.nn.Parameter], dp_group: GroupHandle, stage: int,
                  bucket_size: int, boundaries=(), shard_params: bool = False, offload: bool = False):
         self.name, self.params, self.dp, self.stage = name, params, dp_group, stage
@@ -58,6 +60,7 @@ class FlatGroup:
         self.reset_pending()
         self._bucket_grad: dict[int, torch.Tensor] = {}  # stage 2-3: bucket-sized fp32 temporaries
         self._inflight: list = []  # (work, bucket, temp shard) of async reduce-scatters
+        self._launched: list[int] = []  # buckets reduced since the last wait(), in flight or finished
 
     # -- construction -------------------------------------------------------------------
     def _full(self, i: int) -> torch.Tensor:
@@ -97,6 +100,7 @@ class FlatGroup:
                 dest.copy_(full[seg.param_start:seg.param_start + seg.numel])
             del full
         self.param_shard = shard
+        self._gathered: dict[int, torch.Tensor] = {}  # bucket -> its full buffer (storage freed while released)
         for p in self.params:
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
             p.zero3_sharded = True  # megazero's linear layers then never save views of gathered data
@@ -170,24 +174,34 @@ class FlatGroup:
             tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
             work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
             self._inflight.append((work, b, tmp))
+        self._launched.append(b)
         if not async_op:
             self.wait()
+        # A launched reduction keeps its input alive (at stages 2-3 a bucket-sized fp32 buffer) until
+        # it is waited for: finish the oldest beyond MAX_INFLIGHT so that overlapping costs a couple
+        # of buckets of memory, not one per bucket of the whole backward.
+        while len(self._inflight) > self.MAX_INFLIGHT:
+            self._finish(*self._inflight.pop(0))
 
     def in_flight(self) -> set[int]:
-        """The buckets whose reduction is launched and not waited for yet."""
-        return {b for _, b, _ in self._inflight}
+        """The buckets whose reduction was launched since the last `wait()` (finished or not)."""
+        return set(self._launched)
 
     def wait(self) -> None:
         """Finish every launched reduction and place its result in `grad_owned`."""
-        for work, b, tmp in self._inflight:
-            if work is not None:
-                work.wait()
-            if tmp is not None:
-                if self.full_grads:
-                    self.grad_owned[b].copy_(tmp)
-                else:
-                    self.grad_owned[b].add_(tmp)
+        for entry in self._inflight:
+            self._finish(*entry)
         self._inflight.clear()
+        self._launched.clear()
+
+    def _finish(self, work, b: int, tmp: torch.Tensor | None) -> None:
+        if work is not None:
+            work.wait()
+        if tmp is not None:
+            if self.full_grads:
+                self.grad_owned[b].copy_(tmp)
+            else:
+                self.grad_owned[b].add_(tmp)
 
     def flush(self) -> None:
         """Stage 2-3: reduce every bucket still holding gradients (e.g. with unused parameters)."""
@@ -238,10 +252,20 @@ class FlatGroup:
             pos += k
 
     def gather_bucket(self, b: int, async_op: bool = False):
-        """Stage 3: all-gather bucket b's parameters over dp into a new full buffer and point its
-        parameters at it. Returns (work, buffer)."""
+        """Stage 3: all-gather bucket b's parameters over dp into the bucket's full buffer. Returns
+        (work, buffer); `attach_bucket` then points the parameters at it.
+
+        Each bucket keeps one buffer for the whole run whose *storage* is freed on release (resized
+        to 0 bytes) and re-grown here. Autograd keeps views of a gathered weight for backward (e.g.
+        `nn.Linear` saves `weight.t()`); those views hold the storage object, not its bytes, so the
+        memory is returned between forward and backward, and the re-gather before the unit's
+        backward refills the very storage the saved views read (FSDP frees its buffers the same way)."""
         bk = self.layout.buckets[b]
-        full = torch.empty(bk.numel, dtype=self.dtype, device=self.device)
+        full = self._gathered.get(b)
+        if full is None:
+            full = self._gathered[b] = torch.empty(bk.numel, dtype=self.dtype, device=self.device)
+        else:
+            full.untyped_storage().resize_(bk.numel * full.element_size())
         shard = self.param_owned[b].to(self.device, non_blocking=True)
         work = comm.all_gather(full, shard, self.dp, async_op=async_op)
         return work, full
@@ -253,8 +277,12 @@ class FlatGroup:
             self.params[i].data = full[s - bk.start:e - bk.start].view(self.shapes[i])
 
     def release_bucket(self, b: int) -> None:
+        """Stage 3: empty bucket b's parameters and free its gathered bytes (see `gather_bucket`)."""
         for i in self.layout.buckets[b].params:
             self.params[i].data = torch.empty(0, dtype=self.dtype, device=self.device)
+        full = self._gathered.get(b)
+        if full is not None:
+            full.untyped_storage().resize_(0)
 
     # -- accounting -----------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:

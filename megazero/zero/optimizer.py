@@ -251,7 +251,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         autograd: a gradient handed in with history must not make the flat buffers part of a graph."""
         group, i = self._where[id(p)]
         done = group.add_grad(i, grad)
-        if done is not None and self.overlap and (not group.full_grads or self._last_microbatch):
+        # Stages 2-3 reduce-scatter a bucket as soon as it is complete (asynchronously with
+        # overlap_comm), so only the buckets being filled hold full-size gradients; stages 0-1 keep
+        # full gradients anyway and reduce at the step's last micro-batch, here only when overlapping.
+        if done is not None and not group.full_grads:
+            group.reduce_bucket(done, async_op=self.overlap)
+        elif done is not None and self.overlap and self._last_microbatch:
             group.reduce_bucket(done, async_op=True)
         if self.gatherer is not None and done is not None and group.shard_params:
             self.gatherer.bucket_done(group, done)
