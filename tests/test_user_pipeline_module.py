@@ -40,12 +40,46 @@ FACTORIES = [lambda: nn.Embedding(VOCAB, 16), lambda: Residual(16), lambda: nn.L
              lambda: Residual(24), lambda: nn.Linear(24, 16), lambda: nn.Linear(16, VOCAB)]
 
 
+class TupleEmbedding(nn.Module):
+    """input_ids -> (hidden, mask, skip): a bool mask and a second float stream, as DeepSpeed's
+    pipeline layers pass tuples (the mask travels without a gradient, skip with one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.word, self.skip = nn.Embedding(VOCAB, 16), nn.Embedding(VOCAB, 16)
+
+    def forward(self, input_ids):
+        return self.word(input_ids), input_ids % 7 != 0, self.skip(input_ids)
+
+
+class MaskedResidual(Residual):
+    """(hidden, mask, skip) -> (hidden + mask * MLP(LayerNorm(hidden)), mask, skip): skip passes through."""
+
+    def forward(self, inputs):
+        h, mask, skip = inputs
+        return h + mask.unsqueeze(-1) * super().forward(h) - h * mask.unsqueeze(-1), mask, skip
+
+
+class TupleHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(16, VOCAB)
+
+    def forward(self, inputs):
+        h, _, skip = inputs
+        return self.out(h + skip)
+
+
+TUPLE_FACTORIES = [TupleEmbedding, lambda: MaskedResidual(16), lambda: MaskedResidual(16),
+                   lambda: MaskedResidual(16), TupleHead]
+
+
 def loss_fn(logits, labels):
     return F.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1))
 
 
-def user_module(pp: int, stage: int, chunks: int, activation_shape=None) -> PipelineModule:
-    layers = [LayerSpec(seeded, i, make) for i, make in enumerate(FACTORIES)]
+def user_module(pp: int, stage: int, chunks: int, activation_shape=None, tuples: bool = False) -> PipelineModule:
+    layers = [LayerSpec(seeded, i, make) for i, make in enumerate(TUPLE_FACTORIES if tuples else FACTORIES)]
     return PipelineModule(layers, pp, stage, loss_fn, "uniform", chunks=chunks, activation_shape=activation_shape)
 
 
@@ -60,14 +94,16 @@ def config(pp: int, dp: int, schedule: str, chunks: int, zero: int) -> dict:
             "pipeline": {"schedule": schedule, "chunks": chunks}}
 
 
-def train(pp: int, dp: int, schedule: str, chunks: int, zero: int, declare: bool = False, eval_first: bool = False):
-    """Per-step losses and this rank's final parameters by global layer index (dp rank 0 reports).
-    `declare`: the module declares its activation shape; `eval_first`: an eval batch runs before
-    training (the shapes are then learned by the forward-only program)."""
+def train(pp: int, dp: int, schedule: str, chunks: int, zero: int, declare: bool = False, eval_first: bool = False,
+          tuples: bool = False):
+    """Per-step losses, this rank's final parameters by global layer index (dp rank 0 reports) and
+    the learned boundaries. `declare`: the module declares its activation shape; `eval_first`: an
+    eval batch runs before training (the shapes are then learned by the forward-only program);
+    `tuples`: the layers pass (hidden, mask, skip) tuples."""
     import torch.distributed as dist
 
     stage = Topology(pp=pp, dp=dp).coords(dist.get_rank()).pp  # this rank's stage, before initialize
-    module = user_module(pp, stage, chunks, declared_shape if declare else None)
+    module = user_module(pp, stage, chunks, declared_shape if declare else None, tuples)
     engine, optimizer, _, _ = megazero.initialize(model=module, config=config(pp, dp, schedule, chunks, zero))
     if engine.p2p is not None:
         assert (engine.p2p.declared is not None) == declare  # nothing declared: shapes are learned
@@ -84,25 +120,20 @@ def train(pp: int, dp: int, schedule: str, chunks: int, zero: int, declare: bool
                     for name, p in layer.named_parameters():
                         params[f"{lo + j}.{name}"] = p.detach().clone()
     learned = sorted(engine.p2p.known.items()) if engine.p2p is not None else []
-    return losses, params, [(b, shape) for b, (shape, _) in learned]
+    return losses, params, [(b, metas[0][0] if not is_tuple else metas) for b, (metas, is_tuple) in learned]
 
 
 _reference = {}
 
 
-def serial():
-    if not _reference:
-        (losses, params, _), = run_ranks(train, 1, 1, 1, "1f1b", 1, 0, timeout=120)
-        _reference.update(losses=losses, params=params)
-    return _reference["losses"], _reference["params"]
+def serial(tuples: bool = False):
+    if tuples not in _reference:
+        (losses, params, _), = run_ranks(train, 1, 1, 1, "1f1b", 1, 0, False, False, tuples, timeout=120)
+        _reference[tuples] = losses, params
+    return _reference[tuples]
 
 
-@pytest.mark.parametrize("pp, dp, schedule, chunks, zero, declare, eval_first", [
-    (2, 1, "1f1b", 1, 0, False, False), (2, 1, "zb-h1", 1, 1, False, False), (2, 2, "gpipe", 1, 2, False, False),
-    (2, 1, "interleaved", 2, 0, False, False), (3, 1, "1f1b", 1, 3, False, True), (2, 1, "1f1b", 1, 0, True, False)])
-def test_user_pipeline_module_trains_like_one_process(pp, dp, schedule, chunks, zero, declare, eval_first):
-    ref_losses, ref_params = serial()
-    results = run_ranks(train, pp * dp, pp, dp, schedule, chunks, zero, declare, eval_first, timeout=180)
+def assert_like_serial(results, ref_losses, ref_params):
     params = {}
     for losses, mine, _ in results:
         for a, b in zip(losses, ref_losses):
@@ -111,6 +142,14 @@ def test_user_pipeline_module_trains_like_one_process(pp, dp, schedule, chunks, 
     assert set(params) == set(ref_params)
     worst = max((params[k] - ref_params[k]).abs().max().item() for k in params)
     assert worst <= 1e-5, worst
+
+
+@pytest.mark.parametrize("pp, dp, schedule, chunks, zero, declare, eval_first", [
+    (2, 1, "1f1b", 1, 0, False, False), (2, 1, "zb-h1", 1, 1, False, False), (2, 2, "gpipe", 1, 2, False, False),
+    (2, 1, "interleaved", 2, 0, False, False), (3, 1, "1f1b", 1, 3, False, True), (2, 1, "1f1b", 1, 0, True, False)])
+def test_user_pipeline_module_trains_like_one_process(pp, dp, schedule, chunks, zero, declare, eval_first):
+    results = run_ranks(train, pp * dp, pp, dp, schedule, chunks, zero, declare, eval_first, timeout=180)
+    assert_like_serial(results, *serial())
     # the learned shapes: 6 layers split uniformly over pp * chunks virtual stages ([3, 3], [2, 2, 2] or [2, 2, 1, 1])
     boundary_shapes = dict(b for _, _, learned in results for b in learned)
     if declare:
@@ -121,6 +160,17 @@ def test_user_pipeline_module_trains_like_one_process(pp, dp, schedule, chunks, 
         assert boundary_shapes == {0: (MICRO, SEQ, 24)}  # after the 16 -> 24 projection
     else:
         assert boundary_shapes == {0: (MICRO, SEQ, 16), 1: (MICRO, SEQ, 24), 2: (MICRO, SEQ, 16)}  # [2, 2, 1, 1] layers
+
+
+@pytest.mark.parametrize("pp, dp, schedule, zero", [(2, 2, "1f1b", 2), (3, 1, "zb-h1", 3)])
+def test_tuples_of_tensors_pass_between_stages(pp, dp, schedule, zero):
+    """(hidden, bool mask, skip) crosses every boundary: the mask travels without a gradient, skip
+    passes untouched through the middle stage and still gets its gradient back to the embedding."""
+    results = run_ranks(train, pp * dp, pp, dp, schedule, 1, zero, False, False, True, timeout=180)
+    assert_like_serial(results, *serial(tuples=True))
+    crossing = ((MICRO, SEQ, 16), torch.float32), ((MICRO, SEQ), torch.bool), ((MICRO, SEQ, 16), torch.float32)
+    boundaries = dict(b for _, _, learned in results for b in learned)
+    assert boundaries == {b: crossing for b in range(pp - 1)}
 
 
 def shape_change_worker():

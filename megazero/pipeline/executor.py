@@ -6,9 +6,13 @@ the stage's model (`Stage`; `megazero.pipeline.pipeline_module.PipelineModule` i
 optimizer (`StepOptimizer`; `megazero.zero.optimizer.ZeroOptimizer` is one). Point-to-point
 transfers go through `megazero.pipeline.p2p.PipeP2P` over the pp group.
 
+What crosses a boundary is a tensor or a tuple of tensors (megazero.pipeline.p2p); the
+floating-point ones get gradients back, and an input tensor that got none sends zeros.
+
 Megatron's deallocation trick: once an output activation is sent downstream its storage is freed
-(`out.data` becomes a 1-element tensor); the autograd graph stays, and the backward is run through
-the engine directly so the freed shape is never checked.
+(`out.data` becomes a 1-element tensor; only for tensors computed in the chunk, not inputs passed
+on); the autograd graph stays, and the backward is run through the engine directly so the freed
+shape is never checked.
 
 A failure inside an instruction (a peer died, a collective timed out) is re-raised as
 `PipelineError` naming this rank's position, e.g. "stage 2 (rank 5) waiting at RecvGrad mb 7 from
@@ -24,7 +28,7 @@ import torch
 from torch.autograd import Variable
 
 from megazero.core import instructions as I
-from megazero.pipeline.p2p import PipeP2P
+from megazero.pipeline.p2p import PipeP2P, carries_grad, tensors_of
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 
 
@@ -84,7 +88,7 @@ class _StepState:
     data_iter: object
     num_microbatches: int
     batches: dict = field(default_factory=dict)   # mb -> micro-batch (dict of tensors)
-    inputs: dict = field(default_factory=dict)    # (mb, chunk) -> input tensor of the chunk
+    inputs: dict = field(default_factory=dict)    # (mb, chunk) -> input of the chunk (tensor or tuple)
     outputs: dict = field(default_factory=dict)   # (mb, chunk) -> output (or loss on the last vstage)
     grads_in: dict = field(default_factory=dict)  # (mb, chunk) -> grad received for the output
     grads_out: dict = field(default_factory=dict)  # (mb, chunk) -> grad of the input, to send
@@ -98,6 +102,14 @@ def _run_backward(tensors, grads, inputs=(), keep_graph=False, accumulate=True):
     """autograd's engine without the shape check (outputs whose storage was freed after sending)."""
     return Variable._execution_engine.run_backward(
         tuple(tensors), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
+
+
+def _input_grads(x, grads):
+    """The gradients to send upstream for input `x`: one per floating-point tensor of it (zeros for
+    one that got none), a tensor when `x` is one tensor, else a tuple."""
+    floats = [t for t in tensors_of(x) if carries_grad(t)]
+    full = [g if g is not None else torch.zeros_like(t) for t, g in zip(floats, grads)]
+    return full[0] if isinstance(x, torch.Tensor) and full else tuple(full)
 
 
 class PipelineExecutor:
@@ -143,8 +155,15 @@ class PipelineExecutor:
     # -- handlers ------------------------------------------------------------------------------
     def _load(self, ins, st):
         batch = self.stage.as_batch(next(st.data_iter))
-        st.batches[ins.mb] = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
-                              for k, v in batch.items()}
+        st.batches[ins.mb] = {k: self._to_device(v) for k, v in batch.items()}
+
+    def _to_device(self, value):
+        """A micro-batch entry on this stage's device: a tensor, or a tuple/list of them (others as they are)."""
+        if torch.is_tensor(value):
+            return value.to(self.device, non_blocking=True)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._to_device(v) for v in value)
+        return value
 
     def _forward(self, ins, st):
         key = (ins.mb, ins.chunk)
@@ -158,15 +177,22 @@ class PipelineExecutor:
         st.outputs[key] = out
 
     def _grad_pair(self, key, st):
+        """The chunk's outputs that backward starts from and their gradients: the (scaled) loss and
+        one on the last virtual stage, else the floating-point activations sent downstream (those
+        that require grad) and the gradients received for them."""
         out = st.outputs[key]
-        if key in st.grads_in:
-            return out, st.grads_in.pop(key)
-        return out, torch.ones_like(out)  # the (scaled) loss
+        if key not in st.grads_in:
+            return [out], [torch.ones_like(out)]
+        floats = [t for t in tensors_of(out) if carries_grad(t)]
+        grads = tensors_of(st.grads_in.pop(key))
+        pairs = [(t, g) for t, g in zip(floats, grads) if t.requires_grad]
+        return [t for t, _ in pairs], [g for _, g in pairs]
 
     def _backward(self, ins, st):
         key = (ins.mb, ins.chunk)
-        out, grad = self._grad_pair(key, st)
-        _run_backward([out], [grad])
+        outs, grads = self._grad_pair(key, st)
+        if outs:
+            _run_backward(outs, grads)
         self._after_input_grad(key, st)
         st.outputs.pop(key)
         self.opt.after_backward()
@@ -177,20 +203,22 @@ class PipelineExecutor:
         computed here and held back, unaccumulated, until W."""
         key = (ins.mb, ins.chunk)
         x = st.inputs.pop(key, None)
-        out, grad = self._grad_pair(key, st)
+        outs, out_grads = self._grad_pair(key, st)
         st.outputs.pop(key)
         params = [p for p in self.stage.chunk_parameters(ins.chunk) if p.requires_grad]
-        wants_x = x is not None and x.requires_grad
-        inputs = ([x] if wants_x else []) + params
+        xs = [t for t in tensors_of(x) if carries_grad(t)] if x is not None else []
+        inputs = xs + params
+        run = outs and inputs
         if self.wgrad_store is not None:
             with self.wgrad_store.defer():
-                grads = _run_backward([out], [grad], inputs=inputs, accumulate=False) if inputs else ()
+                grads = _run_backward(outs, out_grads, inputs=inputs, accumulate=False) if run else (None,) * len(inputs)
             deferred = self.wgrad_store.take()
         else:
-            grads, deferred = (_run_backward([out], [grad], inputs=inputs, accumulate=False) if inputs else ()), []
-        if wants_x:
-            st.grads_out[key] = grads[0]
-        st.weight_grads[key] = (list(zip(params, grads[1:] if wants_x else grads)), deferred)
+            grads = _run_backward(outs, out_grads, inputs=inputs, accumulate=False) if run else (None,) * len(inputs)
+            deferred = []
+        if x is not None:
+            st.grads_out[key] = _input_grads(x, grads[:len(xs)])
+        st.weight_grads[key] = (list(zip(params, grads[len(xs):])), deferred)
 
     def _backward_weight(self, ins, st):
         """Zero-bubble W: the deferred weight-grad GEMMs, then every held gradient to the optimizer."""
@@ -202,19 +230,24 @@ class PipelineExecutor:
 
     def _after_input_grad(self, key, st):
         x = st.inputs.pop(key, None)
-        if x is not None and x.requires_grad:
-            st.grads_out[key] = x.grad
+        if x is not None:
+            st.grads_out[key] = _input_grads(x, [t.grad for t in tensors_of(x) if carries_grad(t)])
 
     # Boundary v is between virtual stages v and v + 1: a chunk's output crosses its own boundary,
     # its input (and the input's gradient) the one before.
     def _send_act(self, ins, st):
         out = st.outputs[(ins.mb, ins.chunk)]
         self.p2p.send_activation(out, ins.peer, self.stage.virtual_stage(ins.chunk))
-        out.data = torch.empty((1,), dtype=out.dtype, device=out.device)  # free; the graph stays
+        for t in tensors_of(out):
+            if t.grad_fn is not None:  # computed here: free the data, the graph stays (inputs passed on are kept)
+                t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
 
     def _recv_act(self, ins, st):
         x = self.p2p.recv_activation(ins.peer, self.stage.virtual_stage(ins.chunk) - 1)
-        st.inputs[(ins.mb, ins.chunk)] = x.requires_grad_()
+        for t in tensors_of(x):
+            if carries_grad(t):
+                t.requires_grad_()
+        st.inputs[(ins.mb, ins.chunk)] = x
 
     def _send_grad(self, ins, st):
         grad = st.grads_out.pop((ins.mb, ins.chunk))

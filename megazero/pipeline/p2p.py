@@ -4,15 +4,19 @@ Blocking `comm.send`/`comm.recv` of one tensor at a time (never gloo's batched i
 can hang: pytorch#132644); a schedule that the simulator accepts cannot deadlock with these
 rendezvous semantics.
 
-Receive buffers need a shape and dtype. Each *boundary* between virtual stages v and v + 1 carries
-the activations of v (downstream) and their gradients (upstream, same shape and dtype). Either:
+What crosses a boundary is one tensor or, as in DeepSpeed's pipeline engine, a tuple of tensors
+(e.g. hidden states and an attention mask). Floating-point tensors carry a gradient back; integer and
+bool tensors travel downstream only. Each *boundary* between virtual stages v and v + 1 carries the
+activations of v (downstream) and the gradients of their floating-point tensors (upstream, same
+shapes and dtypes). Receive buffers need shapes and dtypes. Either:
 
 - the shape is declared ahead (`act_shape`, e.g. a model spec's (s, b, h)): every boundary carries
-  it in `dtype`, and no metadata ever travels; or
+  one tensor of it in `dtype`, and no metadata ever travels; or
 - it is learned on the first micro-batch (a user's `PipelineModule` that declares nothing): the
-  first activation sent across a boundary is preceded by one small int64 message with its shape and
-  dtype; both ends cache it. A later activation of another shape or dtype is an error that names
-  the stage, the boundary and both shapes, raised on the sending stage before anything is sent.
+  first activation sent across a boundary is preceded by one small int64 message with the number of
+  tensors and each one's shape and dtype; both ends cache it. A later activation of another
+  structure, shape or dtype is an error that names the stage, the boundary and both shapes, raised
+  on the sending stage before anything is sent.
 """
 from __future__ import annotations
 
@@ -22,7 +26,27 @@ from megazero.runtime import comm
 from megazero.runtime.comm import GroupHandle
 
 MAX_DIMS = 8
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the code of a dtype is its index here
+MAX_TENSORS = 16  # tensors in one activation tuple
+FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# The code of a dtype is its index here: the floating-point ones first (they carry gradients).
+DTYPES = FLOATING + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+ENTRY = MAX_DIMS + 2  # int64s per tensor in the metadata message: ndim, dtype code, shape
+
+
+def tensors_of(value) -> tuple[torch.Tensor, ...]:
+    """The tensors of an activation (one tensor, or a tuple or list of tensors), in order."""
+    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
+
+
+def carries_grad(tensor: torch.Tensor) -> bool:
+    """Whether this activation tensor sends a gradient back upstream (floating point)."""
+    return tensor.dtype in FLOATING
+
+
+def _as_value(tensors, is_tuple: bool):
+    """Tensors received back in the sender's structure: one tensor, else a tuple (grads of a
+    boundary without floating-point tensors: an empty tuple)."""
+    return tensors[0] if not is_tuple and len(tensors) == 1 else tuple(tensors)
 
 
 class PipeP2P:
@@ -30,8 +54,8 @@ class PipeP2P:
     (the group's ranks are ordered by pipeline stage); `stage` is this rank's stage.
 
     Args:
-        act_shape: the shape of every activation between stages, or None to learn each boundary's
-            shape and dtype from its first activation.
+        act_shape: the shape of every activation between stages (one tensor), or None to learn each
+            boundary's structure, shapes and dtypes from its first activation.
         dtype: the dtype activations travel in when `act_shape` is given (the compute dtype).
     """
 
@@ -39,55 +63,89 @@ class PipeP2P:
                  device: torch.device | str = "cpu"):
         self.group, self.dtype, self.device = pp_group, dtype, device
         self.declared = tuple(act_shape) if act_shape is not None else None
-        self.known: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # boundary -> (shape, dtype)
+        # boundary -> (((shape, dtype) per tensor), sent as a tuple?)
+        self.known: dict[int, tuple[tuple[tuple[tuple[int, ...], torch.dtype], ...], bool]] = {}
 
     # -- activations (downstream) -----------------------------------------------------------------
-    def send_activation(self, tensor: torch.Tensor, peer: int, boundary: int) -> None:
+    def send_activation(self, value, peer: int, boundary: int) -> None:
         """Send the activation crossing `boundary` (virtual stage `boundary` -> `boundary + 1`) to stage
-        `peer`; the first one across an undeclared boundary is preceded by its shape and dtype."""
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"virtual stage {boundary} returned a {type(tensor).__name__}; the output a pipeline "
-                            f"stage passes on must be one tensor (pack several into one, or keep them in one stage)")
+        `peer`, one tensor after another; the first one across an undeclared boundary is preceded by
+        its structure, shapes and dtypes."""
+        tensors, is_tuple = self._tensors(value, boundary)
         if self.declared is not None:
-            self._check(tensor, boundary, self.declared, self.dtype, "declared activation shape")
-            comm.send(tensor.detach().to(self.dtype).contiguous(), peer, self.group)
+            if is_tuple:
+                raise TypeError(f"virtual stage {boundary} returned a tuple, but this model declares one activation "
+                                f"of shape {self.declared} between stages")
+            self._check(tensors[0], boundary, self.declared, self.dtype, "declared activation shape")
+            comm.send(tensors[0].detach().to(self.dtype).contiguous(), peer, self.group)
             return
         if boundary not in self.known:
-            meta = _encode(tensor.shape, tensor.dtype, self.device)  # refuses what cannot travel, before caching
-            self.known[boundary] = (tuple(tensor.shape), tensor.dtype)
+            meta = _encode([(t.shape, t.dtype) for t in tensors], is_tuple, self.device)  # refuses before caching
+            self.known[boundary] = (tuple((tuple(t.shape), t.dtype) for t in tensors), is_tuple)
             comm.send(meta, peer, self.group)
         else:
-            shape, dtype = self.known[boundary]
-            self._check(tensor, boundary, shape, dtype, "first micro-batch's activation")
-        comm.send(tensor.detach().contiguous(), peer, self.group)
+            metas, was_tuple = self.known[boundary]
+            if was_tuple != is_tuple or len(metas) != len(tensors):
+                raise ValueError(f"virtual stage {boundary} returned {_describe(tensors, is_tuple)}, but its first "
+                                 f"micro-batch returned {_describe(metas, was_tuple)}; every micro-batch must give "
+                                 f"the same activations between stages")
+            for t, (shape, dtype) in zip(tensors, metas):
+                self._check(t, boundary, shape, dtype, "first micro-batch's activation")
+        for t in tensors:
+            comm.send(t.detach().contiguous(), peer, self.group)
 
-    def recv_activation(self, peer: int, boundary: int) -> torch.Tensor:
-        """Receive the activation crossing `boundary` from stage `peer` into a new buffer."""
+    def recv_activation(self, peer: int, boundary: int):
+        """Receive the activation crossing `boundary` from stage `peer` into new buffers: a tensor,
+        or a tuple when the sender sent one."""
         if self.declared is None and boundary not in self.known:
-            meta = torch.empty(MAX_DIMS + 2, dtype=torch.int64, device=self.device)
+            meta = torch.empty(2 + MAX_TENSORS * ENTRY, dtype=torch.int64, device=self.device)
             comm.recv(meta, peer, self.group)
             self.known[boundary] = _decode(meta)
-        return self._recv(peer, boundary)
+        metas, is_tuple = self._meta(boundary)
+        return _as_value([self._recv(peer, shape, dtype) for shape, dtype in metas], is_tuple)
 
     # -- gradients (upstream) ---------------------------------------------------------------------
-    def send_grad(self, tensor: torch.Tensor, peer: int, boundary: int) -> None:
-        """Send the gradient of the activation that crossed `boundary` back to stage `peer`."""
-        shape, dtype = self._meta(boundary)
-        self._check(tensor, boundary, shape, None, "activation's shape", what="gradient")
-        comm.send(tensor.detach().to(dtype).contiguous(), peer, self.group)
+    def send_grad(self, grads, peer: int, boundary: int) -> None:
+        """Send back to stage `peer` the gradients of the floating-point tensors that crossed
+        `boundary`: a tensor when one tensor crossed it, else a tuple (possibly empty)."""
+        floats = self._grad_metas(boundary)
+        grads = tensors_of(grads) if grads is not None else ()
+        if len(grads) != len(floats):
+            raise ValueError(f"pipeline gradient from virtual stage {boundary + 1} back to {boundary}: "
+                             f"{len(grads)} tensors for the {len(floats)} floating-point activations that crossed")
+        for g, (shape, dtype) in zip(grads, floats):
+            self._check(g, boundary, shape, None, "activation's shape", what="gradient")
+            comm.send(g.detach().to(dtype).contiguous(), peer, self.group)
 
-    def recv_grad(self, peer: int, boundary: int) -> torch.Tensor:
-        """Receive the gradient of the activation this stage sent across `boundary`."""
-        return self._recv(peer, boundary)
+    def recv_grad(self, peer: int, boundary: int):
+        """Receive the gradients of the floating-point tensors this stage sent across `boundary`."""
+        grads = [self._recv(peer, shape, dtype) for shape, dtype in self._grad_metas(boundary)]
+        return _as_value(grads, self._meta(boundary)[1])
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _meta(self, boundary: int) -> tuple[tuple[int, ...], torch.dtype]:
+    def _tensors(self, value, boundary: int) -> tuple[tuple[torch.Tensor, ...], bool]:
+        is_tuple = not isinstance(value, torch.Tensor)
+        if not (isinstance(value, torch.Tensor) or (isinstance(value, (tuple, list))
+                                                    and all(isinstance(t, torch.Tensor) for t in value))):
+            got = type(value).__name__ if not isinstance(value, (tuple, list)) else \
+                f"{type(value).__name__} of {', '.join(type(t).__name__ for t in value)}"
+            raise TypeError(f"virtual stage {boundary} returned a {got}; what a pipeline stage passes on must be "
+                            f"a tensor or a tuple of tensors")
+        tensors = tensors_of(value)
+        if is_tuple and not 1 <= len(tensors) <= MAX_TENSORS:
+            raise ValueError(f"virtual stage {boundary} returned a tuple of {len(tensors)} tensors; between 1 and "
+                             f"{MAX_TENSORS} can pass between stages")
+        return tensors, is_tuple
+
+    def _meta(self, boundary: int):
         if self.declared is not None:
-            return self.declared, self.dtype
+            return ((self.declared, self.dtype),), False
         return self.known[boundary]  # the activation crossed this boundary before its gradient
 
-    def _recv(self, peer: int, boundary: int) -> torch.Tensor:
-        shape, dtype = self._meta(boundary)
+    def _grad_metas(self, boundary: int):
+        return [(shape, dtype) for shape, dtype in self._meta(boundary)[0] if dtype in FLOATING]
+
+    def _recv(self, peer: int, shape, dtype) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         comm.recv(buf, peer, self.group)
         return buf
@@ -103,18 +161,32 @@ class PipeP2P:
                              f"must give the same shape between stages")
 
 
-def _encode(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """[ndim, dtype code, *shape, 0 ...]: MAX_DIMS + 2 int64s."""
-    if len(shape) > MAX_DIMS:
-        raise ValueError(f"pipeline activations have at most {MAX_DIMS} dims, got shape {tuple(shape)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"pipeline activations of dtype {dtype} cannot carry gradients between stages; a stage "
-                         f"passes on a floating-point tensor ({', '.join(str(d) for d in DTYPES)})")
-    meta = [len(shape), DTYPES.index(dtype), *shape] + [0] * (MAX_DIMS - len(shape))
-    return torch.tensor(meta, dtype=torch.int64, device=device)
+def _describe(items, is_tuple: bool) -> str:
+    if not is_tuple:
+        return "one tensor"
+    return f"a tuple of {len(items)}"
 
 
-def _decode(meta: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+def _encode(metas, is_tuple: bool, device) -> torch.Tensor:
+    """[count, is_tuple, then per tensor: ndim, dtype code, *shape, 0 ...]: 2 + MAX_TENSORS·ENTRY int64s."""
+    out = [len(metas), int(is_tuple)]
+    for shape, dtype in metas:
+        if len(shape) > MAX_DIMS:
+            raise ValueError(f"pipeline activations have at most {MAX_DIMS} dims, got shape {tuple(shape)}")
+        if dtype not in DTYPES:
+            raise ValueError(f"pipeline activations of dtype {dtype} cannot pass between stages (valid: "
+                             f"{', '.join(str(d) for d in DTYPES)}; the floating-point ones carry gradients)")
+        out += [len(shape), DTYPES.index(dtype), *shape] + [0] * (MAX_DIMS - len(shape))
+    out += [0] * (2 + MAX_TENSORS * ENTRY - len(out))
+    return torch.tensor(out, dtype=torch.int64, device=device)
+
+
+def _decode(meta: torch.Tensor):
     values = meta.tolist()
-    ndim, code = values[0], values[1]
-    return tuple(values[2:2 + ndim]), DTYPES[code]
+    count, is_tuple = values[0], bool(values[1])
+    metas = []
+    for i in range(count):
+        entry = values[2 + i * ENTRY:2 + (i + 1) * ENTRY]
+        ndim, code = entry[0], entry[1]
+        metas.append((tuple(entry[2:2 + ndim]), DTYPES[code]))
+    return tuple(metas), is_tuple
