@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
 from megazero.core.config import ConfigError, from_deepspeed, is_deepspeed, load_config, resolve, translate
 from megazero.core.config import deepspeed_keys
+from megazero.core.config.deepspeed import defaults_applied
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -123,7 +125,11 @@ def test_documented_noops_load(ds):
     ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad"),
     ({"pipeline": {"seed_layers": True}}, "pipeline.seed_layers"),
     ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint.tag_validation"),
-    ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type"),
+    ({"scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 1e-4}}}, "scheduler.type"),
+    ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": [1e-4, 1e-5], "cycle_max_lr": 1e-3}}},
+     "scheduler.params.cycle_min_lr"),
+    ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "last_batch_iteration": 4}}},
+     "scheduler.params.last_batch_iteration"),
 ])
 def test_unsupported_values_raise(ds, key):
     with pytest.raises(ConfigError, match="not supported yet") as info:
@@ -190,3 +196,137 @@ def test_a_dict_and_its_file_give_the_same_config(name):
     from_dict = load_config(data, ["name=x"], world_size=4)
     assert from_file == from_dict
     assert from_dict.gradient_clipping == data.get("gradient_clipping", 1.0)  # DeepSpeed's default when unset
+
+
+def test_warmup_cosine_lr_maps_key_by_key_with_deepspeeds_defaults():
+    sched = {"type": "WarmupCosineLR", "params": {"total_num_steps": 500, "warmup_min_ratio": 0.1,
+                                                  "warmup_num_steps": 50, "cos_min_ratio": 0.02,
+                                                  "warmup_type": "linear", "last_batch_iteration": -1}}
+    cfg = resolve(from_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, "scheduler": sched}), 1)
+    s = cfg.scheduler
+    assert (s.type, s.total_steps, s.warmup_steps, s.warmup_type) == ("WarmupCosineLR", 500, 50, "linear")
+    assert (s.warmup_min_ratio, s.cos_min_ratio) == (0.1, 0.02)
+    assert cfg.optimizer.lr == 3e-4  # the ratios scale the optimizer's lr (each group's own)
+    bare = from_deepspeed({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 500}}}).scheduler
+    assert (bare.warmup_steps, bare.warmup_type, bare.warmup_min_ratio, bare.cos_min_ratio) == (1000, "log", 0.0, 0.0001)
+
+
+@pytest.mark.parametrize("name, params, peak", [
+    ("WarmupLR", {"warmup_max_lr": 2e-3}, 2e-3),  # differs from optimizer.params.lr: the scheduler's wins
+    ("WarmupDecayLR", {"warmup_max_lr": 5e-4, "total_num_steps": 50}, 5e-4),
+    ("WarmupLR", {}, None),  # DeepSpeed's WarmupLR without warmup_max_lr: each group's own lr
+    ("WarmupDecayLR", {"total_num_steps": 50}, 0.001),  # DeepSpeed's WarmupDecayLR default, whatever the lr
+])
+def test_warmup_max_lr_is_the_schedulers_peak_as_in_deepspeed(name, params, peak):
+    """DeepSpeed's WarmupLR / WarmupDecayLR set every group's lr from their first step: warmup_max_lr is
+    every group's peak, whatever optimizer.params.lr (which stays the optimizer's lr, the lr of the groups
+    that set none); without it WarmupLR peaks at each group's lr, WarmupDecayLR at 0.001. None of these
+    is an error (tests/test_lr_schedule.py checks the lrs against DeepSpeed's)."""
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "scheduler": {"type": name, "params": {"warmup_num_steps": 10, **params}}}
+    tree, labels = translate(ds)
+    assert tree["optimizer"]["lr"] == 1e-2 and tree["scheduler"].get("warmup_max_lr") == peak
+    if peak is not None:
+        assert labels["scheduler.warmup_max_lr"] == "scheduler.params.warmup_max_lr"
+    cfg = resolve(from_deepspeed(ds), 1)
+    assert cfg.optimizer.lr == 1e-2 and cfg.scheduler.warmup_max_lr == peak
+    no_optimizer = resolve(from_deepspeed({"scheduler": ds["scheduler"]}), 1)  # a client optimizer's groups
+    assert no_optimizer.scheduler.warmup_max_lr == peak
+
+
+def test_deepspeed_scheduler_defaults_are_explained():
+    lines = defaults_applied({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 50}}})
+    assert "scheduler.warmup_max_lr: 0.001  # scheduler.params.warmup_max_lr unset: DeepSpeed's WarmupDecayLR " \
+           "default (megazero's own is each parameter group's own lr)" in lines
+    assert any(line.startswith("scheduler.warmup_steps: 1000") for line in lines)
+    assert any(line.startswith("scheduler.warmup_type: log") for line in lines)
+    lines = defaults_applied({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}})
+    assert not any(line.startswith(("scheduler.warmup_max_lr", "scheduler.warmup_steps")) for line in lines)
+
+
+def test_one_cycle_maps_key_by_key_with_deepspeeds_defaults():
+    params = {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3, "decay_lr_rate": 0.1, "cycle_first_step_size": 100,
+              "cycle_second_step_size": 200, "cycle_first_stair_count": 4, "cycle_second_stair_count": 8,
+              "decay_step_size": 10, "cycle_momentum": False, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95,
+              "decay_mom_rate": 0.01, "last_batch_iteration": -1}
+    tree, labels = translate({"scheduler": {"type": "OneCycle", "params": params}})
+    expected = {k: v for k, v in params.items() if k != "last_batch_iteration"}
+    assert tree["scheduler"] == {"type": "OneCycle", **expected}  # no warmup keys: OneCycle has none
+    assert labels["scheduler.cycle_first_step_size"] == "scheduler.params.cycle_first_step_size"
+    s = resolve(from_deepspeed({"scheduler": {"type": "OneCycle", "params": params}}), 1).scheduler
+    assert {k: getattr(s, k) for k in expected} == expected
+    bare = from_deepspeed({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1}}})
+    b = bare.scheduler
+    assert (b.decay_lr_rate, b.cycle_first_step_size, b.cycle_second_step_size, b.cycle_first_stair_count,
+            b.cycle_second_stair_count, b.decay_step_size) == (0.0, 2000, None, 0, None, 0)
+    assert (b.cycle_momentum, b.cycle_min_mom, b.cycle_max_mom, b.decay_mom_rate) == (True, 0.8, 0.9, 0.0)
+
+
+@pytest.mark.parametrize("sched, key, needle", [
+    ({"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5}}, "scheduler.params.total_num_steps", "required"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "warmup_num_steps": 0}},
+     "scheduler.warmup_steps (DeepSpeed scheduler.params.warmup_num_steps)", ">= 1"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "cos_min_ratio": 1.5}},
+     "scheduler.cos_min_ratio (DeepSpeed scheduler.params.cos_min_ratio)", "[0, 1]"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "warmup_min_ratio": -0.1}},
+     "scheduler.warmup_min_ratio (DeepSpeed scheduler.params.warmup_min_ratio)", "[0, 1]"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "warmup_type": "exp"}},
+     "scheduler.warmup_type (DeepSpeed scheduler.params.warmup_type)", "linear, log"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "warmup_max_lr": 1e-3}},
+     "scheduler.params.warmup_max_lr", "not a parameter of DeepSpeed's WarmupCosineLR"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": "auto"}}, "scheduler.params.total_num_steps", "auto"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4}}, "scheduler.params.cycle_max_lr", "required by OneCycle"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 0}},
+     "scheduler.cycle_first_step_size (DeepSpeed scheduler.params.cycle_first_step_size)", ">= 1"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_second_step_size": -2}},
+     "scheduler.cycle_second_step_size (DeepSpeed scheduler.params.cycle_second_step_size)", ">= 0"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": -1e-4, "cycle_max_lr": 1e-3}},
+     "scheduler.cycle_min_lr (DeepSpeed scheduler.params.cycle_min_lr)", ">= 0"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_max_mom": 1.2}},
+     "scheduler.cycle_max_mom (DeepSpeed scheduler.params.cycle_max_mom)", "[0, 1)"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "decay_step_size": -1}},
+     "scheduler.decay_step_size (DeepSpeed scheduler.params.decay_step_size)", ">= 0"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "decay_lr_rate": -0.5}},
+     "scheduler.decay_lr_rate (DeepSpeed scheduler.params.decay_lr_rate)", ">= 0"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_momentum": "yes"}},
+     "scheduler.params.cycle_momentum", "true or false"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_stair_count": 2.5}},
+     "scheduler.params.cycle_first_stair_count", "an integer"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "warmup_num_steps": 10}},
+     "scheduler.params.warmup_num_steps", "OneCycle takes cycle_min_lr"),
+    ({"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 0}},
+     "scheduler.warmup_steps (DeepSpeed scheduler.params.warmup_num_steps)", ">= 1 with scheduler.type=WarmupLR"),
+    ({"type": "WarmupDecayLR", "params": {"total_num_steps": 9, "warmup_max_lr": 1e-3, "warmup_num_steps": 0}},
+     "scheduler.warmup_steps (DeepSpeed scheduler.params.warmup_num_steps)", ">= 1 with scheduler.type=WarmupDecayLR"),
+    ({"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "cycle_min_lr": 1e-4}},
+     "scheduler.params.cycle_min_lr", "not a parameter of DeepSpeed's WarmupLR"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_min_lrr": 1e-3}},
+     "scheduler.params.cycle_min_lrr", "cycle_min_lr"),
+    ({"type": "LRRangeTest", "params": {}}, "scheduler.type", "valid: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle"),
+])
+def test_bad_scheduler_values_name_the_key(sched, key, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config({"scheduler": sched}, world_size=1)
+    assert str(info.value).startswith(key) and needle in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["scheduler.type=OneCycle"], "scheduler.cycle_min_lr: required by scheduler.type=OneCycle"),
+    (["scheduler.type=WarmupCosineLR"], "scheduler.warmup_steps: must be >= 1 with scheduler.type=WarmupCosineLR"),
+    (["scheduler.type=OneCyle"], "'OneCycle'"),
+    (["scheduler.type=WarmupLR"], "scheduler.warmup_steps: must be >= 1 with scheduler.type=WarmupLR"),
+    (["scheduler.type=WarmupDecayLR", "scheduler.warmup_steps=4", "scheduler.min_lr=1e-5"],
+     "scheduler.min_lr: WarmupDecayLR takes none (as DeepSpeed's, WarmupDecayLR decays to scheduler.warmup_min_lr)"),
+    (["scheduler.type=cosine", "scheduler.warmup_max_lr=1e-3"],
+     "scheduler.warmup_max_lr: applies to scheduler.type=WarmupLR and WarmupDecayLR only, not cosine"),
+    (["scheduler.type=WarmupLR", "scheduler.warmup_steps=4", "scheduler.warmup_max_lr=-1e-3"],
+     "scheduler.warmup_max_lr: must be >= 0"),
+    (["scheduler.type=WarmupLR", "scheduler.warmup_steps=4", "scheduler.warmup_max_lr=1e-3",
+      "scheduler.warmup_min_lr=2e-3"], "scheduler.warmup_min_lr: must be in [0, scheduler.warmup_max_lr=0.001]"),
+])
+def test_megazero_format_scheduler_checks(overrides, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, overrides, world_size=1)
+    ok = load_config(None, ["scheduler.type=OneCycle", "scheduler.cycle_min_lr=1e-4", "scheduler.cycle_max_lr=1e-3",
+                            "scheduler.cycle_first_step_size=10"], world_size=1)
+    assert ok.scheduler.cycle_max_lr == 1e-3 and ok.scheduler.cycle_second_step_size is None

@@ -19,7 +19,7 @@ from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 from megazero.zero.loss_scaler import LossScaler
-from megazero.zero.lr_schedule import LRScheduler
+from megazero.zero.lr_schedule import ONE_CYCLE_PARAMS, LRScheduler
 from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer, megatron_param_groups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -173,13 +173,23 @@ def build_optimizer(cfg: Config, model: nn.Module, pctx: ParallelContext, params
 
 def build_scheduler(cfg: Config, optimizer) -> LRScheduler | None:
     """The configured schedule; none for "constant", so that every parameter group keeps its own lr
-    (and a client's torch scheduler is the only one), as DeepSpeed without a scheduler section. The
-    schedules set one lr for all groups, as DeepSpeed's WarmupLR does."""
+    (and a client's torch scheduler is the only one), as DeepSpeed without a scheduler section.
+    WarmupCosineLR scales each group's own lr, and WarmupLR / WarmupDecayLR peak at it unless
+    scheduler.warmup_max_lr is set (then at that, for every group), as DeepSpeed's do; linear, cosine
+    and OneCycle set one lr for all groups (OneCycle as DeepSpeed's)."""
     s = cfg.scheduler
     if s.type == "constant":
         return None
-    return LRScheduler(optimizer, s.type, cfg.optimizer.lr, s.warmup_steps, s.total_steps or cfg.train.steps,
-                       s.min_lr, s.warmup_min_lr, s.warmup_type)
+    total = s.total_steps or cfg.train.steps
+    if s.type == "WarmupCosineLR":
+        return LRScheduler(optimizer, s.type, warmup_steps=s.warmup_steps, total_steps=total,
+                           warmup_type=s.warmup_type, warmup_min_ratio=s.warmup_min_ratio,
+                           cos_min_ratio=s.cos_min_ratio)
+    if s.type == "OneCycle":
+        return LRScheduler(optimizer, s.type, cycle_momentum=s.cycle_momentum,
+                           **{k: getattr(s, k) for k in ONE_CYCLE_PARAMS})
+    peak = s.warmup_max_lr if s.type in ("WarmupLR", "WarmupDecayLR") else cfg.optimizer.lr
+    return LRScheduler(optimizer, s.type, peak, s.warmup_steps, total, s.min_lr, s.warmup_min_lr, s.warmup_type)
 
 
 def synthetic_batches(vocab: int, micro_batch: int, gas: int, seq_len: int, seed: int, dp_rank: int,

@@ -148,10 +148,27 @@ def check_scheduler(cfg: Config) -> list[str]:
     s, lr = cfg.scheduler, cfg.optimizer.lr
     errs = choice("scheduler.type", s.type, SCHEDULER_CHOICES)
     errs += choice("scheduler.warmup_type", s.warmup_type, WARMUP_TYPE_CHOICES)
-    errs += at_least("scheduler.warmup_steps", s.warmup_steps, 0) + at_least("scheduler.total_steps", s.total_steps, 1)
+    ds_warmup = s.type in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+    errs += at_least("scheduler.warmup_steps", s.warmup_steps, 1 if ds_warmup else 0,
+                     f" with scheduler.type={s.type} (DeepSpeed's {s.type} refuses 0 and warms up over at least 2 "
+                     f"steps)" if ds_warmup else "")
+    errs += at_least("scheduler.total_steps", s.total_steps, 1)
+    warmup_kinds = s.type in ("WarmupLR", "WarmupDecayLR")
+    if s.warmup_max_lr is not None and not warmup_kinds:
+        errs.append(f"scheduler.warmup_max_lr: applies to scheduler.type=WarmupLR and WarmupDecayLR only, not "
+                    f"{s.type}; remove it")
+    elif s.warmup_max_lr is not None and s.warmup_max_lr < 0:
+        errs.append(f"scheduler.warmup_max_lr: must be >= 0, got {s.warmup_max_lr}")
     for key in ("min_lr", "warmup_min_lr"):
         value = getattr(s, key)
-        if not 0.0 <= value <= max(lr, 0.0):
+        if key == "warmup_min_lr" and warmup_kinds:
+            # the peak: warmup_max_lr, or each parameter group's own lr (not known before the optimizer)
+            if s.warmup_max_lr is None and value < 0:
+                errs.append(f"scheduler.warmup_min_lr: must be >= 0, got {value}")
+            elif s.warmup_max_lr is not None and not 0.0 <= value <= max(s.warmup_max_lr, 0.0):
+                errs.append(f"scheduler.warmup_min_lr: must be in [0, scheduler.warmup_max_lr={s.warmup_max_lr}], "
+                            f"got {value}")
+        elif not 0.0 <= value <= max(lr, 0.0):
             errs.append(f"scheduler.{key}: must be in [0, optimizer.lr={lr}], got {value}")
     if s.type == "constant" and s.warmup_steps:
         errs.append(f"scheduler.warmup_steps: {s.warmup_steps} with scheduler.type=constant; "
@@ -159,6 +176,41 @@ def check_scheduler(cfg: Config) -> list[str]:
     total = s.total_steps if s.total_steps is not None else cfg.train.steps
     if s.type in ("linear", "cosine", "WarmupDecayLR") and total < s.warmup_steps:
         errs.append(f"scheduler.total_steps: {total} is shorter than scheduler.warmup_steps={s.warmup_steps}")
+    if s.type in ("WarmupLR", "WarmupDecayLR") and s.min_lr != 0:
+        errs.append(f"scheduler.min_lr: {s.type} takes none (as DeepSpeed's, WarmupDecayLR decays to "
+                    f"scheduler.warmup_min_lr), got {s.min_lr}; set scheduler.warmup_min_lr")
+    if s.type == "WarmupCosineLR":
+        errs += _check_warmup_cosine(s)
+    if s.type == "OneCycle":
+        errs += _check_one_cycle(s)
+    return errs
+
+
+def _check_warmup_cosine(s) -> list[str]:
+    errs = []
+    for key in ("warmup_min_ratio", "cos_min_ratio"):
+        value = getattr(s, key)
+        if not 0.0 <= value <= 1.0:
+            errs.append(f"scheduler.{key}: must be in [0, 1] (a fraction of each parameter group's lr), got {value}")
+    return errs
+
+
+def _check_one_cycle(s) -> list[str]:
+    errs = []
+    for key in ("cycle_min_lr", "cycle_max_lr"):
+        value = getattr(s, key)
+        if value is None:
+            errs.append(f"scheduler.{key}: required by scheduler.type=OneCycle (DeepSpeed's OneCycle has no default)")
+        elif value < 0:
+            errs.append(f"scheduler.{key}: must be >= 0, got {value}")
+    errs += at_least("scheduler.cycle_first_step_size", s.cycle_first_step_size, 1)
+    errs += at_least("scheduler.cycle_second_step_size", s.cycle_second_step_size, 0, " (null: cycle_first_step_size)")
+    errs += at_least("scheduler.decay_step_size", s.decay_step_size, 0, " (0 = no decay after the cycle)")
+    errs += at_least("scheduler.decay_lr_rate", s.decay_lr_rate, 0)
+    for key in ("cycle_min_mom", "cycle_max_mom") if s.cycle_momentum else ():
+        value = getattr(s, key)
+        if not 0.0 <= value < 1.0:
+            errs.append(f"scheduler.{key}: must be in [0, 1) (Adam's beta1), got {value}")
     return errs
 
 

@@ -13,7 +13,7 @@ import json
 from typing import Any, Mapping
 
 from .deepspeed_keys import (DICT_SECTIONS, OPTIMIZER_TYPES, OTHER_DS_OPTIMIZERS, OTHER_DS_SCHEDULERS,
-                             RULES, SCHEDULER_TYPES, SPECIAL, Rule)
+                             RULES, SCHEDULER_PARAMS, SCHEDULER_TYPES, SPECIAL, Rule)
 from ..suggest import did_you_mean
 from .errors import ConfigError, closest, unknown_key_error
 from .schema import Config, field_types
@@ -26,14 +26,26 @@ DS_DEFAULT_WARMUP_TYPE = "log"
 DS_DEFAULTS: dict[str, tuple[str, Any]] = {"gradient_clipping": ("gradient_clipping", 1.0)}
 """DeepSpeed keys whose DeepSpeed default differs from megazero's: {DeepSpeed key: (megazero key,
 DeepSpeed's default)}. A DeepSpeed config that leaves one unset gets DeepSpeed's value, so that the
-same file trains the same in both. (The scheduler's warmup defaults are applied in `_scheduler`.)"""
+same file trains the same in both. (The scheduler's warmup defaults are applied in `_scheduler`; the
+WarmupCosineLR and OneCycle keys' megazero defaults are DeepSpeed's.)"""
 
 
 def defaults_applied(ds: Mapping[str, Any]) -> list[str]:
     """Lines naming each DeepSpeed default `translate` fills in for `ds` (for `config explain`)."""
     flat = _flatten(ds)
-    return [f"{mz}: {value}  # {key} unset: DeepSpeed's default (megazero's own is "
-            f"{_schema_default(mz)})" for key, (mz, value) in DS_DEFAULTS.items() if key not in flat]
+    lines = [f"{mz}: {value}  # {key} unset: DeepSpeed's default (megazero's own is "
+             f"{_schema_default(mz)})" for key, (mz, value) in DS_DEFAULTS.items() if key not in flat]
+    name = flat.get("scheduler.type")
+    if name in SCHEDULER_TYPES and name != "OneCycle":
+        scheduler_defaults = [("warmup_num_steps", "scheduler.warmup_steps", DS_DEFAULT_WARMUP_NUM_STEPS),
+                              ("warmup_type", "scheduler.warmup_type", DS_DEFAULT_WARMUP_TYPE)]
+        if name == "WarmupDecayLR":
+            scheduler_defaults.append(("warmup_max_lr", "scheduler.warmup_max_lr", DS_DEFAULT_WARMUP_MAX_LR))
+        own = {"scheduler.warmup_max_lr": "each parameter group's own lr"}
+        lines += [f"{mz}: {value}  # scheduler.params.{key} unset: DeepSpeed's {name} default (megazero's own is "
+                  f"{own.get(mz, _schema_default(mz))})" for key, mz, value in scheduler_defaults
+                  if "scheduler.params." + key not in flat]
+    return lines
 
 
 def _schema_default(dotted: str):
@@ -117,37 +129,46 @@ def _optimizer(flat: Mapping[str, Any], out: dict[str, Any]) -> None:
         out["optimizer.adamw_mode"] = True  # DeepSpeed's "Adam" decouples weight decay by default
 
 
+_DS_REQUIRED = {"WarmupDecayLR": {"total_num_steps": "the step at which lr reaches warmup_min_lr"},
+                "WarmupCosineLR": {"total_num_steps": "the step at which lr reaches cos_min_ratio x lr"},
+                "OneCycle": {"cycle_min_lr": "DeepSpeed has no default", "cycle_max_lr": "DeepSpeed has no default"}}
+"""The scheduler.params each DeepSpeed scheduler needs (its class's arguments without a default), and why."""
+
+
 def _scheduler(flat: Mapping[str, Any], out: dict[str, Any], labels: dict[str, str]) -> None:
+    valid = ", ".join(SCHEDULER_TYPES)
     if "scheduler.type" not in flat:
         if any(k.startswith("scheduler.params.") for k in flat):
-            raise ConfigError("scheduler.type: missing; scheduler.params needs a type (WarmupLR or WarmupDecayLR)")
+            raise ConfigError(f"scheduler.type: missing; scheduler.params needs a type ({valid})")
         return
     name = flat["scheduler.type"]
     if name not in SCHEDULER_TYPES:
         if name in OTHER_DS_SCHEDULERS:
-            raise ConfigError(f"scheduler.type={name!r}: not supported yet (valid: {', '.join(SCHEDULER_TYPES)})")
+            raise ConfigError(f"scheduler.type={name!r}: not supported yet (valid: {valid})")
         hint = did_you_mean(str(name), SCHEDULER_TYPES + OTHER_DS_SCHEDULERS)
-        raise ConfigError(f"scheduler.type: unknown scheduler {name!r}{hint} (valid: {', '.join(SCHEDULER_TYPES)})")
+        raise ConfigError(f"scheduler.type: unknown scheduler {name!r}{hint} (valid: {valid})")
+    takes = SCHEDULER_PARAMS[name]
+    for key, value in flat.items():
+        if not key.startswith("scheduler.params."):
+            continue
+        if key[len("scheduler.params."):] not in takes:
+            raise ConfigError(f"{key}: not a parameter of DeepSpeed's {name} (DeepSpeed fails on it); "
+                              f"{name} takes {', '.join(takes)}")
+        if isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={json.dumps(value)}: not supported yet (a value per parameter group); "
+                              f"give one number for all groups")
+    for key in _DS_REQUIRED.get(name, ()):
+        if "scheduler.params." + key not in flat:
+            raise ConfigError(f"scheduler.params.{key}: required by {name} ({_DS_REQUIRED[name][key]})")
     out["scheduler.type"] = name
-    out.setdefault("scheduler.warmup_steps", DS_DEFAULT_WARMUP_NUM_STEPS)
-    out.setdefault("scheduler.warmup_type", DS_DEFAULT_WARMUP_TYPE)
-    if name == "WarmupDecayLR" and "scheduler.total_steps" not in out:
-        raise ConfigError("scheduler.params.total_num_steps: required by WarmupDecayLR "
-                          "(the step at which lr reaches 0)")
-    peak = flat.get("scheduler.params.warmup_max_lr")
-    lr = flat.get("optimizer.params.lr")
-    if peak == "auto":
-        raise _auto_error("scheduler.params.warmup_max_lr", Rule("", "optimizer.lr"))
-    if peak is None:
-        if lr is not None and lr != DS_DEFAULT_WARMUP_MAX_LR:
-            raise ConfigError(f"scheduler.params.warmup_max_lr: missing, so DeepSpeed's {name} would train at "
-                              f"{DS_DEFAULT_WARMUP_MAX_LR}, not optimizer.params.lr={lr}; set warmup_max_lr")
-        peak = DS_DEFAULT_WARMUP_MAX_LR if lr is None else lr
-    elif lr is not None and lr != peak:
-        raise ConfigError(f"scheduler.params.warmup_max_lr={peak} disagrees with optimizer.params.lr={lr}; "
-                          f"DeepSpeed's {name} would train at warmup_max_lr: make them equal")
-    out["optimizer.lr"] = peak
-    labels["optimizer.lr"] = "scheduler.params.warmup_max_lr"
+    if name != "OneCycle":
+        out.setdefault("scheduler.warmup_steps", DS_DEFAULT_WARMUP_NUM_STEPS)
+        out.setdefault("scheduler.warmup_type", DS_DEFAULT_WARMUP_TYPE)
+    if name == "WarmupDecayLR" and "scheduler.params.warmup_max_lr" not in flat:
+        # DeepSpeed's WarmupDecayLR peaks at 0.001 for every group without warmup_max_lr, whatever the
+        # optimizer's lr; its WarmupLR peaks at each group's own lr then (megazero's warmup_max_lr None)
+        out["scheduler.warmup_max_lr"] = DS_DEFAULT_WARMUP_MAX_LR
+        labels["scheduler.warmup_max_lr"] = "scheduler.params.warmup_max_lr"
 
 
 def _deprecated_offload(flat: Mapping[str, Any], out: dict[str, Any]) -> None:
@@ -186,7 +207,7 @@ def translate(ds: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
 
     Raises:
         ConfigError: unknown key (naming the closest), unsupported feature or value, "auto"
-            where it cannot be derived, fp16 and bf16 both enabled, inconsistent lr.
+            where it cannot be derived, fp16 and bf16 both enabled.
     """
     if not isinstance(ds, Mapping):
         raise ConfigError(f"DeepSpeed config: expected a JSON object, got {type(ds).__name__}")

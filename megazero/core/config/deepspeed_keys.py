@@ -2,7 +2,9 @@
 
 A key not in this table is an error naming the closest key that is. A key with no megazero
 counterpart is accepted only for the values at which it is truly a no-op for megazero (column
-"no-op when"); any other value raises ``ConfigError("<key>=<value>: not supported yet ...")``.
+"no-op when"); any other value raises ``ConfigError("<key>=<value>: not supported yet ...")``. Each scheduler.type
+takes only its own scheduler.params (`SCHEDULER_PARAMS`, its DeepSpeed class's arguments; DeepSpeed
+fails on any other), and another is an error naming the key and the type's parameters.
 
 | DeepSpeed key | megazero key | note |
 |---|---|---|
@@ -23,13 +25,18 @@ counterpart is accepted only for the values at which it is truly a no-op for meg
 | optimizer.params.torch_adam | - | no-op for any value: it picks DeepSpeed's kernel; the update is the same Adam |
 | optimizer.params.amsgrad / nesterov / dampening / bias_correction | - | no-op when false / false / 0 / true |
 | optimizer.legacy_fusion | - | no-op when false |
-| scheduler.type | scheduler.type | WarmupLR, WarmupDecayLR |
-| scheduler.params.warmup_min_lr | scheduler.warmup_min_lr | |
-| scheduler.params.warmup_max_lr | optimizer.lr | must agree with optimizer.params.lr when both are given |
-| scheduler.params.warmup_num_steps | scheduler.warmup_steps | DeepSpeed's default 1000 when absent |
-| scheduler.params.total_num_steps | scheduler.total_steps | required by WarmupDecayLR |
-| scheduler.params.warmup_type | scheduler.warmup_type | DeepSpeed's default "log" when absent |
+| scheduler.type | scheduler.type | WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle; LRRangeTest is not supported yet |
+| scheduler.params.warmup_min_lr | scheduler.warmup_min_lr | WarmupLR, WarmupDecayLR |
+| scheduler.params.warmup_max_lr | scheduler.warmup_max_lr | WarmupLR, WarmupDecayLR: the peak of every parameter group, whatever optimizer.params.lr and the groups' lrs (as in DeepSpeed, the scheduler sets every group's lr from the first step); unset: WarmupLR peaks at each group's own lr, WarmupDecayLR at DeepSpeed's default 0.001 |
+| scheduler.params.warmup_num_steps | scheduler.warmup_steps | DeepSpeed's default 1000 when absent (not OneCycle) |
+| scheduler.params.total_num_steps | scheduler.total_steps | required by WarmupDecayLR and WarmupCosineLR |
+| scheduler.params.warmup_type | scheduler.warmup_type | DeepSpeed's default "log" when absent (not OneCycle) |
+| scheduler.params.warmup_min_ratio, cos_min_ratio | scheduler.warmup_min_ratio, cos_min_ratio | WarmupCosineLR: factors on each parameter group's own lr; DeepSpeed's defaults 0 and 0.0001 when absent |
+| scheduler.params.cycle_min_lr, cycle_max_lr | scheduler.cycle_min_lr, cycle_max_lr | OneCycle: required; numbers (DeepSpeed's per-group lists are not supported yet) |
+| scheduler.params.decay_lr_rate, cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count, cycle_second_stair_count, decay_step_size | scheduler.* (same names) | OneCycle; DeepSpeed's defaults 0, 2000, null (= first), 0, null (= first), 0 when absent |
+| scheduler.params.cycle_momentum, cycle_min_mom, cycle_max_mom, decay_mom_rate | scheduler.* (same names) | OneCycle: Adam's betas become (momentum, 0.99) as in DeepSpeed; DeepSpeed's defaults true, 0.8, 0.9, 0 when absent |
 | scheduler.params.last_batch_iteration | - | no-op when -1 |
+| scheduler.params.lr_range_test_min_lr, lr_range_test_step_size, lr_range_test_step_rate, lr_range_test_staircase | - | LRRangeTest's: the error names scheduler.type=LRRangeTest, not supported yet |
 | zero_optimization (true/false) | zero.stage | the deprecated boolean form: true = stage 1 |
 | zero_optimization.stage | zero.stage | |
 | zero_optimization.overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions, round_robin_gradients, sub_group_size | zero.* | |
@@ -140,11 +147,18 @@ RULES: tuple[Rule, ...] = (
     # scheduler
     Rule("scheduler.type", SPECIAL),
     Rule("scheduler.params.warmup_min_lr", "scheduler.warmup_min_lr"),
-    Rule("scheduler.params.warmup_max_lr", SPECIAL),
+    Rule("scheduler.params.warmup_max_lr", "scheduler.warmup_max_lr"),
     Rule("scheduler.params.warmup_num_steps", "scheduler.warmup_steps"),
     Rule("scheduler.params.total_num_steps", "scheduler.total_steps"),
     Rule("scheduler.params.warmup_type", "scheduler.warmup_type"),
     Rule("scheduler.params.last_batch_iteration", None, lambda v: v == -1, note="resuming a schedule by index"),
+    *(Rule("scheduler.params." + k, "scheduler." + k) for k in ("warmup_min_ratio", "cos_min_ratio")),
+    *(Rule("scheduler.params." + k, "scheduler." + k) for k in (
+        "cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+        "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum",
+        "cycle_min_mom", "cycle_max_mom", "decay_mom_rate")),
+    *(Rule("scheduler.params." + k, SPECIAL, note="LRRangeTest (not supported yet)") for k in (
+        "lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate", "lr_range_test_staircase")),
     # ZeRO
     Rule(_Z + "stage", "zero.stage"),
     Rule(_Z + "overlap_comm", "zero.overlap_comm"),
@@ -226,5 +240,16 @@ DICT_SECTIONS = ("zero_optimization", _Z + "offload_optimizer", _Z + "offload_pa
 OPTIMIZER_TYPES = MappingProxyType({"adam": "adam", "adamw": "adamw", "sgd": "sgd"})
 OTHER_DS_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "lamb", "adagrad", "lion",
                        "muadam", "muadamw", "musgd", "muon", "cpuadam", "fusedadam")
-SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR")
-OTHER_DS_SCHEDULERS = ("WarmupCosineLR", "OneCycle", "LRRangeTest")
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
+OTHER_DS_SCHEDULERS = ("LRRangeTest",)
+_WARMUP = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration")
+SCHEDULER_PARAMS = MappingProxyType({
+    "WarmupLR": _WARMUP,
+    "WarmupDecayLR": ("total_num_steps",) + _WARMUP,
+    "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+                       "last_batch_iteration"),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+                 "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum",
+                 "cycle_min_mom", "cycle_max_mom", "decay_mom_rate", "last_batch_iteration"),
+})
+"""The scheduler.params keys each DeepSpeed scheduler type takes (its class's arguments)."""

@@ -28,7 +28,7 @@ PRECISION_CHOICES = ("fp32", "bf16", "fp16")
 AXIS_CHOICES = ("pp", "dp", "tp")
 OFFLOAD_DEVICE_CHOICES = ("none", "cpu")
 OPTIMIZER_CHOICES = ("adam", "adamw", "sgd")
-SCHEDULER_CHOICES = ("constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR")
+SCHEDULER_CHOICES = ("constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 WARMUP_TYPE_CHOICES = ("linear", "log")
 CHECKPOINT_POLICY_CHOICES = ("none", "full", "selective")
 """Built-in pipeline schedules; a path ending in ``.csv`` names a custom schedule file."""
@@ -160,11 +160,36 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Learning-rate schedule over optimizer steps; the peak is optimizer.lr.
+    """Learning-rate schedule over optimizer steps; the peak is optimizer.lr (OneCycle: cycle_max_lr),
+    or, for WarmupLR, WarmupDecayLR and WarmupCosineLR, each parameter group's own lr (optimizer.lr
+    for the groups that set none) unless warmup_max_lr is set.
 
-    constant: lr throughout (no warmup). WarmupLR: warmup from warmup_min_lr, then lr.
-    WarmupDecayLR: warmup, then linear decay to 0 at total_steps. linear / cosine: warmup, then
-    linear / cosine decay to min_lr at total_steps. total_steps None resolves to train.steps.
+    constant: lr throughout (no warmup). linear / cosine (megazero's own): warmup from warmup_min_lr
+    over warmup_steps (the last warmup step at lr), then linear / cosine decay to min_lr at
+    total_steps; one lr for every group. total_steps None resolves to train.steps.
+
+    DeepSpeed's WarmupLR and WarmupDecayLR (`megazero.zero.lr_schedule.deepspeed_warmup_lr`), step for
+    step as DeepSpeed's (steps 0-based), for each parameter group: steps 0 and 1 at warmup_min_lr,
+    then warmup by warmup_type over w = max(2, warmup_steps) steps (warmup_steps at least 1), reaching
+    the peak at step w + 1 (log: at step w); WarmupLR then keeps the peak, WarmupDecayLR decays linearly
+    back to warmup_min_lr (not min_lr, which they do not take), reached at step total_steps + 1 and kept
+    after. The peak is warmup_max_lr (DeepSpeed's scheduler.params.warmup_max_lr) for every group when
+    set, whatever the groups' lrs (from the first step on, as in DeepSpeed); None: each group's own lr
+    at the start, as DeepSpeed's WarmupLR without warmup_max_lr. (DeepSpeed's WarmupDecayLR without
+    warmup_max_lr peaks at 0.001: a DeepSpeed config gets warmup_max_lr=0.001 then.)
+
+    DeepSpeed's WarmupCosineLR (`megazero.zero.lr_schedule.warmup_cosine_ratio`): a factor on each
+    parameter group's own lr, 0 at the first step, warming up from warmup_min_ratio to 1 over
+    warmup_steps (at least 1; DeepSpeed warms up over at least 2), then a half cosine down to
+    cos_min_ratio at total_steps.
+
+    DeepSpeed's OneCycle (`megazero.zero.lr_schedule.one_cycle_at`): one lr for every group, rising from
+    cycle_min_lr to cycle_max_lr over cycle_first_step_size steps and back over cycle_second_step_size
+    (None: the first), on cycle_*_stair_count levels (0: continuously; the second None: the first's),
+    then, every decay_step_size steps (0: never), divided by 1 + decay_lr_rate per interval. With
+    cycle_momentum, Adam's beta1 moves the other way between cycle_max_mom and cycle_min_mom (then
+    times 1 + decay_mom_rate per interval) and beta2 is set to 0.99, as DeepSpeed's OneCycle does; SGD's
+    momentum is not cycled, as in DeepSpeed. The defaults of these keys are DeepSpeed's.
     """
 
     type: str = "constant"
@@ -173,6 +198,21 @@ class SchedulerConfig:
     min_lr: float = 0.0
     warmup_min_lr: float = 0.0
     warmup_type: str = "linear"  # DeepSpeed's WarmupLR default is "log"
+    warmup_max_lr: Optional[float] = None  # WarmupLR, WarmupDecayLR: one peak for all groups; None: each group's lr
+    warmup_min_ratio: float = 0.0  # WarmupCosineLR: the first warmup factor on each group's lr
+    cos_min_ratio: float = 0.0001  # WarmupCosineLR: the final factor on each group's lr
+    cycle_min_lr: Optional[float] = None  # OneCycle: lower bound of the lr (required)
+    cycle_max_lr: Optional[float] = None  # OneCycle: upper bound of the lr (required)
+    decay_lr_rate: float = 0.0
+    cycle_first_step_size: int = 2000
+    cycle_second_step_size: Optional[int] = None  # None: cycle_first_step_size
+    cycle_first_stair_count: int = 0  # 0 (or below): continuous
+    cycle_second_stair_count: Optional[int] = None  # None: cycle_first_stair_count
+    decay_step_size: int = 0  # 0: no decay after the cycle
+    cycle_momentum: bool = True
+    cycle_min_mom: float = 0.8
+    cycle_max_mom: float = 0.9
+    decay_mom_rate: float = 0.0
 
 
 @dataclass(frozen=True)
