@@ -118,3 +118,15 @@ def test_no_sync_and_the_accessors(stage):
     assert engine.eval() is engine and not engine.module.training
     loss = engine.eval_batch(iter([(x,), (x,)]), loss_fn=lambda m, b: m(*b).sum())
     assert loss == pytest.approx(engine(x).sum().item(), rel=1e-6)
+
+
+def test_zero_init_refuses_a_hugging_face_model_before_building_it():
+    """HF's post_init would re-initialise partitions (the same draws on every rank): a clear error,
+    raised before the model's constructor runs, naming the class and what to do instead."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=8)
+    with pytest.raises(NotImplementedError, match="GPT2LMHeadModel is a Hugging Face model.*without zero.Init"):
+        with megazero.zero.Init():
+            GPT2LMHeadModel(config)
+    GPT2LMHeadModel(config)  # outside the block, constructors are megazero-free again

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.core.topology import Topology
-from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer, megatron_param_groups
+from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
+from megazero.zero.param_groups import megatron_param_groups
 from tests.harness import run_ranks
 
 STEPS, GAS, BATCH = 4, 2, 16

@@ -20,7 +20,8 @@ from megazero.runtime.parallel_context import ParallelContext
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.lr_schedule import ONE_CYCLE_PARAMS, LRScheduler
-from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer, megatron_param_groups
+from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
+from megazero.zero.param_groups import megatron_param_groups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

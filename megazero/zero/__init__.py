@@ -1,6 +1,8 @@
 """ZeRO data parallelism (L2): the optimizer that shards model states over the dp group.
 
 - `optimizer`: `ZeroOptimizer` (stages 0-3, CPU offload, clipping, the step) and `OptimizerSpec`;
+- `param_groups`: the rules of a parameter group, Megatron's decay split, the hyper-parameters kept
+  in checkpoints, and which ranges of the flat buffers each group updates;
 - `flat_group`: `FlatGroup`, one flat fp32 gradient buffer with its buckets, shards and master;
 - `stage3`: `Stage3Gatherer`, ZeRO-3's per-layer parameter gathering;
 - `loss_scaler`, `lr_schedule`: the loss scale and the learning-rate schedule.

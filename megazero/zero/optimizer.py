@@ -20,7 +20,7 @@ It is a `torch.optim.Optimizer`: `params` are parameters or parameter groups (di
 "params" and any of lr, betas, eps, weight_decay, momentum; the rest come from `spec`), and every
 step reads each group's hyper-parameters from `param_groups`, so torch's LR schedulers (and any code
 that edits `param_groups`) drive the update. Weight decay is exactly what each group says;
-`megatron_param_groups` makes Megatron's split (no decay for biases and norm weights), which
+`megazero.zero.param_groups.megatron_param_groups` makes Megatron's split (no decay for biases and norm weights), which
 megazero applies to the models it builds.
 
 The parameters may be a user's (any nn.Module under ModuleEngine), so the attributes megazero's
@@ -40,8 +40,9 @@ import torch
 from megazero.core.config.schema import NONFINITE_CHOICES
 from megazero.runtime import comm, kernels
 from megazero.zero.flat_group import FlatGroup
-from megazero.zero.partitioned_init import full_shape
 from megazero.zero.loss_scaler import LossScaler
+from megazero.zero.param_groups import checked_group, group_runs, hyperparameters, load_hyperparameters
+from megazero.zero.partitioned_init import full_shape
 from megazero.zero.stage3 import Stage3Gatherer
 
 
@@ -64,20 +65,6 @@ class OptimizerSpec:
     weight_decay: float = 0.0
     momentum: float = 0.0
     bias_correction: bool = True
-
-
-HYPER = ("lr", "betas", "eps", "weight_decay", "momentum")
-"""The per-group hyper-parameters a step reads."""
-
-
-def megatron_param_groups(params, weight_decay: float) -> list[dict]:
-    """Megatron's split: [{params with decay}, {biases and norm weights (1-D), weight_decay 0}], both
-    kept when empty (every pipeline stage has the same two groups). A parameter with a
-    `no_weight_decay` attribute says for itself."""
-    decay, no_decay = [], []
-    for p in params:
-        (no_decay if getattr(p, "no_weight_decay", len(full_shape(p)) < 2) else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -134,7 +121,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._counted = [self._counted_ranges(group) for group in self.groups]
         self._sp_ranges = [self._ranges_where(group, lambda p: getattr(p, "sequence_parallel", False))
                            for group in self.groups]
-        self._runs = [self._group_runs(group) for group in self.groups]
+        self._runs = [group_runs(group, self._group_index) for group in self.groups]
         self.gatherer = None
         if stage == 3 and units:
             self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size)
@@ -142,28 +129,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """Only during construction: the flat buffers are laid out once, so a group added later
-        could never be updated. torch's rules (tensors, leaves, no parameter in two groups, defaults
-        for what the group leaves out), but not torch's implementation: its dynamo guard imports
-        torch._dynamo, seconds in every process that builds an optimizer."""
+        could never be updated (see `param_groups.checked_group` for the rules a group obeys)."""
         if getattr(self, "_flattened", False):
             raise NotImplementedError("ZeroOptimizer.add_param_group: the parameters are flattened when the optimizer "
                                       "is built; pass every parameter group to megazero.initialize (model_parameters)")
-        params = param_group["params"]
-        if isinstance(params, set):
-            raise TypeError("optimizer parameters need to be organized in ordered collections, not a set")
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for p in params:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"optimizer can only optimize Tensors, got {type(p).__name__}")
-            if not p.is_leaf:
-                raise ValueError("can't optimize a non-leaf Tensor")
-        seen = {id(q) for group in self.param_groups for q in group["params"]}
-        if any(id(p) in seen for p in params):
-            raise ValueError("some parameters appear in more than one parameter group")
-        param_group["params"] = params
-        for key, value in self.defaults.items():
-            param_group.setdefault(key, value)
-        self.param_groups.append(param_group)
+        self.param_groups.append(checked_group(param_group, self.param_groups, self.defaults))
 
     # -- set-up ---------------------------------------------------------------------------------
     def _make_groups(self, params, units, bucket, offload_opt, offload_param, persist):
@@ -215,22 +185,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Per bucket, local ranges of the owned slice that belong to parameters matching `pred`."""
         return [[(s.buf_start - group.owned[b][0], s.buf_end - group.owned[b][0]) for s in segs if pred(group.params[s.param])]
                 for b, segs in enumerate(group.segments)]
-
-    def _group_runs(self, group: FlatGroup) -> list[list[tuple[int, int, int]]]:
-        """Per bucket, maximal contiguous local ranges (start, end, param group index) of the owned
-        slice whose parameters share one parameter group (one set of hyper-parameters)."""
-        out = []
-        for b, segs in enumerate(group.segments):
-            lo, runs = group.owned[b][0], []
-            for s in segs:
-                g = self._group_index[id(group.params[s.param])]
-                a, e = s.buf_start - lo, s.buf_end - lo
-                if runs and runs[-1][2] == g and runs[-1][1] == a:
-                    runs[-1] = (runs[-1][0], e, g)
-                else:
-                    runs.append((a, e, g))
-            out.append(runs)
-        return out
 
     # -- micro-batch hooks ------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -454,18 +408,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             group.publish_master(self.allgather_bucket_size)
 
     def hyperparameters(self) -> list[dict]:
-        """Each parameter group's settings without its parameters (lr, betas, …, and whatever an LR
-        scheduler added, such as initial_lr), for checkpoints."""
-        return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in pg.items() if k != "params"}
-                for pg in self.param_groups]
+        """Each parameter group's settings without its parameters, for checkpoints."""
+        return hyperparameters(self.param_groups)
 
     def load_hyperparameters(self, saved: list[dict]) -> None:
         """Restore `hyperparameters()` into the same number of parameter groups."""
-        if len(saved) != len(self.param_groups):
-            raise ValueError(f"the saved optimizer had {len(saved)} parameter groups, this one has "
-                             f"{len(self.param_groups)}; build the optimizer with the same groups")
-        for pg, h in zip(self.param_groups, saved):
-            pg.update({k: (tuple(v) if k == "betas" else v) for k, v in h.items()})
+        load_hyperparameters(self.param_groups, saved)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now: params, grads, master, optimizer_states, comm_buffers."""

@@ -81,6 +81,19 @@ def _subclasses(cls) -> list[type]:
     return out
 
 
+def _refuse_hugging_face(module: nn.Module) -> None:
+    """Hugging Face models re-initialise every weight in `post_init`, after their submodules are
+    built (and here partitioned): on partitions that would draw the same values on every rank, or
+    index the wrong elements. DeepSpeed relies on code inside transformers for this; megazero
+    refuses rather than build a wrongly initialised model."""
+    if any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__):
+        raise NotImplementedError(
+            f"zero.Init: {type(module).__name__} is a Hugging Face model, whose post_init re-initialises the weights "
+            "after its submodules are built; megazero's Init does not intercept that yet. Build it without "
+            "zero.Init (megazero.initialize then shards it at ZeRO-3), or convert it to a megazero model "
+            "(tools/convert_checkpoint.py from-hf) and build that under zero.Init")
+
+
 class Init:
     """See the module docstring. DeepSpeed's arguments are accepted; the ones megazero cannot honour
     (an NVMe `remote_device`, another `data_parallel_group` than the world, `mpu`) are refused by
@@ -123,6 +136,8 @@ class Init:
 
         def __init__(module, *args, **kwargs):
             key = id(module)
+            if key not in init._depth:
+                _refuse_hugging_face(module)
             init._depth[key] = init._depth.get(key, 0) + 1
             try:
                 original(module, *args, **kwargs)
