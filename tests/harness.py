@@ -1,7 +1,7 @@
 """Run a function on N gloo ranks on 127.0.0.1 and collect each rank's result.
 
-`run_ranks(fn, n, *args, timeout=...)` starts n processes (forkserver with torch preloaded, so a
-start costs a fork, not an import), initialises a gloo process group on a free port, calls
+`run_ranks(fn, n, *args, timeout=...)` starts n processes (forkserver with torch and megazero
+preloaded, so a start costs a fork, not an import), initialises a gloo process group on a free port, calls
 `fn(*args, **kwargs)` on each rank and returns the list of results in rank order. Any rank's
 exception is re-raised here with its rank and traceback; a rank that dies or a run that exceeds
 `timeout` kills every rank and raises — no test can hang the suite. Each rank gets
@@ -43,9 +43,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megazero.engine", "megazero.models", "megazero.run.parity"]
+"""Imported once by the forkserver, so that no rank pays for them: torch, torch._dynamo (which
+torch.utils.checkpoint and torch's optimizers import on first use, 2-3 s each time) and megazero's
+engine stack (0.6 s). None of them starts a thread or holds state a test changes."""
+
+
 def _context():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 

@@ -10,7 +10,7 @@ What crosses a boundary is a tensor or a tuple of tensors (megazero.pipeline.p2p
 floating-point ones get gradients back, and an input tensor that got none sends zeros.
 
 Megatron's deallocation trick: once an output activation is sent downstream its storage is freed
-(`out.data` becomes a 1-element tensor; only for tensors computed in the chunk, not inputs passed
+(`out.data` becomes a 1-element tensor; for one computed tensor, not for tuples or inputs passed
 on); the autograd graph stays, and the backward is run through the engine directly so the freed
 shape is never checked.
 
@@ -236,11 +236,16 @@ class PipelineExecutor:
     # Boundary v is between virtual stages v and v + 1: a chunk's output crosses its own boundary,
     # its input (and the input's gradient) the one before.
     def _send_act(self, ins, st):
-        out = st.outputs[(ins.mb, ins.chunk)]
+        key = (ins.mb, ins.chunk)
+        out = st.outputs[key]
         self.p2p.send_activation(out, ins.peer, self.stage.virtual_stage(ins.chunk))
-        for t in tensors_of(out):
-            if t.grad_fn is not None:  # computed here: free the data, the graph stays (inputs passed on are kept)
-                t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+        if not torch.is_grad_enabled():  # a forward-only program: nothing reads the output again
+            del st.outputs[key]
+        elif isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            # Only autograd's own node saved this output (as an output, a copy of the tensor's handle):
+            # free the data, the graph stays. A tuple's tensors are kept: one of them may be saved as an
+            # input by the node that made another, and freeing it would corrupt that backward.
+            out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
 
     def _recv_act(self, ins, st):
         x = self.p2p.recv_activation(ins.peer, self.stage.virtual_stage(ins.chunk) - 1)

@@ -106,10 +106,8 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(x, weight, bias=None, store: WeightGradStore | None = None, regather: Regather | None = None):
-    """F.linear, or its twin when a store is attached, the input is re-gathered in backward, or the
-    weight is a ZeRO-3 parameter (``zero3_sharded``): the twin refers to the Parameter instead of
-    saving a view of its data, so the gathered bucket is freed when ZeRO-3 releases it after forward
-    (F.linear would keep `weight.t()` alive until backward) and is gathered again for backward."""
-    if store is None and regather is None and not getattr(weight, "zero3_sharded", False):
+    """F.linear, or its twin when a store is attached (zero bubble) or the input is re-gathered in
+    backward (sequence parallelism)."""
+    if store is None and regather is None:
         return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias, store, regather)

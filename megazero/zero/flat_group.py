@@ -59,7 +59,8 @@ class FlatGroup:
         self.pending = [0] * len(lay.buckets)  # grads still expected in the current micro-batch
         self.reset_pending()
         self._bucket_grad: dict[int, torch.Tensor] = {}  # stage 2-3: bucket-sized fp32 temporaries
-        self._inflight: list = []  # (work, bucket, temp shard) of async reduce-scatters
+        self._gathered: dict[int, torch.Tensor] = {}  # stage 3: bucket -> its full buffer (0 bytes while released)
+        self._inflight: list = []  # (work or None, bucket, temp shard or None) of reductions not finished yet
         self._launched: list[int] = []  # buckets reduced since the last wait(), in flight or finished
 
     # -- construction -------------------------------------------------------------------
@@ -100,10 +101,8 @@ class FlatGroup:
                 dest.copy_(full[seg.param_start:seg.param_start + seg.numel])
             del full
         self.param_shard = shard
-        self._gathered: dict[int, torch.Tensor] = {}  # bucket -> its full buffer (storage freed while released)
         for p in self.params:
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
-            p.zero3_sharded = True  # megazero's linear layers then never save views of gathered data
 
     def _build_grads(self) -> None:
         lay = self.layout
@@ -183,7 +182,7 @@ class FlatGroup:
         while len(self._inflight) > self.MAX_INFLIGHT:
             self._finish(*self._inflight.pop(0))
 
-    def in_flight(self) -> set[int]:
+    def launched(self) -> set[int]:
         """The buckets whose reduction was launched since the last `wait()` (finished or not)."""
         return set(self._launched)
 
@@ -211,6 +210,8 @@ class FlatGroup:
         self.reset_pending()
 
     def zero_grads(self) -> None:
+        """Drop this step's gradients, finishing any reduction still in flight first."""
+        self.wait()
         if self.full_grads:
             self.grad_flat.zero_()
         else:
@@ -290,7 +291,7 @@ class FlatGroup:
         def nbytes(t):
             return t.numel() * t.element_size()
         params = nbytes(self.param_shard) if self.shard_params else nbytes(self.param_flat)
-        gathered = sum(p.data.numel() * p.element_size() for p in self.params) if self.shard_params else 0
+        gathered = sum(t.untyped_storage().nbytes() for t in self._gathered.values())  # stage 3: held buckets
         grads = nbytes(self.grad_flat) if self.full_grads else nbytes(self.grad_shard)
         buckets = sum(nbytes(t) for t in self._bucket_grad.values())
         return {"params": params + gathered, "grads": grads,

@@ -235,7 +235,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reduced = True
         for group in self.groups:
             if group.full_grads:
-                launched = group.in_flight()
+                launched = group.launched()
                 for b in range(len(group.layout.buckets)):
                     if b not in launched:
                         group.reduce_bucket(b, async_op=self.overlap)

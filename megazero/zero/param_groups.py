@@ -12,6 +12,7 @@ import torch
 from megazero.zero.flat_group import FlatGroup
 from megazero.zero.partitioned_init import full_shape
 
+
 def megatron_param_groups(params, weight_decay: float) -> list[dict]:
     """Megatron's split: [{params with decay}, {biases and norm weights (1-D), weight_decay 0}], both
     kept when empty (every pipeline stage has the same two groups). A parameter with a

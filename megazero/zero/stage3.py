@@ -1,6 +1,11 @@
 """ZeRO-3 parameter gathering: each unit (a layer) all-gathers its parameters over dp just before
 its forward and again just before its backward, and frees them right after.
 
+Each bucket gathers into one buffer kept for the whole run (`FlatGroup.gather_bucket`) whose
+storage is freed to 0 bytes on release, so views autograd saved in forward hold no memory and read
+the re-gathered values in backward. The rule that follows: a unit's parameters are read only
+inside its own forward and backward (or inside `GatheredParameters`, outside a forward).
+
 Hooks on each unit module: forward-pre (gather + prefetch the next units' buckets asynchronously
 up to `prefetch_bucket_size` elements), forward (release), full-backward-pre (gather again +
 prefetch the previous units), and the optimizer's gradient hooks report finished buckets so a
@@ -110,6 +115,7 @@ class Stage3Gatherer:
         for key, (work, _) in list(self.inflight.items()):
             if work is not None:
                 work.wait()
+            self.groups[key[0]].release_bucket(key[1])  # prefetched, never attached: free its storage
         self.inflight.clear()
         for key in list(self.full):
             self.groups[key[0]].release_bucket(key[1])
