@@ -141,6 +141,8 @@ def assert_like_serial(results, ref_losses, ref_params):
         params.update(mine)
     assert set(params) == set(ref_params)
     worst = max((params[k] - ref_params[k]).abs().max().item() for k in params)
+    rel = max(abs(a - b) / abs(b) for losses, _, _ in results for a, b in zip(losses, ref_losses))
+    print(f"losses within {rel:.1e} relative, final parameters within {worst:.1e}")
     assert worst <= 1e-5, worst
 
 
