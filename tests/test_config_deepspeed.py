@@ -187,8 +187,8 @@ def test_the_pipeline_section_maps_key_by_key():
                                         if f.startswith("ds_")))
 def test_a_dict_and_its_file_give_the_same_config(name):
     """DeepSpeed's documented configs (getting started, ZeRO-2/3 offload, fp16, the HF Trainer's with
-    its "auto" values, a pipeline): the dict passed to initialize and the same JSON file resolve to
-    one Config, values kept typed (no YAML re-parsing of strings)."""
+    its "auto" values, a pipeline, each of the four schedulers): the dict passed to initialize and the
+    same JSON file resolve to one Config, values kept typed (no YAML re-parsing of strings)."""
     path = _ds(name)
     with open(path) as f:
         data = json.load(f)
