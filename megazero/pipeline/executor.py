@@ -208,14 +208,17 @@ class PipelineExecutor:
         params = [p for p in self.stage.chunk_parameters(ins.chunk) if p.requires_grad]
         xs = [t for t in tensors_of(x) if carries_grad(t)] if x is not None else []
         inputs = xs + params
-        run = outs and inputs
+
+        def input_and_param_grads():
+            if outs and inputs:
+                return _run_backward(outs, out_grads, inputs=inputs, accumulate=False)
+            return (None,) * len(inputs)  # nothing to differentiate (or nothing reaches this chunk)
         if self.wgrad_store is not None:
             with self.wgrad_store.defer():
-                grads = _run_backward(outs, out_grads, inputs=inputs, accumulate=False) if run else (None,) * len(inputs)
+                grads = input_and_param_grads()
             deferred = self.wgrad_store.take()
         else:
-            grads = _run_backward(outs, out_grads, inputs=inputs, accumulate=False) if run else (None,) * len(inputs)
-            deferred = []
+            grads, deferred = input_and_param_grads(), []
         if x is not None:
             st.grads_out[key] = _input_grads(x, grads[:len(xs)])
         st.weight_grads[key] = (list(zip(params, grads[len(xs):])), deferred)

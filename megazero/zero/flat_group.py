@@ -131,6 +131,12 @@ class FlatGroup:
         self.exp_avg = list(torch.split(self.state_flat[0], sizes))
         self.exp_avg_sq = list(torch.split(self.state_flat[1], sizes))
 
+    def owned_ranges(self, pred) -> list[list[tuple[int, int]]]:
+        """Per bucket, the local ranges of this rank's owned slice that belong to parameters for
+        which `pred(param)` holds."""
+        return [[(s.buf_start - self.owned[b][0], s.buf_end - self.owned[b][0]) for s in segs
+                 if pred(self.params[s.param])] for b, segs in enumerate(self.segments)]
+
     # -- gradients --------------------------------------------------------------------------
     def reset_pending(self) -> None:
         for b in self.layout.buckets:

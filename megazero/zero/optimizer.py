@@ -119,7 +119,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.device = unique[0].device if unique else torch.device("cpu")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for group in self.groups for p in group.params]
         self._counted = [self._counted_ranges(group) for group in self.groups]
-        self._sp_ranges = [self._ranges_where(group, lambda p: getattr(p, "sequence_parallel", False))
+        self._sp_ranges = [group.owned_ranges(lambda p: getattr(p, "sequence_parallel", False))
                            for group in self.groups]
         self._runs = [group_runs(group, self._group_index) for group in self.groups]
         self.gatherer = None
@@ -173,18 +173,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         pctx = self.pctx
         if (group.stage == 0 and pctx.dp_rank != 0) or (group.name == "tied" and not pctx.is_first_stage):
             return [[] for _ in group.layout.buckets]
-        out = []
-        for b, segs in enumerate(group.segments):
-            lo = group.owned[b][0]
-            out.append([(s.buf_start - lo, s.buf_end - lo) for s in segs
-                        if getattr(group.params[s.param], "tp_dim", None) is not None or pctx.tp_rank == 0])
-        return out
-
-    @staticmethod
-    def _ranges_where(group: FlatGroup, pred) -> list[list[tuple[int, int]]]:
-        """Per bucket, local ranges of the owned slice that belong to parameters matching `pred`."""
-        return [[(s.buf_start - group.owned[b][0], s.buf_end - group.owned[b][0]) for s in segs if pred(group.params[s.param])]
-                for b, segs in enumerate(group.segments)]
+        return group.owned_ranges(lambda p: getattr(p, "tp_dim", None) is not None or pctx.tp_rank == 0)
 
     # -- micro-batch hooks ------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
