@@ -1,20 +1,29 @@
 """CPU Adam throughput: megazero's SIMD kernel vs torch's AdamW (foreach, fused), DeepSpeedCPUAdam (if
 importable), and the machine's streaming-bandwidth limit measured in the same run. Prints one JSON object.
 
-    python benchmarks/cpu_adam.py [--params 50000000] [--rounds 7] [--steps 4]
+    python benchmarks/cpu_adam.py [--params 50000000] [--tensors 100] [--layout both|single|many]
+                                  [--rounds 7] [--steps 4]
 
-Method: one flat fp32 parameter of --params elements per optimizer (as a ZeRO-Offload shard), fp32 grads,
-torch's thread count for everyone. Each round times every implementation (--steps steps, each timed; the best
-counts) and then probes the bandwidth limit: the best of STREAM copy, in-place add and triad (benchmarks/stream.c
+Layouts (same total --params): "single", one flat fp32 parameter per optimizer (as a ZeRO-Offload shard); and
+"many", --tensors parameters of --params / --tensors elements each (100 x 500K: a model's parameters, or the
+runs of a ZeRO shard that differ in lr / weight decay). megazero steps the many layout with ONE list call
+(per-tensor lr and weight decay), and, for comparison, with one single-tensor kernel call per tensor (the
+_per_tensor_calls row); the peers step their 100 parameters as optimizers do. fp32 grads, torch's thread count
+for everyone. Each round times every implementation of a layout (--steps steps, each timed; the best counts)
+and then probes the bandwidth limit: the best of STREAM copy, in-place add and triad (benchmarks/stream.c
 compiled here with -O3 -march=native -fopenmp and loaded with ctypes; best of 3 repetitions) at 28 bytes per
 parameter (Adam reads p, g, m, v and writes p, m, v in fp32). Interleaving puts a neighbour's load on all of them
 alike; ratios are taken within a round and reported as median / min / max over rounds. The +bf16_copy rows add
-the 16-bit working-weight copy mixed-precision training needs (megazero: same pass; torch: a copy_ after the step).
+the 16-bit working-weight copy mixed-precision training needs (megazero: same pass; torch: a copy after the step).
+Layouts run one after the other (each with its own probes); the single layout's report is the top level of the
+JSON (its fields as before), the many layout's is under "many_tensors".
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import gc
 import json
 import os
 import platform
@@ -61,62 +70,88 @@ class Stream:
 
 
 class Megazero:
-    """megazero.runtime.kernels.adam_step on the flat shard (the call ZeRO-Offload makes)."""
+    """megazero.runtime.kernels.adam_step on a list of flat fp32 tensors in one call (the call ZeRO-Offload
+    makes), with per-tensor lr and weight decay; per_tensor_calls steps them with one kernel call each."""
 
-    def __init__(self, n: int, copy_dtype: torch.dtype | None = None):
-        self.p, self.g = torch.randn(n), torch.randn(n)
-        self.m, self.v = torch.zeros(n), torch.zeros(n)
-        self.copy = None if copy_dtype is None else torch.empty(n, dtype=copy_dtype)
+    def __init__(self, sizes: list[int], copy_dtype: torch.dtype | None = None, per_tensor_calls: bool = False):
+        self.p, self.g = [torch.randn(n) for n in sizes], [torch.randn(n) for n in sizes]
+        self.m, self.v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+        self.copy = None if copy_dtype is None else [torch.empty(n, dtype=copy_dtype) for n in sizes]
+        self.lr, self.wd = [HYPER["lr"]] * len(sizes), [HYPER["weight_decay"]] * len(sizes)
+        self.per_tensor_calls = per_tensor_calls
         self.t = 0
         self.backend = ""
 
     def step(self):
         self.t += 1
-        self.backend = adam_step(self.p, self.g, self.m, self.v, step=self.t, lr=HYPER["lr"],
-                                 beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
-                                 weight_decay=HYPER["weight_decay"], adamw_mode=True, param_copy=self.copy)
+        hyper = dict(step=self.t, beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
+                     adamw_mode=True)
+        if not self.per_tensor_calls:
+            self.backend = adam_step(self.p, self.g, self.m, self.v, lr=self.lr, weight_decay=self.wd,
+                                     param_copy=self.copy, **hyper)
+            return
+        for i in range(len(self.p)):
+            self.backend = adam_step(self.p[i], self.g[i], self.m[i], self.v[i], lr=self.lr[i],
+                                     weight_decay=self.wd[i], param_copy=None if self.copy is None else self.copy[i],
+                                     **hyper)
 
 
 class TorchOptim:
-    """A torch.optim (or DeepSpeed) optimizer on one parameter of n elements; with copy_dtype, followed by the
+    """A torch.optim (or DeepSpeed) optimizer on parameters of the given sizes; with copy_dtype, followed by the
     copy into 16-bit working weights that megazero's kernel writes in the same pass."""
 
-    def __init__(self, n: int, make, copy_dtype: torch.dtype | None = None):
-        self.p = torch.nn.Parameter(torch.randn(n))
-        self.p.grad = torch.randn(n)
-        self.opt = make([self.p])
-        self.copy = None if copy_dtype is None else torch.empty(n, dtype=copy_dtype)
+    def __init__(self, sizes: list[int], make, copy_dtype: torch.dtype | None = None):
+        self.params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+        for p in self.params:
+            p.grad = torch.randn(p.numel())
+        self.opt = make(self.params)
+        self.copy = None if copy_dtype is None else [torch.empty(n, dtype=copy_dtype) for n in sizes]
 
     def step(self):
         self.opt.step()
         if self.copy is not None:
-            self.copy.copy_(self.p.detach())
+            with torch.no_grad():
+                torch._foreach_copy_(self.copy, self.params)
 
 
 def deepspeed_factory():
+    """DeepSpeedCPUAdam's factory and "importable", else None and why. DeepSpeed logs to stdout, which carries
+    the JSON here: its import and constructor write to stderr instead."""
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception as err:  # noqa: BLE001 - optional peer: any import problem means absent
         return None, f"not importable ({type(err).__name__})"
-    return (lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=True, **HYPER)), "importable"
+
+    def make(ps):
+        with contextlib.redirect_stdout(sys.stderr):
+            return DeepSpeedCPUAdam(ps, adamw_mode=True, **HYPER)
+
+    return make, "importable"
 
 
-def implementations(n: int) -> tuple[dict, dict]:
+def implementations(sizes: list[int]) -> tuple[dict, dict]:
     """name -> (factory, bytes per param), and notes on peers that are absent."""
+    def fused(ps):
+        return torch.optim.AdamW(ps, fused=True, **HYPER)
+
     impls = {
-        "megazero_cpu_adam": (lambda: Megazero(n), BYTES_PER_PARAM),
-        "megazero_cpu_adam+bf16_copy": (lambda: Megazero(n, torch.bfloat16), BYTES_PER_PARAM + 2),
-        "torch_adamw_foreach": (lambda: TorchOptim(n, lambda ps: torch.optim.AdamW(ps, foreach=True, **HYPER)),
+        "megazero_cpu_adam": (lambda: Megazero(sizes), BYTES_PER_PARAM),
+        "megazero_cpu_adam+bf16_copy": (lambda: Megazero(sizes, torch.bfloat16), BYTES_PER_PARAM + 2),
+    }
+    if len(sizes) > 1:
+        impls["megazero_cpu_adam_per_tensor_calls"] = (lambda: Megazero(sizes, per_tensor_calls=True),
+                                                       BYTES_PER_PARAM)
+    impls |= {
+        "torch_adamw_foreach": (lambda: TorchOptim(sizes, lambda ps: torch.optim.AdamW(ps, foreach=True, **HYPER)),
                                 BYTES_PER_PARAM),
-        "torch_adamw_fused": (lambda: TorchOptim(n, lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER)),
-                              BYTES_PER_PARAM),
-        "torch_adamw_fused+bf16_copy": (lambda: TorchOptim(n, lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER),
-                                                           torch.bfloat16), BYTES_PER_PARAM + 2),
+        "torch_adamw_fused": (lambda: TorchOptim(sizes, fused), BYTES_PER_PARAM),
+        "torch_adamw_fused+bf16_copy": (lambda: TorchOptim(sizes, fused, torch.bfloat16), BYTES_PER_PARAM + 2),
     }
     notes = {}
     ds, status = deepspeed_factory()
     if ds is not None:
-        impls["deepspeed_cpu_adam"] = (lambda: TorchOptim(n, ds), BYTES_PER_PARAM)
+        impls["deepspeed_cpu_adam"] = (lambda: TorchOptim(sizes, ds), BYTES_PER_PARAM)
     notes["deepspeed_cpu_adam"] = status
     return impls, notes
 
@@ -136,8 +171,8 @@ def spread(values: list[float], digits: int = 3) -> dict:
             "max": round(max(values), digits)}
 
 
-def measure(n: int, rounds: int, steps: int, stream: Stream) -> dict:
-    impls, notes = implementations(n)
+def measure(sizes: list[int], rounds: int, steps: int, stream: Stream) -> dict:
+    impls, notes = implementations(sizes)
     objs = {name: make() for name, (make, _) in impls.items()}
     for obj in objs.values():  # warm-up: first touch of optimizer state, thread pools
         for _ in range(2):
@@ -148,10 +183,13 @@ def measure(n: int, rounds: int, steps: int, stream: Stream) -> dict:
         for name, obj in objs.items():
             secs[name].append(best_step(obj, steps))
         streams.append(stream.measure())
-    return dict(objs=objs, secs=secs, streams=streams, bytes={k: b for k, (_, b) in impls.items()}, notes=notes)
+    backend = objs["megazero_cpu_adam"].backend
+    return dict(backend=backend, secs=secs, streams=streams, bytes={k: b for k, (_, b) in impls.items()},
+                notes=notes)
 
 
-def report(n: int, m: dict, threads: int, load_before: tuple) -> dict:
+def report(sizes: list[int], m: dict, threads: int, load_before: tuple) -> dict:
+    n = sum(sizes)
     limit_pps = [s["best_gbs"] * 1e9 / BYTES_PER_PARAM for s in m["streams"]]  # per round
     results = {}
     for name, secs in m["secs"].items():
@@ -162,22 +200,27 @@ def report(n: int, m: dict, threads: int, load_before: tuple) -> dict:
                          "fraction_of_limit": spread([x / lim for x, lim in zip(pps, limit_pps)]),
                          "fraction_of_best_limit": round(statistics.median(pps) / max(limit_pps), 3)}
     ratios = {}
-    for peer in (k for k in m["secs"] if not k.startswith("megazero")):
+    for peer in (k for k in m["secs"] if not k.startswith("megazero_cpu_adam+") and k != "megazero_cpu_adam"):
         ours = "megazero_cpu_adam+bf16_copy" if peer.endswith("+bf16_copy") else "megazero_cpu_adam"
         ratios[f"{ours}_vs_{peer}"] = spread([p / o for o, p in zip(m["secs"][ours], m["secs"][peer])])
     kernels = ("copy_gbs", "add_gbs", "triad_gbs", "best_gbs")
-    return {
-        "benchmark": "cpu_adam", "params": n, "bytes_per_param": BYTES_PER_PARAM,
+    peers = [k for k in ratios if "per_tensor_calls" not in k]
+    out = {"benchmark": "cpu_adam", "params": n}
+    if len(sizes) > 1:
+        out |= {"tensors": len(sizes), "params_per_tensor": sizes[0]}
+    limit_ms = [n / pps * 1e3 for pps in limit_pps]
+    return out | {
+        "bytes_per_param": BYTES_PER_PARAM,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "torch_threads": threads, "torch": torch.__version__,
-                    "isa": m["objs"]["megazero_cpu_adam"].backend},
+                    "torch_threads": threads, "torch": torch.__version__, "isa": m["backend"]},
         "contention": {"loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                        "note": "cores shared with other jobs; rounds interleave implementations and probes"},
         "limit_gbs": {k: spread([s[k] for s in m["streams"]], 1) for k in kernels},
         "limit_params_per_s_M": spread([x / 1e6 for x in limit_pps], 1),
+        "limit_step_ms": spread(limit_ms, 2),
         "results": results, "ratios": ratios,
         "peers_absent": {k: v for k, v in m["notes"].items() if v != "importable"},
-        "goal": {"faster_than_every_peer_median": all(r["median"] > 1 for r in ratios.values()),
+        "goal": {"faster_than_every_peer_median": all(ratios[k]["median"] > 1 for k in peers),
                  "fraction_of_limit_median": results["megazero_cpu_adam"]["fraction_of_limit"]["median"],
                  "target_fraction": 0.9},
     }
@@ -185,21 +228,35 @@ def report(n: int, m: dict, threads: int, load_before: tuple) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--params", type=int, default=50_000_000)
+    ap.add_argument("--params", type=int, default=50_000_000, help="elements per layout (all tensors together)")
+    ap.add_argument("--tensors", type=int, default=100, help="tensors of the many layout")
+    ap.add_argument("--layout", choices=("both", "single", "many"), default="both")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
+    if args.tensors < 2 or args.params % args.tensors:
+        ap.error(f"--tensors={args.tensors}: expected at least 2 tensors dividing --params={args.params}")
     if loader.cpu_adam() is None:
         sys.exit("benchmarks/cpu_adam.py: the megazero CPU Adam kernel is not available (see the line above)")
+    layouts = {"single": [args.params], "many": [args.params // args.tensors] * args.tensors}
+    wanted = ("single", "many") if args.layout == "both" else (args.layout,)
     threads = torch.get_num_threads()
-    load_before = os.getloadavg()
+    reports = {}
     with tempfile.TemporaryDirectory() as tmp:
         stream = Stream(Path(tmp), args.params, threads)
         try:
-            m = measure(args.params, args.rounds, args.steps, stream)
+            for name in wanted:  # one layout at a time: its optimizers' memory is freed before the next
+                load_before = os.getloadavg()
+                m = measure(layouts[name], args.rounds, args.steps, stream)
+                reports[name] = report(layouts[name], m, threads, load_before)
+                del m
+                gc.collect()
         finally:
             stream.close()
-    print(json.dumps(report(args.params, m, threads, load_before), indent=1))
+    out = reports.get("single", {"benchmark": "cpu_adam"})
+    if "many" in reports:
+        out["many_tensors"] = reports["many"]
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

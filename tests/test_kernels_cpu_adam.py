@@ -198,6 +198,152 @@ def test_lists_and_kernel_errors(ops):
                       True, True, False, -1)
 
 
+# Sizes not multiples of any vector width, empty tensors, chunk-sized ones and two that together pass the
+# threading threshold (2 x 2^18 elements), so chunks cross tensor boundaries.
+LIST_SIZES = [0, 1, 5, 16, 17, 63, 64, 65, 1037, 65536 + 3, 300001, 0, 7, 300007]
+
+
+def make_lists(sizes, seed, grad_dtype=torch.float32, copy_dtype=None):
+    """Random fp32 params and states (m, v >= 0), grads in grad_dtype and, with copy_dtype, empty copies."""
+    gen = torch.Generator().manual_seed(seed)
+    p = [torch.randn(n, generator=gen) for n in sizes]
+    g = [torch.randn(n, generator=gen).to(grad_dtype) for n in sizes]
+    m = [0.1 * torch.randn(n, generator=gen) for n in sizes]
+    v = [0.01 * torch.rand(n, generator=gen) for n in sizes]
+    c = None if copy_dtype is None else [torch.empty(n, dtype=copy_dtype) for n in sizes]
+    return p, g, m, v, c
+
+
+def per_tensor_hyper(n, seed):
+    """n learning rates and n weight decays (some 0: the no-decay run of a shard)."""
+    gen = torch.Generator().manual_seed(seed)
+    lrs = (1e-3 * (1 + 9 * torch.rand(n, generator=gen, dtype=torch.float64))).tolist()
+    wds = [0.0 if i % 3 == 0 else 0.05 * (1 + i % 4) for i in range(n)]
+    return lrs, wds
+
+
+def clone_all(*lists):
+    return [None if lst is None else [t.clone() for t in lst] for lst in lists]
+
+
+@pytest.mark.parametrize("copy_dtype", [None, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("flags", [dict(adamw_mode=True), dict(adamw_mode=False, maximize=True),
+                                   dict(adamw_mode=True, bias_correction=False, beta1=0.3)], ids=["w", "l2max", "nobc"])
+def test_list_call_equals_single_calls_bit_for_bit(ops, monkeypatch, copy_dtype, grad_dtype, flags):
+    lrs, wds = per_tensor_hyper(len(LIST_SIZES), seed=1)
+    hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, adamw_mode=True, bias_correction=True, maximize=False) | flags
+    before = torch.get_num_threads()
+    for isa in supported_isas(ops):
+        monkeypatch.setenv("MEGAZERO_CPU_ADAM_ISA", isa)
+        p, g, m, v, c = make_lists(LIST_SIZES, seed=2, grad_dtype=grad_dtype, copy_dtype=copy_dtype)
+        q, m2, v2, c2 = clone_all(p, m, v, c)
+        try:
+            torch.set_num_threads(max(2, before))  # the parallel region, chunks taken across tensors
+            for step in (1, 2):
+                used = adam_step(p, g, m, v, step=step, lr=lrs, weight_decay=wds, param_copy=c, **hyper)
+                assert used == f"megazero_cpu_adam[{isa}]"
+                for i in range(len(LIST_SIZES)):  # the single-tensor op, same hyper-parameters
+                    ops.adam_step(q[i], g[i], m2[i], v2[i], None if c2 is None else c2[i], lrs[i], hyper["beta1"],
+                                  hyper["beta2"], hyper["eps"], wds[i], step, hyper["adamw_mode"],
+                                  hyper["bias_correction"], hyper["maximize"], ISAS[isa])
+        finally:
+            torch.set_num_threads(before)
+        for name, ours, single in (("param", p, q), ("exp_avg", m, m2), ("exp_avg_sq", v, v2), ("copy", c, c2)):
+            for i, (a, b) in enumerate(zip(ours or [], single or [])):
+                assert torch.equal(a, b), f"{isa}: {name}[{i}] (numel {a.numel()}) differs from the single call"
+
+
+def test_list_call_on_one_thread_and_shared_values_equal_single_calls(ops):
+    """The serial path (one thread) and the op's one-value-for-all form."""
+    p, g, m, v, _ = make_lists(LIST_SIZES, seed=3)
+    q, m2, v2 = clone_all(p, m, v)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert ops.multi_tensor_adam(p, g, m, v, [], [1e-2], 0.9, 0.99, 1e-8, [0.1], 3, True, True, False, -1) \
+            == ops.best_isa()
+    finally:
+        torch.set_num_threads(before)
+    for i in range(len(LIST_SIZES)):
+        ops.adam_step(q[i], g[i], m2[i], v2[i], None, 1e-2, 0.9, 0.99, 1e-8, 0.1, 3, True, True, False, -1)
+    assert all(torch.equal(a, b) for a, b in zip(p + m + v, q + m2 + v2))
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+def test_list_call_with_per_tensor_hyper_matches_the_twin(ops, adamw):
+    sizes = [1, 17, 1037, 4099]
+    lrs, wds = per_tensor_hyper(len(sizes), seed=4)
+    p, _, m, v, _ = make_lists(sizes, seed=5)
+    twin = clone_all(p, m, v)
+    gen = torch.Generator().manual_seed(6)
+    for step in range(1, 31):
+        g = [torch.randn(n, generator=gen) for n in sizes]
+        adam_step(p, g, m, v, step=step, lr=lrs, weight_decay=wds, adamw_mode=adamw)
+        for i in range(len(sizes)):
+            reference.adam_step(twin[0][i], g[i], twin[1][i], twin[2][i], step=step, lr=lrs[i], beta1=0.9,
+                                beta2=0.999, eps=1e-8, weight_decay=wds[i], adamw_mode=adamw, bias_correction=True)
+    rtol, atol = reference.TOLERANCES["adam"][torch.float32]
+    for ours, ref in zip(p + m + v, twin[0] + twin[1] + twin[2]):
+        torch.testing.assert_close(ours, ref, rtol=rtol, atol=atol * float(ref.abs().max()))
+
+
+def test_per_tensor_hyper_reaches_the_reference_path_too():
+    p = [torch.randn(n, dtype=torch.float64) for n in (3, 9)]
+    states = [[torch.zeros_like(t) for t in p] for _ in range(2)]
+    g = [torch.randn_like(t) for t in p]
+    q = [t.clone() for t in p]
+    assert adam_step(p, g, *states, step=1, lr=[1e-2, 1e-3], weight_decay=(0.0, 0.5)) == "reference"
+    for i, (lr, wd) in enumerate([(1e-2, 0.0), (1e-3, 0.5)]):
+        reference.adam_step(q[i], g[i], torch.zeros_like(q[i]), torch.zeros_like(q[i]), step=1, lr=lr, beta1=0.9,
+                            beta2=0.999, eps=1e-8, weight_decay=wd, adamw_mode=True, bias_correction=True)
+        assert torch.equal(p[i], q[i])
+
+
+def test_per_tensor_hyper_errors(ops):
+    p, g, m, v, _ = make_lists([5, 6, 7], seed=7)
+    with pytest.raises(ValueError, match="adam_step: lr has 2 values, param has 3 tensors"):
+        adam_step(p, g, m, v, step=1, lr=[1e-3, 1e-3])
+    with pytest.raises(ValueError, match="adam_step: weight_decay has 4 values, param has 3 tensors"):
+        adam_step(p, g, m, v, step=1, lr=1e-3, weight_decay=[0.0] * 4)
+    with pytest.raises(ValueError, match="lr has 3 values, param has 1 tensors"):
+        adam_step(p[0], g[0], m[0], v[0], step=1, lr=[1e-3] * 3)
+    with pytest.raises(TypeError, match="lr='fast'; expected a float or a sequence of floats"):
+        adam_step(p, g, m, v, step=1, lr="fast")
+    args = (0.9, 0.999, 1e-8)
+    with pytest.raises(RuntimeError, match=r"lr has 2 values; expected 3 \(one per tensor\) or 1"):
+        ops.multi_tensor_adam(p, g, m, v, [], [1e-3, 1e-3], *args, [0.0], 1, True, True, False, -1)
+    with pytest.raises(RuntimeError, match="weight_decay has 0 values; expected 3"):
+        ops.multi_tensor_adam(p, g, m, v, [], [1e-3], *args, [], 1, True, True, False, -1)
+    with pytest.raises(RuntimeError, match="grads has 2 tensors, params has 3"):
+        ops.multi_tensor_adam(p, g[:2], m, v, [], [1e-3], *args, [0.0], 1, True, True, False, -1)
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[1\] has 5 elements but params\[1\] has 6"):
+        ops.multi_tensor_adam(p, g, [m[0], m[0], m[2]], v, [], [1e-3], *args, [0.0], 1, True, True, False, -1)
+    with pytest.raises(RuntimeError, match=r"param_copies\[0\] must be bfloat16 or float16"):
+        ops.multi_tensor_adam(p, g, m, v, [t.clone() for t in p], [1e-3], *args, [0.0], 1, True, True, False, -1)
+    with pytest.raises(RuntimeError, match="step=0; expected >= 1"):
+        ops.multi_tensor_adam(p, g, m, v, [], [1e-3], *args, [0.0], 0, True, True, False, -1)
+
+
+def test_cpu_adam_steps_mixed_groups_like_adamw(ops):
+    """A group mixing fp32 and fp64 parameters (and one without a grad): one kernel call for the fp32 ones."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(n, dtype=dt)) for n, dt in [(40, torch.float32), (7, torch.float64),
+                                                                     (9, torch.float32), (3, torch.float32)]]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ours = CPUAdam([{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}], lr=1e-2)
+    ref = torch.optim.AdamW([{"params": twins[:3], "weight_decay": 0.1}, {"params": twins[3:], "weight_decay": 0.0}],
+                            lr=1e-2, foreach=False)
+    for step in range(5):
+        for a, b in zip(ps, twins):
+            a.grad = torch.randn_like(a) if step % 2 or a.numel() != 3 else None
+            b.grad = None if a.grad is None else a.grad.clone()
+        ours.step()
+        ref.step()
+    for a, b in zip(ps, twins):
+        assert_rel(a.detach(), b.detach(), 1e-6)
+
+
 def test_non_fp32_params_use_the_reference():
     p = torch.randn(10, dtype=torch.float64)
     used = adam_step(p, torch.randn_like(p), torch.zeros_like(p), torch.zeros_like(p), step=1, lr=1e-3)

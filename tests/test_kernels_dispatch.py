@@ -132,6 +132,53 @@ def test_argument_errors_name_the_argument():
         K.adam_step(torch.randn(2), torch.randn(2), torch.zeros(2), torch.zeros(2, device="meta"), step=1, lr=1.0)
 
 
+class FakeAmpC:
+    """amp_C.multi_tensor_adam's signature (one lr and weight decay per call), stepping with the reference twin."""
+
+    def __init__(self):
+        self.calls = []
+
+    def multi_tensor_adam(self, chunk, noop, lists, lr, beta1, beta2, eps, step, mode, bias_correction, wd):
+        grads, params, exp_avgs, exp_avg_sqs = lists
+        self.calls.append((lr, wd, [p.numel() for p in params]))
+        for g, p, m, v in zip(grads, params, exp_avgs, exp_avg_sqs):
+            reference.adam_step(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                                adamw_mode=bool(mode), bias_correction=bool(bias_correction))
+
+
+def test_cuda_dispatch_passes_per_tensor_hyper(monkeypatch):
+    """megazero_cuda gets one launch with per-tensor lr/wd; apex one call per distinct (lr, wd), in order."""
+    from megazero.runtime.kernels import adam
+
+    sizes, lrs, wds = [3, 4, 5, 6, 7], [1e-2, 1e-3, 1e-2, 1e-3, 1e-2], [0.1, 0.0, 0.1, 0.0, 0.0]
+    gen = torch.Generator().manual_seed(0)
+    lists = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(2)]
+    lists += [[torch.zeros(n) for n in sizes] for _ in range(2)]
+    shared = dict(beta1=0.9, beta2=0.999, eps=1e-8, adamw_mode=True, bias_correction=True, maximize=False)
+    launches = []
+
+    class FakeCudaOps:
+        def multi_tensor_adam(self, *args):
+            launches.append(args)
+
+    monkeypatch.setattr(loader, "cuda_ops", lambda: FakeCudaOps())
+    assert adam._cuda_adam(*lists, [], 1, lrs, wds, shared) == "megazero_cuda"
+    (args,) = launches
+    assert args[5] == lrs and args[9] == wds and args[10] == 1
+    fake = FakeAmpC()
+    monkeypatch.setattr(loader, "cuda_ops", lambda: None)
+    monkeypatch.setattr(loader, "apex", lambda name: fake if name == "amp_C" else None)
+    twin = [[t.clone() for t in lst] for lst in lists]
+    params, grads, exp_avgs, exp_avg_sqs = lists
+    assert adam._cuda_adam(params, grads, exp_avgs, exp_avg_sqs, [], 1, lrs, wds, shared) == "apex"
+    assert fake.calls == [(1e-2, 0.1, [3, 5]), (1e-3, 0.0, [4, 6]), (1e-2, 0.0, [7])]
+    for i in range(len(sizes)):
+        reference.adam_step(twin[0][i], twin[1][i], twin[2][i], twin[3][i], step=1, lr=lrs[i], weight_decay=wds[i],
+                            **shared)
+        assert torch.equal(params[i], twin[0][i])
+    assert adam._cuda_adam(*lists, [], 1, lrs, wds, shared | {"maximize": True}) is None  # apex has no maximize
+
+
 def test_aot_extension_list_for_setup_py():
     exts, cmdclass = build.aot_extensions()
     names = [e.name for e in exts]

@@ -134,6 +134,7 @@ def test_causal_softmax_matches_twin(seq, dtype):
 @pytest.mark.parametrize("flags", [dict(adamw_mode=True), dict(adamw_mode=False, maximize=True),
                                    dict(bias_correction=False, beta1=0.3)], ids=["w", "l2max", "nobc"])
 def test_multi_tensor_adam_equals_the_cpu_kernel_bit_for_bit(grad_dtype, copy_dtype, flags):
+    """One launch over tensors with their own lr and weight decay equals the CPU list kernel bit for bit."""
     sizes = [1, 100, 65536, 65537, 300001]
     gen = torch.Generator().manual_seed(0)
     cpu = [[torch.randn(n, generator=gen) for n in sizes]]
@@ -143,7 +144,8 @@ def test_multi_tensor_adam_equals_the_cpu_kernel_bit_for_bit(grad_dtype, copy_dt
               for dev in ("cpu", "cuda")}
     for step in range(1, 4):
         grads = [torch.randn(n, generator=gen).to(grad_dtype) for n in sizes]
-        hyper = dict(step=step, lr=1e-2, weight_decay=0.1, **flags)
+        # per-tensor lr and weight decay (some tensors without decay), as the ZeRO optimizer passes them
+        hyper = dict(step=step, lr=[1e-2, 3e-3, 1e-2, 5e-3, 2e-2], weight_decay=[0.1, 0.0, 0.05, 0.1, 0.0], **flags)
         used_gpu = K.adam_step(gpu[0], [g.cuda() for g in grads], gpu[1], gpu[2], param_copy=copies["cuda"], **hyper)
         used_cpu = K.adam_step(cpu[0], grads, cpu[1], cpu[2], param_copy=copies["cpu"], **hyper)
     assert used_gpu == "megazero_cuda"

@@ -1,10 +1,13 @@
 """Adam/AdamW: the functional step the ZeRO optimizer calls on flat fp32 shards, and the CPUAdam optimizer.
 
-Dispatch of ``adam_step``: CPU tensors -> the SIMD C++ kernel (megazero_cpu_adam); CUDA tensors -> the
-multi-tensor CUDA kernel (megazero_cuda), else apex's amp_C.multi_tensor_adam; anything else, or tensors the
-kernels do not take (non-fp32 params/states, non-contiguous, ...) -> the reference twin. Tolerance against the
-twin and against torch.optim.AdamW(foreach=False): reference.TOLERANCES["adam"]; the CPU and CUDA kernels agree
-with each other bit for bit.
+Dispatch of ``adam_step`` (a tensor or a list of tensors; ``lr`` and ``weight_decay`` a float or one float per
+tensor): CPU tensors -> ONE call of the SIMD C++ multi-tensor kernel (megazero_cpu_adam.multi_tensor_adam: all
+tensors in one OpenMP region, chunks taken across tensors, each tensor with its own lr and weight decay); CUDA
+tensors -> ONE launch of megazero_cuda.multi_tensor_adam (per-tensor lr and weight decay in its tensor table),
+else apex's amp_C.multi_tensor_adam once per distinct (lr, weight_decay) pair; anything else, or tensors the
+kernels do not take (non-fp32 params/states, non-contiguous, ...) -> the reference twin, tensor by tensor.
+Tolerance against the twin and against torch.optim.AdamW(foreach=False): reference.TOLERANCES["adam"]; the CPU
+and CUDA kernels agree with each other bit for bit, and a list call equals one call per tensor bit for bit.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ _KERNEL_COPY_DTYPES = (torch.bfloat16, torch.float16)
 _APEX_CHUNK = 2048 * 32
 
 TensorOrList = torch.Tensor | Sequence[torch.Tensor]
+FloatOrList = float | Sequence[float]
 
 
 def cpu_isa() -> int:
@@ -38,6 +42,23 @@ def _as_list(x: TensorOrList | None, name: str, n: int | None = None) -> list[to
     return items
 
 
+def _per_tensor(value: FloatOrList, name: str, n: int) -> list[float]:
+    """`value` as n floats: a number (or 0-d tensor) repeated, or a sequence (or 1-d tensor) of n numbers."""
+    many = (isinstance(value, Sequence) and not isinstance(value, (str, bytes))) or (
+        isinstance(value, torch.Tensor) and value.dim() > 0)
+    if many:
+        values = [float(v) for v in value]
+        if len(values) != n:
+            raise ValueError(f"adam_step: {name} has {len(values)} values, param has {n} tensors; pass one "
+                             f"{name} per tensor or a single float")
+        return values
+    try:
+        return [float(value)] * n
+    except (TypeError, ValueError):
+        raise TypeError(f"adam_step: {name}={value!r}; expected a float or a sequence of floats (one per "
+                        f"tensor)") from None
+
+
 def _kernel_ready(params, grads, exp_avgs, exp_avg_sqs, copies) -> bool:
     """Whether the C++/CUDA kernels take these tensors (else the reference twin runs)."""
     fp32 = all(t.dtype == torch.float32 and t.is_contiguous() for t in (*params, *exp_avgs, *exp_avg_sqs))
@@ -49,15 +70,18 @@ def _kernel_ready(params, grads, exp_avgs, exp_avg_sqs, copies) -> bool:
 
 
 def adam_step(param: TensorOrList, grad: TensorOrList, exp_avg: TensorOrList, exp_avg_sq: TensorOrList, *,
-              step: int, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-              weight_decay: float = 0.0, adamw_mode: bool = True, bias_correction: bool = True,
+              step: int, lr: FloatOrList, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+              weight_decay: FloatOrList = 0.0, adamw_mode: bool = True, bias_correction: bool = True,
               maximize: bool = False, param_copy: TensorOrList | None = None) -> str:
     """One Adam step, in place, on a tensor or a list of tensors (all on one device); returns the backend used.
 
-    step counts from 1 and is shared by every tensor of the call. adamw_mode=False is classic Adam (L2 added
-    to the gradient); bias_correction=False drops the 1 - beta^step factors. States are fp32 for the kernels;
-    grads may be fp32, bf16 or fp16; param_copy (bf16/fp16), when given, receives the updated param rounded
-    to nearest even in the same pass (e.g. the working weights of mixed-precision training).
+    lr and weight_decay are each a float shared by every tensor, or a sequence with one float per tensor (e.g.
+    the decay and no-decay runs of a flat ZeRO shard in one call). step counts from 1 and is shared by every
+    tensor of the call. adamw_mode=False is classic Adam (L2 added to the gradient); bias_correction=False drops
+    the 1 - beta^step factors. States are fp32 for the kernels; grads may be fp32, bf16 or fp16 (one dtype per
+    call); param_copy (bf16/fp16), when given, receives the updated param rounded to nearest even in the same
+    pass (e.g. the working weights of mixed-precision training). A list call gives the same bits as one call per
+    tensor; the kernels run the whole list at once.
     """
     params = _as_list(param, "param")
     n = len(params)
@@ -66,63 +90,66 @@ def adam_step(param: TensorOrList, grad: TensorOrList, exp_avg: TensorOrList, ex
     copies = _as_list(param_copy, "param_copy", n) if param_copy is not None else []
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"adam_step: step={step!r}; expected an int >= 1")
+    lrs, wds = _per_tensor(lr, "lr", n), _per_tensor(weight_decay, "weight_decay", n)
     if n == 0:
         return "none"
     devices = {t.device for t in (*params, *grads, *exp_avgs, *exp_avg_sqs, *copies)}
     if len(devices) != 1:
         raise ValueError(f"adam_step: all tensors must be on one device, got {sorted(map(str, devices))}")
-    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-                 bias_correction=bias_correction, maximize=maximize)
+    shared = dict(beta1=beta1, beta2=beta2, eps=eps, adamw_mode=adamw_mode, bias_correction=bias_correction,
+                  maximize=maximize)
     ready = _kernel_ready(params, grads, exp_avgs, exp_avg_sqs, copies)
     with torch.no_grad():
         if ready and params[0].device.type == "cpu":
             ops = loader.cpu_adam()
             if ops is not None:
-                isa = cpu_isa()
-                used = "auto"
-                for i in range(n):
-                    used = ops.adam_step(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
-                                         copies[i] if copies else None, lr, beta1, beta2, eps, weight_decay, step,
-                                         adamw_mode, bias_correction, maximize, isa)
+                used = ops.multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, copies, lrs, beta1, beta2, eps,
+                                             wds, step, adamw_mode, bias_correction, maximize, cpu_isa())
                 return f"megazero_cpu_adam[{used}]"
         if ready and params[0].device.type == "cuda":
-            backend = _cuda_adam(params, grads, exp_avgs, exp_avg_sqs, copies, step, hyper)
+            backend = _cuda_adam(params, grads, exp_avgs, exp_avg_sqs, copies, step, lrs, wds, shared)
             if backend is not None:
                 return backend
         for i in range(n):
-            reference.adam_step(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step=step,
-                                param_copy=copies[i] if copies else None, **hyper)
+            reference.adam_step(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step=step, lr=lrs[i],
+                                weight_decay=wds[i], param_copy=copies[i] if copies else None, **shared)
     return "reference"
 
 
-def _cuda_adam(params, grads, exp_avgs, exp_avg_sqs, copies, step, hyper) -> str | None:
-    """One launch of megazero's multi-tensor Adam, else apex's; None when neither is available."""
+def _cuda_adam(params, grads, exp_avgs, exp_avg_sqs, copies, step, lrs, wds, shared) -> str | None:
+    """One launch of megazero's multi-tensor Adam (per-tensor lr and weight decay), else apex's once per
+    distinct (lr, weight_decay); None when neither is available."""
     ops = loader.cuda_ops()
     if ops is not None:
-        ops.multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, copies, hyper["lr"], hyper["beta1"],
-                              hyper["beta2"], hyper["eps"], hyper["weight_decay"], step, hyper["adamw_mode"],
-                              hyper["bias_correction"], hyper["maximize"])
+        ops.multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, copies, lrs, shared["beta1"], shared["beta2"],
+                              shared["eps"], wds, step, shared["adamw_mode"], shared["bias_correction"],
+                              shared["maximize"])
         return "megazero_cuda"
     amp_c = loader.apex("amp_C")
-    if amp_c is None or hyper["maximize"] or any(grad.dtype != torch.float32 for grad in grads):
+    if amp_c is None or shared["maximize"] or any(grad.dtype != torch.float32 for grad in grads):
         return None
     noop = torch.zeros(1, dtype=torch.int, device=params[0].device)
-    amp_c.multi_tensor_adam(_APEX_CHUNK, noop, [grads, params, exp_avgs, exp_avg_sqs], hyper["lr"], hyper["beta1"],
-                            hyper["beta2"], hyper["eps"], step, int(hyper["adamw_mode"]),
-                            int(hyper["bias_correction"]), hyper["weight_decay"])
+    by_hyper: dict[tuple[float, float], list[int]] = {}
+    for i, key in enumerate(zip(lrs, wds)):
+        by_hyper.setdefault(key, []).append(i)
+    for (lr, wd), idx in by_hyper.items():
+        lists = [[lst[i] for i in idx] for lst in (grads, params, exp_avgs, exp_avg_sqs)]
+        amp_c.multi_tensor_adam(_APEX_CHUNK, noop, lists, lr, shared["beta1"], shared["beta2"], shared["eps"],
+                                step, int(shared["adamw_mode"]), int(shared["bias_correction"]), wd)
     if copies:
         torch._foreach_copy_(copies, params)
     return "apex"
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """Adam/AdamW with torch.optim.AdamW's arguments, stepping each parameter with megazero's SIMD CPU kernel.
+    """Adam/AdamW with torch.optim.AdamW's arguments, stepping the parameters with megazero's SIMD CPU kernel.
 
-    One pass over memory per parameter (AVX-512/AVX2/scalar chosen at run time, OpenMP threads = torch's).
-    adamw_mode=False gives classic Adam (weight_decay as L2 on the gradient), bias_correction=False drops the
-    1 - beta^step factors. Parameters the kernel does not take (non-fp32, non-contiguous, CUDA) are stepped by
-    adam_step's other backends with the same semantics. State keys match torch.optim.AdamW (step, exp_avg,
-    exp_avg_sq), so state dicts load both ways.
+    One pass over memory per parameter, one kernel call per parameter group (per step count and dtype within
+    it; AVX-512/AVX2/scalar chosen at run time, OpenMP threads = torch's). adamw_mode=False gives classic Adam
+    (weight_decay as L2 on the gradient), bias_correction=False drops the 1 - beta^step factors. Parameters the
+    kernel does not take (non-fp32, non-contiguous, CUDA) are stepped by adam_step's other backends with the
+    same semantics. State keys match torch.optim.AdamW (step, exp_avg, exp_avg_sq), so state dicts load both
+    ways.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -162,6 +189,9 @@ class CPUAdam(torch.optim.Optimizer):
             if group.get("amsgrad", False):
                 raise ValueError("CPUAdam: amsgrad=True is not supported (param group setting)")
             beta1, beta2 = group["betas"]
+            # One adam_step per set of parameters the kernel can take together (same step count, device,
+            # dtypes and layout): a stray fp64 or non-contiguous parameter does not send the others to the twin.
+            batches: dict[tuple, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -173,8 +203,13 @@ class CPUAdam(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 state["step"] += 1
-                adam_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()),
-                          lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                          weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                          bias_correction=group["bias_correction"], maximize=group["maximize"])
+                key = (int(state["step"].item()), p.device, p.dtype, p.grad.dtype, p.is_contiguous())
+                batches.setdefault(key, []).append(p)
+            for (step, *_), ps in batches.items():
+                states = [self.state[p] for p in ps]
+                adam_step(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
+                          [s["exp_avg_sq"] for s in states], step=step, lr=float(group["lr"]), beta1=beta1,
+                          beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                          adamw_mode=group["adamw_mode"], bias_correction=group["bias_correction"],
+                          maximize=group["maximize"])
         return loss

@@ -15,10 +15,6 @@ namespace megazero {
 namespace cpu_adam {
 namespace {
 
-// Steps over at least this many elements write their bf16/fp16 copy with non-temporal stores (4 MiB of
-// copy or more: it would not stay in cache anyway).
-constexpr int64_t kStreamMin = int64_t{1} << 21;
-
 template <DType G>
 MZ_AVX2 inline __m256 load_grad(const void* grad, int64_t i) {
   if constexpr (G == DType::kFloat32) {
@@ -131,7 +127,7 @@ MZ_AVX2 inline void prefetch_line(const Buffers& b, int64_t i) {
 template <DType G, DType C>
 MZ_AVX2 void run(const Buffers& b, const AdamCoeffs& c, int64_t begin, int64_t end) {
   const VecCoeffs k = broadcast(c);
-  const bool stream = b.numel >= kStreamMin;
+  const bool stream = b.stream_copy;
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
     if (i + kPrefetch + 16 <= end) prefetch_line<G>(b, i + kPrefetch);

@@ -151,10 +151,22 @@ void check_list(const at::TensorList list, const at::TensorList params, const ch
   }
 }
 
+// A per-tensor value list: one value per tensor, or one shared by all of them.
+void check_values(c10::ArrayRef<double> values, const char* name, size_t n) {
+  TORCH_CHECK(values.size() == n || values.size() == 1, "megazero_cuda.multi_tensor_adam: ", name, " has ",
+              values.size(), " values; expected ", n, " (one per tensor) or 1 (shared by all)");
+}
+
+double value_at(c10::ArrayRef<double> values, size_t i) { return values.size() == 1 ? values[0] : values[i]; }
+
+// Adam over lists of tensors in one launch, tensor i with lr[i] and weight_decay[i] (or the one value given);
+// param_copies is empty (no copies) or one bf16/fp16 tensor per param.
 void multi_tensor_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                       at::TensorList exp_avg_sqs, at::TensorList param_copies, double lr, double beta1, double beta2,
-                       double eps, double weight_decay, int64_t step, bool adamw_mode, bool bias_correction,
-                       bool maximize) {
+                       at::TensorList exp_avg_sqs, at::TensorList param_copies, c10::ArrayRef<double> lr,
+                       double beta1, double beta2, double eps, c10::ArrayRef<double> weight_decay, int64_t step,
+                       bool adamw_mode, bool bias_correction, bool maximize) {
+  check_values(lr, "lr", params.size());
+  check_values(weight_decay, "weight_decay", params.size());
   if (params.empty()) return;
   TORCH_CHECK(step >= 1, "megazero_cuda.multi_tensor_adam: step=", step, "; expected >= 1");
   check_list(params, params, "params");
@@ -177,7 +189,8 @@ void multi_tensor_adam(at::TensorList params, at::TensorList grads, at::TensorLi
                 "megazero_cuda.multi_tensor_adam: all grads (and all param_copies) must share one dtype");
     num_chunks += mc::adam_chunks(params[i].numel());
   }
-  // Tensor table then chunk table, built on the host and copied to the device in one transfer.
+  // Tensor table (with each tensor's step constants) then chunk table, built on the host and copied to the
+  // device in one transfer.
   const int64_t tensor_words = n * static_cast<int64_t>(sizeof(mc::AdamTensor) / sizeof(int64_t));
   const int64_t words = tensor_words + num_chunks * static_cast<int64_t>(sizeof(mc::AdamChunk) / sizeof(int64_t));
   at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
@@ -185,18 +198,21 @@ void multi_tensor_adam(at::TensorList params, at::TensorList grads, at::TensorLi
   auto* chunks = reinterpret_cast<mc::AdamChunk*>(host.data_ptr<int64_t>() + tensor_words);
   int64_t c = 0;
   for (int64_t i = 0; i < n; ++i) {
+    const megazero::AdamCoeffs coeffs =
+        megazero::make_adam_coeffs(value_at(lr, static_cast<size_t>(i)), beta1, beta2, eps,
+                                   value_at(weight_decay, static_cast<size_t>(i)), step, adamw_mode, bias_correction,
+                                   maximize);
     tensors[i] = {params[i].data_ptr<float>(), grads[i].data_ptr(), exp_avgs[i].data_ptr<float>(),
-                  exp_avg_sqs[i].data_ptr<float>(), copies ? param_copies[i].data_ptr() : nullptr, params[i].numel()};
+                  exp_avg_sqs[i].data_ptr<float>(), copies ? param_copies[i].data_ptr() : nullptr, params[i].numel(),
+                  coeffs};
     for (int64_t start = 0; start < params[i].numel(); start += mc::kAdamChunk) chunks[c++] = {i, start};
   }
   const c10::cuda::CUDAGuard guard(params[0].device());
   const at::Tensor table = host.to(params[0].device(), /*non_blocking=*/true);
   const auto* table_ptr = table.data_ptr<int64_t>();
-  const megazero::AdamCoeffs coeffs =
-      megazero::make_adam_coeffs(lr, beta1, beta2, eps, weight_decay, step, adamw_mode, bias_correction, maximize);
   C10_CUDA_CHECK(mc::multi_tensor_adam(reinterpret_cast<const mc::AdamTensor*>(table_ptr),
                                        reinterpret_cast<const mc::AdamChunk*>(table_ptr + tensor_words), num_chunks,
-                                       gdt, cdt, coeffs, c10::cuda::getCurrentCUDAStream()));
+                                       gdt, cdt, c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace
@@ -208,8 +224,8 @@ TORCH_LIBRARY(megazero_cuda, m) {
   m.def("softmax_fwd(Tensor x, Tensor? mask, float scale, bool causal) -> Tensor");
   m.def("softmax_bwd(Tensor dy, Tensor y, Tensor? mask, float scale, bool causal) -> Tensor");
   m.def("multi_tensor_adam(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] param_copies, float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
-        "bool adamw_mode, bool bias_correction, bool maximize) -> ()");
+        "Tensor(d!)[] param_copies, float[] lr, float beta1, float beta2, float eps, float[] weight_decay, "
+        "int step, bool adamw_mode, bool bias_correction, bool maximize) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megazero_cuda, CUDA, m) {

@@ -49,7 +49,9 @@ cudaError_t softmax_backward(const void* dy, const void* y, const uint8_t* mask,
 
 // ---- Multi-tensor Adam: one launch over a list of tensors -------------------------------------------------
 // Each tensor is cut into chunks of kAdamChunk elements; block k works on chunks k, k + gridDim.x, ...
-// Both tables live in device memory. The update is adam_element (adam_math.h), bit-identical to the CPU kernel.
+// Both tables live in device memory. Each tensor carries its own step constants (its own lr and weight decay:
+// e.g. the decay and no-decay parameters of one shard in one launch). The update is adam_element (adam_math.h),
+// bit-identical to the CPU kernel.
 struct AdamTensor {
   float* param;
   const void* grad;      // grad_dtype
@@ -57,7 +59,10 @@ struct AdamTensor {
   float* exp_avg_sq;
   void* param_copy;      // copy_dtype, null when copy_dtype == kNone
   int64_t numel;
+  AdamCoeffs coeffs;     // make_adam_coeffs(lr, ..., weight_decay, ...) of this tensor
 };
+// The host builds the tables in a buffer of int64 words.
+static_assert(sizeof(AdamTensor) % sizeof(int64_t) == 0, "AdamTensor must be a whole number of int64 words");
 
 struct AdamChunk {
   int64_t tensor;  // index into the tensor table
@@ -69,7 +74,7 @@ constexpr int64_t kAdamChunk = 65536;
 inline int64_t adam_chunks(int64_t numel) { return (numel + kAdamChunk - 1) / kAdamChunk; }
 
 cudaError_t multi_tensor_adam(const AdamTensor* tensors, const AdamChunk* chunks, int64_t num_chunks,
-                              DType grad_dtype, DType copy_dtype, const AdamCoeffs& coeffs, cudaStream_t stream);
+                              DType grad_dtype, DType copy_dtype, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace megazero
