@@ -56,6 +56,7 @@ class FlatLayout:
     offsets: tuple[int, ...]
     buckets: tuple[Bucket, ...]
     dp_size: int
+    bucket_index: tuple[int, ...]  # per parameter: the bucket that holds it (an O(1) lookup in the grad hook)
 
     @property
     def total(self) -> int:
@@ -76,10 +77,9 @@ class FlatLayout:
 
     def bucket_of(self, i: int) -> int:
         """Index of the bucket that holds parameter `i`."""
-        for b in self.buckets:
-            if i in b.params:
-                return b.index
-        raise IndexError(f"parameter {i} is not in any bucket")
+        if not 0 <= i < len(self.bucket_index):
+            raise IndexError(f"parameter {i} is not in any bucket (the layout has {len(self.numels)} parameters)")
+        return self.bucket_index[i]
 
     def shard_ranges(self, dp_rank: int) -> list[tuple[int, int]]:
         """Buffer ranges rank `dp_rank` owns, one per bucket, in bucket order."""
@@ -135,4 +135,5 @@ def build_layout(numels: Sequence[int], dp_size: int, bucket_size: int,
         filled += n
     if members:
         close()
-    return FlatLayout(tuple(numels), tuple(offsets), tuple(buckets), dp_size)
+    bucket_index = tuple(b.index for b in buckets for _ in b.params)  # members are consecutive indices
+    return FlatLayout(tuple(numels), tuple(offsets), tuple(buckets), dp_size, bucket_index)

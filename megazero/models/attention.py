@@ -10,10 +10,24 @@ Logical parameters (layer i): ``layers.i.attn.{q,k,v}.weight`` of shape (a·d, h
 with head-major rows (head n occupies rows [n·d, (n+1)·d)), their biases, and ``layers.i.attn.out.weight``
 (h, a·d) with a replicated bias. These match Hugging Face's q_proj/k_proj/v_proj/o_proj.
 
-Positions: RoPE (rotate-half convention of GPT-NeoX/Llama) on q and k, or ALiBi (BLOOM slopes) added
-to the scores. The causal softmax runs through `megazero.runtime.kernels.scaled_upper_triang_masked_softmax`.
-The attention core (`SelfAttention._core`: scores, softmax, attention dropout, context) is what
-selective activation checkpointing recomputes (`core_checkpoint`).
+Positions: RoPE (rotate-half convention of GPT-NeoX/Llama) on q and k, with cos/sin tables built once
+per model (`RopeTables`, shared by every layer through the LayerContext), or ALiBi (BLOOM slopes) added
+to the scores.
+
+The attention core (scores, causal softmax, attention dropout, context) has two implementations:
+
+* `SelfAttention.sdpa_core`: `torch.nn.functional.scaled_dot_product_attention` (flash or
+  memory-efficient kernels on CUDA, a fused flash kernel on CPU) with native grouped-query attention
+  (K/V are never repeated) and ALiBi as an additive float mask. It never materialises the
+  (b, a/t, s, s) scores on the flash path. It runs whenever attention dropout is inactive (p = 0, or eval).
+* `SelfAttention.reference_core`: the explicit twin (GEMM, `kernels.scaled_upper_triang_masked_softmax`,
+  dropout, GEMM), K/V repeated per query head. It runs when attention dropout is active in training,
+  because SDPA's dropout draws from the global generator: megazero's dropout masks are drawn per site
+  and sharded by head so that every TP layout drops the same elements as one process.
+
+Both take q (b, a/t, s, d), k and v (b, kv/t, s, d) and agree within 1e-6 in fp32
+(tests/test_attention_core.py). The core is what selective activation checkpointing recomputes
+(`core_checkpoint`).
 """
 from __future__ import annotations
 
@@ -25,6 +39,7 @@ from torch import nn
 
 from megazero.runtime import kernels
 from megazero.models.common import LayerContext
+from megazero.models.rope import RopeTables, apply_rope
 from megazero.tensor_parallel import TP_STREAM, ColumnParallelLinear, Dropout, RowParallelLinear, ShardInfo
 from megazero.tensor_parallel.mappings import enter_column_region
 
@@ -40,19 +55,13 @@ def alibi_slopes(heads: int) -> list[float]:
     return power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: heads - closest]
 
 
-def rope_cos_sin(seq: int, dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (seq, dim) for positions 0..seq-1 (halves repeated, as HF Llama)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    freqs = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv_freq)  # (seq, dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (seq, dim)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x of shape (b, heads, seq, d) by position: x·cos + rotate_half(x)·sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+def alibi_bias(slopes: torch.Tensor, seq: int, dtype: torch.dtype) -> torch.Tensor:
+    """ALiBi's additive bias (heads, seq, seq): slope·(k − q) where k <= q (attended), −inf above the
+    diagonal (the causal mask), for the fused core's float mask."""
+    pos = torch.arange(seq, device=slopes.device, dtype=torch.float32)
+    rel = pos.view(1, seq) - pos.view(seq, 1)  # (s_q, s_k): k - q
+    bias = slopes.view(-1, 1, 1).float() * rel  # (heads, s, s)
+    return bias.masked_fill(rel > 0, float("-inf")).to(dtype)
 
 
 class SelfAttention(nn.Module):
@@ -69,7 +78,10 @@ class SelfAttention(nn.Module):
         self.tp_group, self.sequence_parallel = lctx.tp_group, lctx.sequence_parallel
         self.head_dim = spec.head_dim
         self.local_heads, self.local_kv = spec.heads // t, spec.num_kv_heads // t
-        self.heads, self.position, self.rope_theta = spec.heads, spec.position, spec.rope_theta
+        self.heads, self.position = spec.heads, spec.position
+        self.rope = None  # position='rope': the model's shared tables (its own when built alone)
+        if spec.position == "rope":
+            self.rope = lctx.rope_tables or RopeTables(spec.head_dim, spec.rope_theta)
         p = f"layers.{index}.attn"
         q_out, kv_out = spec.heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         col = dict(tp_group=lctx.tp_group, bias=spec.bias, sequence_parallel=lctx.sequence_parallel, comm_input=False)
@@ -98,22 +110,33 @@ class SelfAttention(nn.Module):
         q = rearrange(self.q(x, rg), "s b (n d) -> b n s d", d=d)  # (b, a/t, s, d)
         k = rearrange(self.k(x, rg), "s b (n d) -> b n s d", d=d)  # (b, kv/t, s, d)
         v = rearrange(self.v(x, rg), "s b (n d) -> b n s d", d=d)
-        s = q.shape[2]
-        if self.position == "rope":
-            cos, sin = rope_cos_sin(s, d, self.rope_theta, q.device)
+        if self.rope is not None:
+            cos, sin = self.rope.get(q.shape[2], q.device, q.dtype)  # (s, d)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.local_kv != self.local_heads:  # grouped-query: local head i reads local KV head i // group
-            group = self.local_heads // self.local_kv
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        dropout_active = self.training and self.probs_dropout.p > 0
+        core = self.reference_core if dropout_active else self.sdpa_core
         if self.core_checkpoint is not None:
-            attn_out = self.core_checkpoint(self._core, q, k, v)  # selective recompute: keeps q, k, v
+            attn_out = self.core_checkpoint(core, q, k, v)  # selective recompute: keeps q, k, v
         else:
-            attn_out = self._core(q, k, v)  # (b, a/t, s, d)
+            attn_out = core(q, k, v)  # (b, a/t, s, d)
         attn_out = rearrange(attn_out, "b n s d -> s b (n d)")  # (s, b, a·d/t)
         return self.dropout(self.out(attn_out))
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention core: scores, causal softmax, attention dropout, context; q, k, v (b, a/t, s, d)."""
+    def sdpa_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The fused core (no attention dropout): q (b, a/t, s, d), k and v (b, kv/t, s, d) -> (b, a/t, s, d).
+        Query head i reads KV head i // (a/kv) (SDPA's enable_gqa: the same grouping as repeat_interleave)."""
+        gqa = self.local_kv != self.local_heads
+        if self.position == "alibi":
+            bias = alibi_bias(self.alibi, q.shape[2], q.dtype)  # (a/t, s, s), -inf above the diagonal
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    def reference_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The explicit core: scores, causal softmax, attention dropout, context; q (b, a/t, s, d), k and v
+        (b, kv/t, s, d), repeated here to one KV head per query head."""
+        if self.local_kv != self.local_heads:  # grouped-query: local head i reads local KV head i // group
+            group = self.local_heads // self.local_kv
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (b, a/t, s, d)
         d, s = self.head_dim, q.shape[2]
         scale = 1.0 / math.sqrt(d)
         scores = torch.matmul(q, k.transpose(-1, -2))  # (b, a/t, s, s)

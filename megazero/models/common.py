@@ -15,6 +15,7 @@ from torch import nn
 from megazero.runtime import kernels
 from megazero.runtime.comm import GroupHandle
 from megazero.core.spec import ModelSpec
+from megazero.models.rope import RopeTables
 from megazero.tensor_parallel import REPLICATED_STREAM, TP_STREAM, Dropout, RNGStatesTracker, ShardInfo, make_param
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 
@@ -32,6 +33,7 @@ class LayerContext:
     dtype: torch.dtype = torch.float32
     wgrad_store: WeightGradStore | None = None  # zero bubble: linears defer their weight GEMMs to W
     attention_core: Callable[[str], Callable | None] | None = None  # name -> selective-checkpoint wrapper
+    rope_tables: RopeTables | None = None  # position='rope': the model's cos/sin tables, shared by its layers
 
     @property
     def tp_size(self) -> int:

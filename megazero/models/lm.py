@@ -26,6 +26,7 @@ from torch import nn
 from megazero.runtime.comm import GroupHandle, single_rank_group
 from megazero.models.block import TransformerBlock
 from megazero.models.common import LayerContext
+from megazero.models.rope import RopeTables
 from megazero.models.embedding import EmbeddingLayer, HeadLayer
 from megazero.core.spec import ModelSpec
 from megazero.tensor_parallel.weight_grad import WeightGradStore
@@ -64,11 +65,12 @@ def layer_builders(spec: ModelSpec, tp_group: GroupHandle, *, seed: int = 0, seq
     """
     spec.validate_layout(tp_group.size, sequence_parallel)
     tracker = tracker or RNGStatesTracker(seed, tp_group.rank, pp_rank)
+    rope = RopeTables(spec.head_dim, spec.rope_theta) if spec.position == "rope" else None  # shared by the layers
 
     def make_lctx(device) -> LayerContext:
         device = torch.device(device) if device is not None else torch.device("cpu")
         return LayerContext(spec, tp_group, seed, sequence_parallel and tp_group.size > 1, tracker, device, dtype,
-                            wgrad_store, attention_core)
+                            wgrad_store, attention_core, rope)
 
     def block(i):
         return LayerBuilder(f"layers.{i}", "block", i, lambda device: TransformerBlock(make_lctx(device), i))

@@ -20,7 +20,6 @@ stage 3 (instruction 23 of 40)".
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
@@ -29,6 +28,7 @@ from torch.autograd import Variable
 
 from megazero.core import instructions as I
 from megazero.pipeline.p2p import PipeP2P, carries_grad, tensors_of
+from megazero.runtime.clock import DeviceClock
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 
 
@@ -125,6 +125,7 @@ class PipelineExecutor:
         self.wgrad_store = wgrad_store  # zero bubble: linear layers defer their weight GEMMs to W
         self.stage_index, self.num_stages, self.rank = stage_index, num_stages, rank
         self.on_instruction = on_instruction  # callback(ins, start_s, end_s) for traces
+        self.clock = DeviceClock(self.device)  # CUDA events on GPU: the host clock only sees launches
         self.handlers = {
             I.LoadMicroBatch: self._load, I.Forward: self._forward, I.Backward: self._backward,
             I.BackwardInput: self._backward_input, I.BackwardWeight: self._backward_weight,
@@ -137,8 +138,9 @@ class PipelineExecutor:
         st = _StepState(data_iter, num_microbatches)
         weight_grads = [i for i, ins in enumerate(program) if isinstance(ins, (I.Backward, I.BackwardWeight))]
         st.last_weight_grad = weight_grads[-1] if weight_grads else -1
+        marks = []  # (instruction, start token, end token) until the clock resolves them (CUDA events)
         for pos, ins in enumerate(program):
-            t0 = time.perf_counter()
+            t0 = self.clock.mark() if self.on_instruction is not None else None
             try:
                 if pos == st.last_weight_grad:
                     self.opt.set_last_microbatch(True)
@@ -149,7 +151,13 @@ class PipelineExecutor:
                 raise PipelineError(f"stage {self.stage_index} (rank {self.rank}) waiting at {ins.describe()} "
                                     f"(instruction {pos + 1} of {len(program)}): {type(exc).__name__}: {exc}") from exc
             if self.on_instruction is not None:
-                self.on_instruction(ins, t0, time.perf_counter())
+                marks.append((ins, t0, self.clock.mark()))
+                if not self.clock.deferred:
+                    self.on_instruction(*marks.pop())
+        if marks:  # on CUDA: one synchronisation per step turns the events into times
+            times = self.clock.resolve([t for _, start, end in marks for t in (start, end)])
+            for k, (ins, _, _) in enumerate(marks):
+                self.on_instruction(ins, times[2 * k], times[2 * k + 1])
         return st
 
     # -- handlers ------------------------------------------------------------------------------

@@ -228,35 +228,29 @@ class FlatGroup:
     # -- parameters --------------------------------------------------------------------------
     def publish_master(self, allgather_bucket_size: int) -> None:
         """Copy the updated fp32 master into the working params and, at stages 1-2, all-gather the
-        updated shards over dp so every rank holds the full parameters. Consecutive buckets are
-        coalesced into one all-gather of at most `allgather_bucket_size` elements (at least one
-        bucket each); the volume is the same, (Nd−1)/Nd of the buffer."""
+        updated shards over dp so every rank holds the full parameters.
+
+        Each bucket is gathered in place: this rank's shard already sits at its offset of the bucket's
+        range of `param_flat`, so `all_gather_into_tensor` writes straight into the flat buffer (no
+        concatenation, no temporary, no strided copy). Gathers are launched asynchronously, with at
+        most `allgather_bucket_size` elements in flight (at least one bucket); the volume is
+        (Nd−1)/Nd of the buffer."""
         if self.separate_master:
             for m, w in zip(self.master, self.param_owned):
                 w.copy_(m)
         if self.stage not in (1, 2) or self.shard_params:
             return
-        coalesced: list = []  # consecutive buckets gathered by one all-gather
+        in_flight: list[tuple[object, int]] = []  # (work, bucket numel)
         for bk in self.layout.buckets:
-            if coalesced and sum(b.numel for b in coalesced) + bk.numel > allgather_bucket_size:
-                self._gather_buckets(coalesced)
-                coalesced = []
-            coalesced.append(bk)
-        if coalesced:
-            self._gather_buckets(coalesced)
-
-    def _gather_buckets(self, buckets) -> None:
-        """One all-gather over dp of these buckets' owned shards into their full ranges."""
-        n = self.dp.size
-        shard = torch.cat([self.param_owned[b.index] for b in buckets])  # (Σ numel/n,)
-        full = torch.empty(n * shard.numel(), dtype=self.dtype, device=self.device)
-        comm.all_gather(full, shard, self.dp)
-        per_rank = full.view(n, shard.numel())  # rank r's shards of every bucket, in bucket order
-        pos = 0
-        for b in buckets:
-            k = b.numel // n
-            self.param_flat[b.start:b.end].view(n, k).copy_(per_rank[:, pos:pos + k])  # (n, numel/n)
-            pos += k
+            while in_flight and sum(n for _, n in in_flight) + bk.numel > allgather_bucket_size:
+                work, _ = in_flight.pop(0)
+                if work is not None:
+                    work.wait()
+            full = self.param_flat[bk.start:bk.end]  # this rank's shard is param_owned[bk.index], inside it
+            in_flight.append((comm.all_gather(full, self.param_owned[bk.index], self.dp, async_op=True), bk.numel))
+        for work, _ in in_flight:
+            if work is not None:
+                work.wait()
 
     def gather_bucket(self, b: int, async_op: bool = False):
         """Stage 3: all-gather bucket b's parameters over dp into the bucket's full buffer. Returns
