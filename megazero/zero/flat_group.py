@@ -62,6 +62,7 @@ class FlatGroup:
         self._gathered: dict[int, torch.Tensor] = {}  # stage 3: bucket -> its full buffer (0 bytes while released)
         self._inflight: list = []  # (work or None, bucket, temp shard or None) of reductions not finished yet
         self._launched: list[int] = []  # buckets reduced since the last wait(), in flight or finished
+        self._host_grad: torch.Tensor | None = None  # offload from an accelerator: pinned staging for Adam
 
     # -- construction -------------------------------------------------------------------
     def _full(self, i: int) -> torch.Tensor:
@@ -84,8 +85,8 @@ class FlatGroup:
                 p.data = self.param_flat[s:e].view(self.shapes[i])
             self.param_owned = _flat_views(self.param_flat, self.owned)
             return
-        shard = torch.zeros(lay.shard_numel, dtype=self.dtype,
-                            device="cpu" if self.offload else self.device)
+        shard = torch.zeros(lay.shard_numel, dtype=self.dtype, device="cpu" if self.offload else self.device,
+                            pin_memory=self.offload and torch.cuda.is_available())  # async copies to the device
         self.param_owned, pos, mine = [], 0, {}  # mine: param -> [(owned view, its segment)]
         for b in lay.buckets:
             n = b.numel // self.dp.size
@@ -138,6 +139,22 @@ class FlatGroup:
                  if pred(self.params[s.param])] for b, segs in enumerate(self.segments)]
 
     # -- gradients --------------------------------------------------------------------------
+    def host_grads(self) -> list[torch.Tensor]:
+        """Per bucket, the reduced gradient where the optimizer runs: `grad_owned` itself, or, when
+        offloaded from an accelerator, a copy in one pinned host buffer kept for the run (all buckets
+        copied asynchronously, then one synchronisation)."""
+        if not self.offload or self.grad_owned[0].device.type == "cpu":
+            return self.grad_owned
+        if self._host_grad is None:
+            self._host_grad = torch.empty(sum(t.numel() for t in self.grad_owned), dtype=torch.float32,
+                                          pin_memory=torch.cuda.is_available())
+        host = list(torch.split(self._host_grad, [t.numel() for t in self.grad_owned]))
+        for dst, src in zip(host, self.grad_owned):
+            dst.copy_(src, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream(self.device).synchronize()
+        return host
+
     def reset_pending(self) -> None:
         for b in self.layout.buckets:
             self.pending[b.index] = sum(1 for i in b.params if self.params[i].requires_grad)
@@ -235,9 +252,9 @@ class FlatGroup:
         concatenation, no temporary, no strided copy). Gathers are launched asynchronously, with at
         most `allgather_bucket_size` elements in flight (at least one bucket); the volume is
         (Nd−1)/Nd of the buffer."""
-        if self.separate_master:
+        if self.separate_master:  # offloaded: the master is pinned, the copies to the device asynchronous
             for m, w in zip(self.master, self.param_owned):
-                w.copy_(m)
+                w.copy_(m, non_blocking=True)
         if self.stage not in (1, 2) or self.shard_params:
             return
         in_flight: list[tuple[object, int]] = []  # (work, bucket numel)

@@ -320,24 +320,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return None
 
     def _update_group(self, group: FlatGroup, runs, coef: float) -> None:
-        """The update of each run with its parameter group's hyper-parameters, read now."""
+        """The update of every run of `group` with its parameter group's hyper-parameters, read now:
+        ONE multi-tensor Adam call for the whole flat group (per-run lr and weight decay go inside the
+        call; one call per distinct betas/eps, normally one), on the offloaded host copy if offloaded."""
         s = self.spec
+        grads = group.host_grads()  # per bucket; offloaded: copied into pinned memory, one synchronisation
+        if coef != 1.0:
+            torch._foreach_mul_(grads, coef)  # clipping, in place: the gradients are zeroed after the step
+        calls: dict[tuple[float, float, float], tuple[list, ...]] = {}  # (beta1, beta2, eps) -> the lists
         for b, bucket_runs in enumerate(runs):
-            grad = group.grad_owned[b]
-            if group.offload:
-                grad = grad.to("cpu")  # blocking: Adam reads it right away
-            if coef != 1.0:
-                grad = grad * coef
             for a, e, g in bucket_runs:
                 h = self.param_groups[g]
-                p, gr, m, v = group.master[b][a:e], grad[a:e], group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e]
+                p, gr, m, v = group.master[b][a:e], grads[b][a:e], group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e]
                 if s.type == "sgd":
                     _sgd(p, gr, m, h["lr"], h["momentum"], h["weight_decay"], first=self.step_count == 1)
-                else:
-                    beta1, beta2 = h["betas"]
-                    kernels.adam_step(p, gr, m, v, step=self.step_count, lr=h["lr"], beta1=beta1, beta2=beta2,
-                                      eps=h["eps"], weight_decay=h["weight_decay"], adamw_mode=s.type == "adamw",
-                                      bias_correction=s.bias_correction)
+                    continue
+                lists = calls.setdefault((*h["betas"], h["eps"]), ([], [], [], [], [], []))
+                for lst, item in zip(lists, (p, gr, m, v, h["lr"], h["weight_decay"])):
+                    lst.append(item)
+        for (beta1, beta2, eps), (ps, gs, ms, vs, lrs, wds) in calls.items():
+            kernels.adam_step(ps, gs, ms, vs, step=self.step_count, lr=lrs, beta1=beta1, beta2=beta2, eps=eps,
+                              weight_decay=wds, adamw_mode=s.type == "adamw", bias_correction=s.bias_correction)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False
