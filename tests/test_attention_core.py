@@ -109,3 +109,16 @@ def test_rope_tables_are_built_once_and_shared():
     assert torch.equal(long_cos[:16], ref_cos) and long_cos.shape == (40, spec.head_dim)
     half, _ = tables.get(16, torch.device("cpu"), torch.bfloat16)
     assert half.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tools/gpu_check.sh runs it)")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sdpa_core_on_cuda_in_bf16_matches_the_fp32_reference(case):
+    """The flash / memory-efficient kernels in bf16 against the explicit core in fp32 (bf16's 8-bit
+    mantissa: 2e-2 relative)."""
+    spec, attn = attention_of(case)
+    attn = attn.cuda()
+    q, k, v = (t.cuda() for t in qkv(spec, spec.seq_len))
+    ref = attn.reference_core(q, k, v)
+    out = attn.sdpa_core(q.bfloat16(), k.bfloat16(), v.bfloat16()).float()
+    assert rel(out, ref) <= 2e-2, (case, rel(out, ref))
