@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from megazero.core import instructions as I
-from megazero.core.schedules import forward_only, get_schedule
+from megazero.core.schedules import forward_only, get_schedule, splits_backward
 from megazero.core.simulate import peaks
 from megazero.engine.checkpointing import CheckpointMethods
 from megazero.data.repeating import RepeatingLoader
@@ -22,6 +22,7 @@ from megazero.pipeline.p2p import PipeP2P
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
+from megazero.tensor_parallel.weight_grad import WeightGradStore
 from megazero.zero.lr_schedule import step_lr_scheduler
 
 
@@ -41,14 +42,20 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         self.micro_batch_size, self.local_rank = micro_batch_size, local_rank
         # DeepSpeed's train_batch() without an iterator reads initialize(training_data=...)'s loader, endlessly
         self.training_iter = iter(RepeatingLoader(training_data)) if training_data is not None else None
-        self.program = get_schedule(schedule, pctx.pp_size, num_microbatches, chunks)[pctx.pp_rank]
+        programs = get_schedule(schedule, pctx.pp_size, num_microbatches, chunks)
+        self.program = programs[pctx.pp_rank]
         self.eval_program = forward_only(pctx.pp_size, num_microbatches, pctx.pp_rank, chunks)
         self.device = torch.device(device)
         shape = module.activation_shape(micro_batch_size) if module.activation_shape is not None else None
         self.p2p = PipeP2P(pctx.pp_group, shape, dtype, self.device) if pctx.pp_size > 1 else None
+        # zero bubble: the store megazero's linears were built with, or (a user's PipelineModule) a new
+        # one that the executor's capture routes the user layers' F.linear calls through
+        store = module.wgrad_store
+        if store is None and splits_backward(programs):
+            store = WeightGradStore()
         self.executor = PipelineExecutor(module, self.p2p, optimizer, pctx.pp_rank, pctx.pp_size,
                                          rank=pctx.global_rank, on_instruction=on_instruction,
-                                         wgrad_store=module.wgrad_store, device=self.device)
+                                         wgrad_store=store, device=self.device)
         if module.activation_checkpointer is not None:  # its contiguous buffer holds the forwards in flight
             module.activation_checkpointer.set_in_flight(peaks(self.program)[0])
         self.global_steps = 0

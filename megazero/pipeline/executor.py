@@ -20,6 +20,7 @@ stage 3 (instruction 23 of 40)".
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
@@ -177,12 +178,17 @@ class PipelineExecutor:
         key = (ins.mb, ins.chunk)
         batch = st.batches.get(ins.mb)
         x = st.inputs.get(key)
-        out = self.stage.forward_chunk(ins.chunk, x, batch)
+        with self._capturing_linears():
+            out = self.stage.forward_chunk(ins.chunk, x, batch)
         if self.stage.is_last(ins.chunk):
             loss = self.stage.loss(out, batch)
             st.losses.append(loss.detach())
             out = self.opt.scale_loss(loss / st.num_microbatches)
         st.outputs[key] = out
+
+    def _capturing_linears(self):
+        """Zero bubble: user layers' F.linear calls defer their weight GEMMs too (WeightGradStore.capture)."""
+        return self.wgrad_store.capture() if self.wgrad_store is not None else contextlib.nullcontext()
 
     def _grad_pair(self, key, st):
         """The chunk's outputs that backward starts from and their gradients: the (scaled) loss and
@@ -222,7 +228,7 @@ class PipelineExecutor:
                 return _run_backward(outs, out_grads, inputs=inputs, accumulate=False)
             return (None,) * len(inputs)  # nothing to differentiate (or nothing reaches this chunk)
         if self.wgrad_store is not None:
-            with self.wgrad_store.defer():
+            with self.wgrad_store.defer(), self._capturing_linears():  # (recomputed layers capture again)
                 grads = input_and_param_grads()
             deferred = self.wgrad_store.take()
         else:

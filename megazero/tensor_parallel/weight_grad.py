@@ -9,8 +9,11 @@ holds it computes only gx (and its bias gradient) and leaves (weight, x, gy) in 
 `compute(entry)` for each. No communication.
 
 The store is an object created per stage when the schedule splits backward
-(`megazero.engine.factories.build_model`) and handed to the stage's linear layers in their
-constructors (``wgrad_store=``, through `layer_builders`); never a global.
+(`megazero.engine.factories.build_model`, or the pipeline engine for a user's PipelineModule) and
+handed to the stage's linear layers in their constructors (``wgrad_store=``, through
+`layer_builders`); never a global. A user's layers (``nn.Linear`` and anything else calling
+``F.linear`` on a parameter) defer the same way: the executor runs their forward and B under
+`WeightGradStore.capture()`, a torch-function mode that routes such calls to `linear(..., store)`.
 
 Under sequence parallelism the input of a column-parallel region is all-gathered along the
 sequence. Saving the gathered (s, b, h) tensor for the weight gradients costs t times the shard;
@@ -24,6 +27,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 
 class WeightGradStore:
@@ -42,6 +46,13 @@ class WeightGradStore:
         finally:
             self.deferring = False
 
+    def capture(self) -> "_CaptureLinears":
+        """A context in which ``F.linear(x, weight, bias)`` of a parameter that requires grad runs as
+        `linear(x, weight, bias, store=self)` (while grad is enabled: not inside an autograd Function's
+        forward, so megazero's own linears are not routed twice). Enter it around a stage's forward and
+        its B (where checkpointed layers are recomputed), so user layers split B and W too."""
+        return _CaptureLinears(self)
+
     def push(self, weight, x, grad_out) -> None:
         self._pending.append((weight, x, grad_out))
 
@@ -57,6 +68,23 @@ class WeightGradStore:
         tensor: the saved x may still carry autograd history, W's GEMM is never differentiated."""
         weight, x, gy = entry
         return weight, gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))  # (out, in)
+
+
+class _CaptureLinears(TorchFunctionMode):
+    """See `WeightGradStore.capture`."""
+
+    def __init__(self, store: WeightGradStore):
+        super().__init__()
+        self.store = store
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if isinstance(weight, torch.nn.Parameter) and weight.requires_grad:
+                return linear(x, weight, bias, self.store)
+        return func(*args, **kwargs)
 
 
 class Regather:
