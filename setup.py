@@ -25,7 +25,7 @@ setup(
     install_requires=["torch>=2.4", "einops>=0.7", "networkx>=3.0", "omegaconf>=2.3", "tqdm>=4.60", "safetensors>=0.4"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "transformers>=4.40", "ninja"],
-        "bench": ["ninja", "tokenizers>=0.15"],
+        "bench": ["ninja", "tokenizers>=0.15", "deepspeed==0.19.8"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
