@@ -5,7 +5,7 @@ import torch
 
 from megazero.runtime import comm
 from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megazero.tensor_parallel.weight_grad import WeightGradStore
+from megazero.tensor_parallel.weight_grad import WeightGradStore, defer_linears
 
 
 def test_deferred_weight_grads_equal_autograd():
@@ -38,27 +38,35 @@ def test_deferred_weight_grads_equal_autograd():
     assert torch.allclose(layers[2].weight.grad, ref["2.weight"], rtol=1e-5, atol=1e-6)
 
 
-def test_capture_defers_a_user_nn_linear_and_leaves_the_rest_alone():
-    """Under capture() + defer(), an nn.Linear's backward yields the input and bias gradients but no
-    weight gradient; the store holds one entry whose GEMM gives autograd's weight gradient. A linear of
-    a non-parameter weight, and code outside the context, run as usual."""
+def test_defer_linears_routes_plain_nn_linear_and_leaves_the_rest_alone():
+    """After defer_linears, under defer() an nn.Linear's backward yields the input and bias gradients but
+    no weight gradient; the store holds one entry per linear whose GEMM (compute, or add_into a slot)
+    gives autograd's weight gradient. Outside defer() the routed linear computes it at once. A subclass
+    of nn.Linear is left alone."""
     torch.manual_seed(0)
-    lin, other = torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)
+
+    class Custom(torch.nn.Linear):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU(), torch.nn.Linear(5, 3), Custom(3, 2))
     x = torch.randn(4, 2, 6, requires_grad=True)
-    plain_w = torch.randn(4, 3)  # a plain tensor, not a parameter: never deferred
-    ref = torch.nn.functional.linear(other(lin(x)), plain_w)
-    ref_grads = torch.autograd.grad(ref.sum(), [x, lin.weight, lin.bias, other.weight])
+    params = [x, model[0].weight, model[0].bias, model[2].weight, model[3].weight]
+    ref = torch.autograd.grad(model(x).sum(), params)
     store = WeightGradStore()
-    with store.capture():
-        out = torch.nn.functional.linear(other(lin(x)), plain_w)
-    with store.defer(), store.capture():
-        gx, gw, gb, gw2 = torch.autograd.grad(out.sum(), [x, lin.weight, lin.bias, other.weight], allow_unused=True)
-    assert gw is None and gw2 is None  # both parameter weights were deferred
-    deferred = dict((id(w), g) for w, g in (WeightGradStore.compute(e) for e in store.take()))
-    assert set(deferred) == {id(lin.weight), id(other.weight)}
-    torch.testing.assert_close(gx, ref_grads[0])
-    torch.testing.assert_close(gb, ref_grads[2])
-    torch.testing.assert_close(deferred[id(lin.weight)], ref_grads[1])
-    torch.testing.assert_close(deferred[id(other.weight)], ref_grads[3])
-    y = lin(x)  # outside the context: autograd's own linear
-    assert "_Linear" not in type(y.grad_fn).__name__
+    assert defer_linears(model, store) == 2
+    with store.defer():
+        gx, gw0, gb0, gw2, gw3 = torch.autograd.grad(model(x).sum(), params, allow_unused=True)
+    assert gw0 is None and gw2 is None  # deferred
+    entries = store.take()
+    assert [e[0] for e in entries] == [model[2].weight, model[0].weight]  # in backward order
+    torch.testing.assert_close(gx, ref[0])
+    torch.testing.assert_close(gb0, ref[2])
+    torch.testing.assert_close(gw3, ref[4])  # the subclass computed its own
+    deferred = {id(w): g for w, g in (WeightGradStore.compute(e) for e in entries)}
+    torch.testing.assert_close(deferred[id(model[0].weight)], ref[1])
+    slot = torch.ones_like(model[2].weight)
+    WeightGradStore.add_into(entries[0], slot)
+    torch.testing.assert_close(slot, ref[3] + 1)
+    again = torch.autograd.grad(model(x).sum(), params)  # not deferring: every gradient at once
+    for a, b in zip(again, ref):
+        torch.testing.assert_close(a, b)

@@ -22,7 +22,7 @@ from megazero.pipeline.p2p import PipeP2P
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
-from megazero.tensor_parallel.weight_grad import WeightGradStore
+from megazero.tensor_parallel.weight_grad import WeightGradStore, defer_linears
 from megazero.zero.lr_schedule import step_lr_scheduler
 
 
@@ -49,10 +49,11 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         shape = module.activation_shape(micro_batch_size) if module.activation_shape is not None else None
         self.p2p = PipeP2P(pctx.pp_group, shape, dtype, self.device) if pctx.pp_size > 1 else None
         # zero bubble: the store megazero's linears were built with, or (a user's PipelineModule) a new
-        # one that the executor's capture routes the user layers' F.linear calls through
+        # one that the module's plain nn.Linear layers are routed through
         store = module.wgrad_store
         if store is None and splits_backward(programs):
             store = WeightGradStore()
+            defer_linears(module, store)
         self.executor = PipelineExecutor(module, self.p2p, optimizer, pctx.pp_rank, pctx.pp_size,
                                          rank=pctx.global_rank, on_instruction=on_instruction,
                                          wgrad_store=store, device=self.device)

@@ -20,7 +20,7 @@ stage 3 (instruction 23 of 40)".
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
@@ -70,8 +70,9 @@ class StepOptimizer(Protocol):
     def after_backward(self) -> None:
         """After each backward (or W): reduce what became ready."""
 
-    def accumulate_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """Add a gradient computed outside autograd's accumulation (zero-bubble W)."""
+    def accumulate_grad_into(self, param: torch.nn.Parameter, add_into) -> None:
+        """Zero-bubble W: ``add_into(slot)`` adds param's whole micro-batch gradient straight into its
+        accumulation slot (shaped like param); the parameter then counts as done for this micro-batch."""
 
     def reduce_grads(self) -> None:
         """ReduceGrads: finish the step's gradient reduction over dp (and tied weights)."""
@@ -111,6 +112,15 @@ def _input_grads(x, grads):
     floats = [t for t in tensors_of(x) if carries_grad(t)]
     full = [g if g is not None else torch.zeros_like(t) for t, g in zip(floats, grads)]
     return full[0] if isinstance(x, torch.Tensor) and full else tuple(full)
+
+
+def _add_grad(grad: torch.Tensor, slot: torch.Tensor) -> None:
+    slot.add_(grad.reshape(slot.shape))
+
+
+def _apply_all(fns, slot: torch.Tensor) -> None:
+    for fn in fns:
+        fn(slot)
 
 
 class PipelineExecutor:
@@ -178,17 +188,12 @@ class PipelineExecutor:
         key = (ins.mb, ins.chunk)
         batch = st.batches.get(ins.mb)
         x = st.inputs.get(key)
-        with self._capturing_linears():
-            out = self.stage.forward_chunk(ins.chunk, x, batch)
+        out = self.stage.forward_chunk(ins.chunk, x, batch)
         if self.stage.is_last(ins.chunk):
             loss = self.stage.loss(out, batch)
             st.losses.append(loss.detach())
             out = self.opt.scale_loss(loss / st.num_microbatches)
         st.outputs[key] = out
-
-    def _capturing_linears(self):
-        """Zero bubble: user layers' F.linear calls defer their weight GEMMs too (WeightGradStore.capture)."""
-        return self.wgrad_store.capture() if self.wgrad_store is not None else contextlib.nullcontext()
 
     def _grad_pair(self, key, st):
         """The chunk's outputs that backward starts from and their gradients: the (scaled) loss and
@@ -228,7 +233,7 @@ class PipelineExecutor:
                 return _run_backward(outs, out_grads, inputs=inputs, accumulate=False)
             return (None,) * len(inputs)  # nothing to differentiate (or nothing reaches this chunk)
         if self.wgrad_store is not None:
-            with self.wgrad_store.defer(), self._capturing_linears():  # (recomputed layers capture again)
+            with self.wgrad_store.defer():
                 grads = input_and_param_grads()
             deferred = self.wgrad_store.take()
         else:
@@ -238,11 +243,17 @@ class PipelineExecutor:
         st.weight_grads[key] = (list(zip(params, grads[len(xs):])), deferred)
 
     def _backward_weight(self, ins, st):
-        """Zero-bubble W: the deferred weight-grad GEMMs, then every held gradient to the optimizer."""
+        """Zero-bubble W: every gradient held since B to the optimizer, then the deferred weight-grad
+        GEMMs, each accumulated straight into the parameter's gradient slot."""
         ready, deferred = st.weight_grads.pop((ins.mb, ins.chunk))
-        for param, grad in ready + [self.wgrad_store.compute(entry) for entry in deferred]:
+        adds: dict[int, tuple[torch.nn.Parameter, list]] = {}  # a weight used twice gets both parts at once
+        for param, grad in ready:
             if grad is not None:
-                self.opt.accumulate_grad(param, grad)
+                adds.setdefault(id(param), (param, []))[1].append(functools.partial(_add_grad, grad))
+        for entry in deferred:
+            adds.setdefault(id(entry[0]), (entry[0], []))[1].append(functools.partial(WeightGradStore.add_into, entry))
+        for param, fns in adds.values():
+            self.opt.accumulate_grad_into(param, functools.partial(_apply_all, fns))
         self.opt.after_backward()
 
     def _after_input_grad(self, key, st):

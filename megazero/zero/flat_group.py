@@ -161,16 +161,26 @@ class FlatGroup:
 
     def add_grad(self, i: int, grad: torch.Tensor) -> int | None:
         """Accumulate parameter i's micro-batch gradient; return its bucket index if now complete."""
+        self.grad_view(i).add_(grad.reshape(-1))
+        return self.grad_done(i)
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        """The fp32 slot (numel,) that parameter i's gradient accumulates into: its range of the full
+        gradient buffer (stages 0-1), or of its bucket's temporary (stages 2-3, allocated zeroed by the
+        bucket's first gradient). Writers add into it, then call `grad_done(i)`."""
         s, e = self.layout.param_range(i)
-        b = self.layout.bucket_of(i)
         if self.full_grads:
-            self.grad_flat[s:e].add_(grad.reshape(-1))
-        else:
-            bk = self.layout.buckets[b]
-            buf = self._bucket_grad.get(b)
-            if buf is None:
-                buf = self._bucket_grad[b] = torch.zeros(bk.numel, dtype=torch.float32, device=self.device)
-            buf[s - bk.start:e - bk.start].add_(grad.reshape(-1))
+            return self.grad_flat[s:e]
+        b = self.layout.bucket_of(i)
+        bk = self.layout.buckets[b]
+        buf = self._bucket_grad.get(b)
+        if buf is None:
+            buf = self._bucket_grad[b] = torch.zeros(bk.numel, dtype=torch.float32, device=self.device)
+        return buf[s - bk.start:e - bk.start]
+
+    def grad_done(self, i: int) -> int | None:
+        """Parameter i's gradient of this micro-batch is in its slot; its bucket index if now complete."""
+        b = self.layout.bucket_of(i)
         self.pending[b] -= 1
         return b if self.pending[b] == 0 else None
 

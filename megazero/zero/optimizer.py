@@ -194,15 +194,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         call it directly) and launch the bucket's reduction when the bucket is complete. Runs without
         autograd: a gradient handed in with history must not make the flat buffers part of a graph."""
         group, i = self._where[id(p)]
-        done = group.add_grad(i, grad)
+        self._grad_ready(group, group.add_grad(i, grad))
+
+    @torch.no_grad()
+    def accumulate_grad_into(self, p: torch.nn.Parameter, add_into) -> None:
+        """Like `accumulate_grad`, with no gradient tensor in between: ``add_into(slot)`` adds `p`'s
+        micro-batch gradient into its fp32 accumulation slot, shaped like `p` (zero-bubble W runs its
+        weight-gradient GEMM straight into the flat buffer: no temporary, no extra pass)."""
+        group, i = self._where[id(p)]
+        add_into(group.grad_view(i).view(group.shapes[i]))
+        self._grad_ready(group, group.grad_done(i))
+
+    def _grad_ready(self, group: FlatGroup, done: int | None) -> None:
         # Stages 2-3 reduce-scatter a bucket as soon as it is complete (asynchronously with
         # overlap_comm), so only the buckets being filled hold full-size gradients; stages 0-1 keep
         # full gradients anyway and reduce at the step's last micro-batch, here only when overlapping.
-        if done is not None and not group.full_grads:
+        if done is None:
+            return
+        if not group.full_grads:
             group.reduce_bucket(done, async_op=self.overlap)
-        elif done is not None and self.overlap and self._last_microbatch:
+        elif self.overlap and self._last_microbatch:
             group.reduce_bucket(done, async_op=True)
-        if self.gatherer is not None and done is not None and group.shard_params:
+        if self.gatherer is not None and group.shard_params:
             self.gatherer.bucket_done(group, done)
 
     def after_backward(self) -> None:
