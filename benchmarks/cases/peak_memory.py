@@ -12,10 +12,17 @@ the kernel's peak (`clear_refs` 5) right before it and reads VmHWM right after: 
 the step held at its highest, persistent states included (the JSON also has what was held just
 before and just after each step). A repeat's figure is the highest rank's.
 
-Formulas (bytes, fp32 Adam, N ranks, B bucket elements): stage 0: 16Ψ (4 parameters + 4 gradients
-+ 8 Adam moments); stage 1: 4Ψ + 4Ψ + 8Ψ/N; stage 2: 4Ψ + 4Ψ/N + 8Ψ/N + 4B (one reduce bucket);
-stage 3: 16Ψ/N + 4·2B (a prefetch bucket of gathered parameters and a reduce bucket: the working
-set).
+Formulas (bytes, fp32 Adam, N ranks). The model states are the ZeRO paper's: stage 0: 16Ψ (4
+parameters + 4 gradients + 8 Adam moments); stage 1: 4Ψ + 4Ψ + 8Ψ/N; stage 2: 4Ψ + 4Ψ/N + 8Ψ/N;
+stage 3: 16Ψ/N. A step also holds a working set at its highest moment, which the formula adds term by
+term: G = autograd's own gradient of the largest parameter (alive until its hook has added it into
+the flat buffer), B = 4 × the largest reduce bucket of megazero's layout (`build_layout` at
+reduce_bucket_size; a bucket closes once it holds at least that many elements), L = 4 × one layer's
+parameters, and the collectives' working memory RS (a reduce-scatter of a B-sized bucket) and AG (an
+all-gather into one), measured alone in the same rank (gloo copies through temporaries; NCCL would not).
+stage 0: max(G, AR) (backward, or the gradient all-reduce); stage 1: max(G, RS + B/N, AG); stage 2:
+max(B + G + RS, AG) (the bucket being filled and its reduction); stage 3: 2L + B + G + RS (the
+layer being differentiated and the prefetched one, the bucket being filled and its reduction).
 Check: the losses of the measured steps agree between the two (rel 1e-4) before a ratio is shown.
 """
 from __future__ import annotations
@@ -81,12 +88,47 @@ def worker(framework: str, stage: int, width: int, count: int, bucket: int, step
         losses.append(step(i))
         peaks.append(C.peak_rss() - base)
         held.append(C.rss_now() - base)
-    return {"peak_bytes": peaks, "held_before_step_bytes": before, "held_after_step_bytes": held, "losses": losses}
+    del engine, step
+    return {"peak_bytes": peaks, "held_before_step_bytes": before, "held_after_step_bytes": held, "losses": losses,
+            "collectives_bytes": collective_working_memory(_largest_bucket(width, count, bucket, world), world)}
 
 
-def formula(stage: int, psi: int, n: int, bucket: int) -> int:
-    return {0: 16 * psi, 1: 8 * psi + 8 * psi // n, 2: 4 * psi + 12 * psi // n + 4 * bucket,
-            3: 16 * psi // n + 8 * bucket}[stage]
+def _largest_bucket(width: int, count: int, bucket: int, world: int) -> int:
+    """Elements of the largest reduce bucket megazero's layout makes of these layers (reverse order)."""
+    from megazero.core.flat_buffer import build_layout
+
+    numels = [n for _ in range(count) for n in (width, width * width)]  # bias, weight: backward order
+    return max(b.numel for b in build_layout(numels, world, bucket).buckets)
+
+
+def collective_working_memory(numel: int, world: int) -> dict:
+    """The resident-set rise of one all-reduce, reduce-scatter and all-gather of a `numel` fp32 bucket
+    (the most of three each), measured alone on this rank: the backend's own temporaries."""
+    import torch.distributed as dist
+
+    full, shard = torch.ones(numel - numel % world), torch.zeros(numel // world)
+
+    def rise(fn):
+        base = C.reset_peak()
+        fn()
+        return C.peak_rss() - base
+    return {"all_reduce": max(rise(lambda: dist.all_reduce(full)) for _ in range(3)),
+            "reduce_scatter": max(rise(lambda: dist.reduce_scatter_tensor(shard, full)) for _ in range(3)),
+            "all_gather": max(rise(lambda: dist.all_gather_into_tensor(full, shard)) for _ in range(3)),
+            "bucket_bytes": 4 * numel}
+
+
+def model_states(stage: int, psi: int, n: int) -> int:
+    """The ZeRO paper's model states per rank, fp32 Adam (bytes)."""
+    return {0: 16 * psi, 1: 8 * psi + 8 * psi // n, 2: 4 * psi + 12 * psi // n, 3: 16 * psi // n}[stage]
+
+
+def formula(stage: int, psi: int, n: int, width: int, coll: dict) -> int:
+    """Model states plus the step's working set at its highest moment (module docstring)."""
+    g, bk, layer = 4 * width * width, coll["bucket_bytes"], 4 * (width * width + width)
+    ar, rs, ag = coll["all_reduce"], coll["reduce_scatter"], coll["all_gather"]
+    work = {0: max(g, ar), 1: max(g, rs + bk // n, ag), 2: max(bk + g + rs, ag), 3: 2 * layer + bk + g + rs}[stage]
+    return model_states(stage, psi, n) + work
 
 
 def sizes(args):
@@ -112,11 +154,15 @@ def case(args) -> dict:
                             "held_after_step_bytes": [max(r["held_after_step_bytes"][i] for r in per_rank)
                                                       for i in range(args.repeats)],
                             "losses": [sum(r["losses"][i] for r in per_rank) / world
-                                       for i in range(args.repeats + 1)]}
+                                       for i in range(args.repeats + 1)],
+                            "collectives_bytes": max((r["collectives_bytes"] for r in per_rank),
+                                                     key=lambda c: c["reduce_scatter"] + c["all_gather"])}
             except Exception as err:  # noqa: BLE001 - a framework that cannot run is recorded
                 runs[fw] = {"error": C.failure(err)}
-        want = formula(stage, psi, world, bucket)
-        res = {"formula_bytes": want, "runs": {}}
+        coll = next((r["collectives_bytes"] for r in runs.values() if "error" not in r), None)
+        states = model_states(stage, psi, world)
+        want = formula(stage, psi, world, width, coll) if coll else states
+        res = {"formula_bytes": want, "model_states_bytes": states, "collectives_bytes": coll, "runs": {}}
         for fw, run in runs.items():
             if "error" in run:
                 res["runs"][fw] = run
@@ -147,6 +193,8 @@ def _row(stage: int, res: dict, want: int) -> dict:
     errors = [f"{fw}: {r['error'].splitlines()[0][:120]}" for fw, r in res["runs"].items() if "error" in r]
     verdict = "; ".join(errors) if errors else (
         f"losses rel {check['max_rel_diff']:.1e} {'<=' if check['ok'] else '>'} {TOL:g}")
-    return {"case": "peak_memory", "what": f"zero{stage} peak per rank during a step; formula {want * mib:.0f} MiB",
+    states = res["model_states_bytes"]
+    return {"case": "peak_memory", "what": f"zero{stage} peak per rank during a step; formula {want * mib:.0f} MiB "
+                                           f"(model states {states * mib:.0f} MiB + working set)",
             "megazero": cell("megazero"), "peer": cell("deepspeed"), "ratio": C.fmt(res.get("ratio")),
             "check": verdict}
