@@ -49,48 +49,62 @@ def _rise(fn) -> int:
     return _kib("VmHWM") * 1024 - before
 
 
-def worker(stage, overlap):
+def worker(cases):
+    """Every case in turn in these rank processes (one launch): {(stage, overlap): measurements}."""
+    import gc
+
     import torch
 
     import megazero
     from tests.harness import mmap_large_allocations
 
     mmap_large_allocations()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": stage, "overlap_comm": overlap, "reduce_bucket_size": LAYER,
-                                    "allgather_bucket_size": LAYER, "stage3_prefetch_bucket_size": LAYER,
-                                    "stage3_param_persistence_threshold": 0}}
-    engine, optimizer, *_ = megazero.initialize(model=model, model_parameters=model.parameters(), config=config)
-    x = torch.randn(1, WIDTH)
     bucket, shard = torch.ones(LAYER), torch.zeros(LAYER // 2)
-    rise = {}
-    for step in range(2):
-        loss = engine(x).square().mean()
-        if step == 1:  # measure this backward alone
-            states = engine.optimizer.memory_breakdown()
-            rise["backward"] = _rise(lambda: engine.backward(loss))
-        else:
-            engine.backward(loss)
-        engine.step()
-    rise["reduce_scatter"] = max(_rise(lambda: torch.distributed.reduce_scatter_tensor(shard, bucket))
+    out = {}
+    for stage, overlap in cases:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  "zero_optimization": {"stage": stage, "overlap_comm": overlap, "reduce_bucket_size": LAYER,
+                                        "allgather_bucket_size": LAYER, "stage3_prefetch_bucket_size": LAYER,
+                                        "stage3_param_persistence_threshold": 0}}
+        engine, *_ = megazero.initialize(model=model, model_parameters=model.parameters(), config=config)
+        x = torch.randn(1, WIDTH)
+        rise = {}
+        for step in range(2):
+            loss = engine(x).square().mean()
+            if step == 1:  # measure this backward alone
+                states = engine.optimizer.memory_breakdown()
+                rise["backward"] = _rise(lambda: engine.backward(loss))
+            else:
+                engine.backward(loss)
+            engine.step()
+        rise["reduce_scatter"] = max(_rise(lambda: torch.distributed.reduce_scatter_tensor(shard, bucket))
+                                     for _ in range(3))
+        rise["all_gather"] = max(_rise(lambda: torch.distributed.all_gather_into_tensor(bucket, shard))
                                  for _ in range(3))
-    rise["all_gather"] = max(_rise(lambda: torch.distributed.all_gather_into_tensor(bucket, shard)) for _ in range(3))
-    return {"rise": rise, "states": states}
+        out[(stage, overlap)] = {"rise": rise, "states": states}
+        del engine, model, loss
+        gc.collect()
+    return out
 
 
 CASES = [(0, False), (1, False), (2, False), (2, True), (3, False)]
 
 
+@pytest.fixture(scope="module")
+def measured():
+    return run_ranks(worker, 2, CASES, timeout=300)
+
+
 @pytest.mark.parametrize("stage,overlap", CASES)
-def test_peak_during_backward_is_the_formula(stage, overlap):
+def test_peak_during_backward_is_the_formula(measured, stage, overlap):
     from megazero.zero.flat_group import FlatGroup
 
     bucket, param, dp = 4 * LAYER, 4 * LAYER, 2
     full_grads = 4 * LAYER * LAYERS
-    for rank, r in enumerate(run_ranks(worker, dp, stage, overlap, timeout=180)):
+    for rank, r in enumerate(per_rank[(stage, overlap)] for per_rank in measured):
         rs, ag = r["rise"]["reduce_scatter"], r["rise"]["all_gather"]
         if stage <= 1:
             expected, grads_before = param, full_grads
