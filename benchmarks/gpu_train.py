@@ -12,8 +12,9 @@ is reported. The contestants alternate in windows of steps (A/B/A/B, after warm-
 Step times come from CUDA events (host time on CPU). Reported per contestant: median / min / max ms per step,
 tokens/s, MFU against both the datasheet's dense bf16 peak and the bf16 matmul rate measured in the same run,
 and the peak memory allocated during a step (torch.cuda.max_memory_allocated, reset before it).
-FLOPs per token: 6·N + 12·L·h·s (N parameters without the embedding, L layers, h hidden, s sequence; causal
-attention counted in full, as Megatron's MFU formula does).
+FLOPs per token: 6·N + 12·L·h·s (N parameters, the tied embedding counted once as the LM head's GEMM; L layers,
+h hidden, s sequence; causal attention counted in full, as Megatron's MFU formula does). Peak memory of a
+contestant: the most allocated during its windows, less what the other contestant holds between steps.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense, SXM
+DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense, SXM parts (PCIe/NVL run lower)
 CHECK_RTOL = 2e-2  # bf16 against fp32-weight autocast over the first steps
 GPT2_XL = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50304, "seq_len": 2048}
 TINY = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32}
@@ -65,11 +66,14 @@ class Megazero:
                   "bf16": {"enabled": True},
                   "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
                   "zero_optimization": {"stage": 0}}
+        from megazero.zero.param_groups import megatron_param_groups
+
         model = build(spec, device, torch.bfloat16)
-        self.engine, *_ = megazero.initialize(model=model, model_parameters=model.parameters(), config=config)
+        groups = megatron_param_groups(model.parameters(), weight_decay=0.1)  # no decay on 1-D, as the torch loop
+        self.engine, *_ = megazero.initialize(model=model, model_parameters=groups, config=config)
 
     def step(self, tokens, labels) -> torch.Tensor:
-        loss, _ = self.engine(tokens, labels)
+        loss = self.engine(tokens, labels)[0]  # the logits are not kept through backward
         self.engine.backward(loss)
         self.engine.step()
         return loss.detach()
@@ -89,7 +93,7 @@ class PlainTorch:
 
     def step(self, tokens, labels) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            loss, _ = self.model(tokens, labels)
+            loss = self.model(tokens, labels)[0]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
@@ -115,8 +119,9 @@ def matmul_tflops(device, n: int) -> float | None:
     return 2 * n ** 3 / best / 1e12
 
 
-def flops_per_token(spec, params_no_embedding: int) -> float:
-    return 6 * params_no_embedding + 12 * spec.layers * spec.hidden * spec.seq_len
+def flops_per_token(spec, params: int) -> float:
+    """6·N (every parameter once: the tied embedding is also the LM head's GEMM) + 12·L·h·s."""
+    return 6 * params + 12 * spec.layers * spec.hidden * spec.seq_len
 
 
 def run(args) -> dict:
@@ -130,13 +135,17 @@ def run(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    contestants = [Megazero(spec, device, args.lr), PlainTorch(spec, device, args.lr)]
-    n_params = sum(p.numel() for p in contestants[1].model.parameters())
-    n_embed = contestants[1].model.embedding.word.weight.numel()
     data = list(batches(spec, args.micro_batch, args.warmup + args.windows * args.steps, device))
-
+    cuda = device.type == "cuda"
+    contestants, losses, resident = [], {}, {}  # resident: bytes a contestant holds between its steps
+    for make in (Megazero, PlainTorch):  # built and warmed up one after the other: the same first steps
+        before = torch.cuda.memory_allocated() if cuda else 0
+        c = make(spec, device, args.lr)
+        losses[c.name] = [c.step(*data[i]).float().item() for i in range(args.warmup)]
+        resident[c.name] = (torch.cuda.memory_allocated() - before) if cuda else 0
+        contestants.append(c)
+    n_params = sum(p.numel() for p in contestants[1].model.parameters())
     # the same computation: the first steps' losses, from the same weights and batches
-    losses = {c.name: [c.step(*data[i]).float().item() for i in range(args.warmup)] for c in contestants}
     diffs = [abs(a - b) / abs(b) for a, b in zip(losses["megazero"], losses["torch"])]
     same = max(diffs) <= CHECK_RTOL
 
@@ -155,12 +164,13 @@ def run(args) -> dict:
                 end = clk.mark()
                 t0, t1 = clk.resolve([start, end])
                 times[c.name].append(t1 - t0)
-            if device.type == "cuda":
-                peaks[c.name] = max(peaks[c.name], torch.cuda.max_memory_allocated())
+            if cuda:  # less the other contestant's resident bytes
+                others = sum(v for k, v in resident.items() if k != c.name)
+                peaks[c.name] = max(peaks[c.name], torch.cuda.max_memory_allocated() - others)
         pos += args.steps
 
     tokens_per_step = args.micro_batch * spec.seq_len
-    fpt = flops_per_token(spec, n_params - n_embed)
+    fpt = flops_per_token(spec, n_params)
     measured = matmul_tflops(device, 8192)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     datasheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
@@ -194,12 +204,14 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: the CPU dry run")
     parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="steps per contestant before timing (>= 1: the loss check)")
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="steps per contestant per window")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--json", help="also write the JSON here")
     args = parser.parse_args()
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1 (its losses are the agreement check)")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device (use --device cpu --tiny for the dry run)"}))
         return

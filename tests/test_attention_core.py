@@ -122,3 +122,12 @@ def test_sdpa_core_on_cuda_in_bf16_matches_the_fp32_reference(case):
     ref = attn.reference_core(q, k, v)
     out = attn.sdpa_core(q.bfloat16(), k.bfloat16(), v.bfloat16()).float()
     assert rel(out, ref) <= 2e-2, (case, rel(out, ref))
+
+
+def test_rope_tables_built_under_inference_mode_still_train():
+    spec, attn = attention_of("gqa")
+    x = torch.randn(spec.seq_len, 2, spec.hidden)  # (s, b, h)
+    with torch.inference_mode():
+        attn(x)  # the first call builds the tables
+    attn(x.requires_grad_()).sum().backward()  # they can be saved for backward
+    assert x.grad is not None

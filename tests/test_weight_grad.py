@@ -70,3 +70,25 @@ def test_defer_linears_routes_plain_nn_linear_and_leaves_the_rest_alone():
     again = torch.autograd.grad(model(x).sum(), params)  # not deferring: every gradient at once
     for a, b in zip(again, ref):
         torch.testing.assert_close(a, b)
+
+
+def test_routed_linear_skips_frozen_weights_and_runs_autocast_natively():
+    """A frozen weight gets no GEMM and no deferred entry (so W never looks it up); under autocast the
+    routed linear is torch's own (autocast casts inside F.linear), and trains as before."""
+    torch.manual_seed(0)
+    frozen, trained = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    frozen.weight.requires_grad_(False)
+    model = torch.nn.Sequential(frozen, trained)
+    store = WeightGradStore()
+    defer_linears(model, store)
+    x = torch.randn(3, 4)
+    with store.defer():
+        model(x).sum().backward()
+    entries = store.take()
+    assert [e[0] for e in entries] == [trained.weight] and frozen.weight.grad is None
+    assert frozen.bias.grad is not None  # the frozen layer's bias still trains
+    with torch.autocast("cpu", dtype=torch.bfloat16), store.defer():
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert store.take() == [] and trained.weight.grad is not None

@@ -20,7 +20,8 @@ A collective's working memory is measured alone in the same rank (the most of th
 bucket into its shard, and of three all-gathers of a shard into a bucket): gloo copies through temporaries of about 1.4 and
 1.7 buckets here, where NCCL works in place and the output shard (bucket/Nd) is all there is.
 
-Bounds: those terms plus 512 KiB of slack (Python's and the allocator's own), and, from below, at
+Bounds: those terms plus 1 MiB of slack (Python's and the allocator's own; the gloo temporaries vary
+by ±0.4 MiB between repeats), a quarter of the bucket that separates one bucket from two, and, from below, at
 least one bucket at stages 2-3 (it was allocated: the measurement sees it).
 """
 import pytest
@@ -29,7 +30,7 @@ from tests.harness import run_ranks
 
 LAYERS, WIDTH = 8, 1024
 LAYER = WIDTH * WIDTH  # elements of one layer's weight = one bucket
-SLACK = 512 * 1024
+SLACK = 1024 * 1024  # the collectives' measured working memory varies by ±0.4 MiB between repeats
 
 
 def _kib(field):

@@ -8,7 +8,7 @@ stage at both layouts and with each variant, every layout with each variant, in 
 18, passed as well when measured; the generated parity matrix adds ZB-H1 with TP, SP, checkpointing
 and 16-bit).
 
-W's weight gradients reach ZeRO through `ZeroOptimizer.accumulate_grad` like autograd's: they count
+W's weight gradients reach ZeRO through `ZeroOptimizer.accumulate_grad_into` (straight into the slot): they count
 towards bucket readiness, stages 2-3 reduce-scatter after W (the step's `after_backward`), and the
 arithmetic runs without autograd (a deferred GEMM's saved input may carry history; before, that made
 the flat gradient buffer part of a graph and ZeRO 1-3 failed at dp > 1).

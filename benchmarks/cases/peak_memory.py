@@ -17,12 +17,14 @@ parameters + 4 gradients + 8 Adam moments); stage 1: 4Ψ + 4Ψ + 8Ψ/N; stage 2:
 stage 3: 16Ψ/N. A step also holds a working set at its highest moment, which the formula adds term by
 term: G = autograd's own gradient of the largest parameter (alive until its hook has added it into
 the flat buffer), B = 4 × the largest reduce bucket of megazero's layout (`build_layout` at
-reduce_bucket_size; a bucket closes once it holds at least that many elements), L = 4 × one layer's
+reduce_bucket_size; a bucket closes once it holds at least that many elements; at stage 3 also at
+every layer), L = 4 × one layer's
 parameters, and the collectives' working memory RS (a reduce-scatter of a B-sized bucket) and AG (an
 all-gather into one), measured alone in the same rank (gloo copies through temporaries; NCCL would not).
 stage 0: max(G, AR) (backward, or the gradient all-reduce); stage 1: max(G, RS + B/N, AG); stage 2:
-max(B + G + RS, AG) (the bucket being filled and its reduction); stage 3: 2L + B + G + RS (the
-layer being differentiated and the prefetched one, the bucket being filled and its reduction).
+max(B + G + RS, AG) (the bucket being filled and its reduction); stage 3: 2L + B + G + RS + AG (the
+layer being differentiated and the prefetched one, whose all-gather is in flight, the bucket being
+filled and its reduction).
 Check: the losses of the measured steps agree between the two (rel 1e-4) before a ratio is shown.
 """
 from __future__ import annotations
@@ -90,15 +92,17 @@ def worker(framework: str, stage: int, width: int, count: int, bucket: int, step
         held.append(C.rss_now() - base)
     del engine, step
     return {"peak_bytes": peaks, "held_before_step_bytes": before, "held_after_step_bytes": held, "losses": losses,
-            "collectives_bytes": collective_working_memory(_largest_bucket(width, count, bucket, world), world)}
+            "collectives_bytes": collective_working_memory(_largest_bucket(width, count, bucket, world, stage), world)}
 
 
-def _largest_bucket(width: int, count: int, bucket: int, world: int) -> int:
-    """Elements of the largest reduce bucket megazero's layout makes of these layers (reverse order)."""
+def _largest_bucket(width: int, count: int, bucket: int, world: int, stage: int) -> int:
+    """Elements of the largest reduce bucket megazero's layout makes of these layers (reverse order;
+    ZeRO-3 also cuts a bucket at every layer, its unit of gathering)."""
     from megazero.core.flat_buffer import build_layout
 
     numels = [n for _ in range(count) for n in (width, width * width)]  # bias, weight: backward order
-    return max(b.numel for b in build_layout(numels, world, bucket).buckets)
+    cuts = range(2, 2 * count, 2) if stage == 3 else ()
+    return max(b.numel for b in build_layout(numels, world, bucket, cuts).buckets)
 
 
 def collective_working_memory(numel: int, world: int) -> dict:
@@ -127,7 +131,8 @@ def formula(stage: int, psi: int, n: int, width: int, coll: dict) -> int:
     """Model states plus the step's working set at its highest moment (module docstring)."""
     g, bk, layer = 4 * width * width, coll["bucket_bytes"], 4 * (width * width + width)
     ar, rs, ag = coll["all_reduce"], coll["reduce_scatter"], coll["all_gather"]
-    work = {0: max(g, ar), 1: max(g, rs + bk // n, ag), 2: max(bk + g + rs, ag), 3: 2 * layer + bk + g + rs}[stage]
+    work = {0: max(g, ar), 1: max(g, rs + bk // n, ag), 2: max(bk + g + rs, ag),
+            3: 2 * layer + bk + g + rs + ag}[stage]
     return model_states(stage, psi, n) + work
 
 

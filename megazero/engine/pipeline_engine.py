@@ -51,9 +51,9 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         # zero bubble: the store megazero's linears were built with, or (a user's PipelineModule) a new
         # one that the module's plain nn.Linear layers are routed through
         store = module.wgrad_store
-        if store is None and splits_backward(programs):
-            store = WeightGradStore()
-            defer_linears(module, store)
+        if splits_backward(programs):
+            store = store or WeightGradStore()
+            defer_linears(module, store)  # plain nn.Linear layers (megazero's own take the store at build)
         self.executor = PipelineExecutor(module, self.p2p, optimizer, pctx.pp_rank, pctx.pp_size,
                                          rank=pctx.global_rank, on_instruction=on_instruction,
                                          wgrad_store=store, device=self.device)

@@ -19,8 +19,9 @@ class RopeTables:
         key = (torch.device(device), dtype)
         cached = self._tables.get(key)
         if cached is None or cached[0].shape[0] < seq:
-            cos, sin = rope_cos_sin(seq, self.dim, self.theta, device)
-            cached = self._tables[key] = (cos.to(dtype), sin.to(dtype))
+            with torch.inference_mode(False):  # built under inference_mode, they could never train again
+                cos, sin = rope_cos_sin(seq, self.dim, self.theta, device)
+                cached = self._tables[key] = (cos.to(dtype), sin.to(dtype))
         return cached[0][:seq], cached[1][:seq]
 
 

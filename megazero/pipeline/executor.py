@@ -150,26 +150,32 @@ class PipelineExecutor:
         weight_grads = [i for i, ins in enumerate(program) if isinstance(ins, (I.Backward, I.BackwardWeight))]
         st.last_weight_grad = weight_grads[-1] if weight_grads else -1
         marks = []  # (instruction, start token, end token) until the clock resolves them (CUDA events)
-        for pos, ins in enumerate(program):
-            t0 = self.clock.mark() if self.on_instruction is not None else None
-            try:
-                if pos == st.last_weight_grad:
-                    self.opt.set_last_microbatch(True)
-                elif pos < st.last_weight_grad and isinstance(ins, (I.Backward, I.BackwardWeight)):
-                    self.opt.set_last_microbatch(False)
-                self.handlers[type(ins)](ins, st)
-            except Exception as exc:
-                raise PipelineError(f"stage {self.stage_index} (rank {self.rank}) waiting at {ins.describe()} "
-                                    f"(instruction {pos + 1} of {len(program)}): {type(exc).__name__}: {exc}") from exc
-            if self.on_instruction is not None:
-                marks.append((ins, t0, self.clock.mark()))
-                if not self.clock.deferred:
-                    self.on_instruction(*marks.pop())
-        if marks:  # on CUDA: one synchronisation per step turns the events into times
-            times = self.clock.resolve([t for _, start, end in marks for t in (start, end)])
-            for k, (ins, _, _) in enumerate(marks):
-                self.on_instruction(ins, times[2 * k], times[2 * k + 1])
+        try:
+            for pos, ins in enumerate(program):
+                t0 = self.clock.mark() if self.on_instruction is not None else None
+                self._run_one(program, pos, ins, st)
+                if self.on_instruction is not None:
+                    marks.append((ins, t0, self.clock.mark()))
+                    if not self.clock.deferred:
+                        self.on_instruction(*marks.pop())
+        finally:  # on CUDA: one synchronisation per step turns the events into times (also after a failure)
+            if marks:
+                times = self.clock.resolve([t for _, start, end in marks for t in (start, end)])
+                for k, (ins, _, _) in enumerate(marks):
+                    self.on_instruction(ins, times[2 * k], times[2 * k + 1])
         return st
+
+    def _run_one(self, program, pos: int, ins, st) -> None:
+        """Instruction `pos` of `program`, its failure re-raised as a PipelineError naming where."""
+        try:
+            if pos == st.last_weight_grad:
+                self.opt.set_last_microbatch(True)
+            elif pos < st.last_weight_grad and isinstance(ins, (I.Backward, I.BackwardWeight)):
+                self.opt.set_last_microbatch(False)
+            self.handlers[type(ins)](ins, st)
+        except Exception as exc:
+            raise PipelineError(f"stage {self.stage_index} (rank {self.rank}) waiting at {ins.describe()} "
+                                f"(instruction {pos + 1} of {len(program)}): {type(exc).__name__}: {exc}") from exc
 
     # -- handlers ------------------------------------------------------------------------------
     def _load(self, ins, st):

@@ -5,7 +5,7 @@ instruction measures its launch, not its work. `DeviceClock.mark()` returns a to
 time in seconds with `resolve()`: on CPU the token already is one (the host clock, work is
 synchronous); on CUDA it is an event recorded on the current stream, and `resolve` synchronises once
 and converts every event to host seconds through one reference pair (an event and the host time,
-taken together after a synchronisation). No communication.
+taken together after a synchronisation, renewed after every resolve). No communication.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ class DeviceClock:
         if self._origin is None:
             torch.cuda.synchronize(self.device)
             origin = torch.cuda.Event(enable_timing=True)
-            origin.record()
+            origin.record(torch.cuda.current_stream(self.device))
             self._origin = (origin, time.perf_counter())
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def resolve(self, tokens: list) -> list[float]:
@@ -43,4 +43,5 @@ class DeviceClock:
             return []
         torch.cuda.synchronize(self.device)
         origin, host = self._origin
+        self._origin = None  # the next mark re-anchors: elapsed_time is float32 ms, precise over one step only
         return [host + origin.elapsed_time(t) / 1e3 for t in tokens]

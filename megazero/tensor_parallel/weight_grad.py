@@ -68,7 +68,7 @@ class WeightGradStore:
     def add_into(entry, out: torch.Tensor) -> None:
         """out (out, in) += gW of one deferred GEMM, in one addmm (the same product as `compute`,
         accumulated in place); inputs of another dtype than `out` (bf16/fp16 activations into fp32
-        gradients) go through `compute`."""
+        gradients) go through a product in their dtype, then an add."""
         _, x, gy = entry
         gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])  # (rows, out), (rows, in)
         if gy2.dtype == out.dtype and x2.dtype == out.dtype:
@@ -112,13 +112,14 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         (saved,), weight = ctx.saved_tensors, ctx.weight
+        needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]  # a frozen weight gets no GEMM and no entry
         x = ctx.regather.full(saved) if ctx.regather is not None else saved  # (..., in)
-        gx = gy.matmul(weight)  # (..., in)
-        gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias else None
-        if ctx.store is not None and ctx.store.deferring:
+        gx = gy.matmul(weight) if needs_x else None  # (..., in)
+        gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias and needs_b else None
+        gw = None
+        if needs_w and ctx.store is not None and ctx.store.deferring:
             ctx.store.push(weight, x, gy)
-            gw = None
-        else:
+        elif needs_w:
             gw = gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
         return gx, gw, gb, None, None
 
@@ -145,5 +146,7 @@ def defer_linears(module: torch.nn.Module, store: WeightGradStore) -> int:
 
 def _store_linear_forward(store: WeightGradStore):
     def forward(self, x):
+        if torch.is_autocast_enabled(x.device.type):  # autocast casts inside F.linear only: not deferred
+            return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, store)
     return forward

@@ -274,7 +274,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ranges, their squares summed in fp64, one all-reduce and one host sync per step."""
         views = [t[a:e] for group, counted in zip(self.groups, self._counted)
                  for t, ranges in zip(group.grad_owned, counted) for a, e in ranges]
-        by_device: dict[torch.device, list[torch.Tensor]] = {}  # offloaded groups keep grads on the host
+        by_device: dict[torch.device, list[torch.Tensor]] = {}  # one foreach per device (groups may differ)
         for v in views:
             by_device.setdefault(v.device, []).append(v)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
