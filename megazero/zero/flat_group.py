@@ -134,9 +134,19 @@ class FlatGroup:
 
     def owned_ranges(self, pred) -> list[list[tuple[int, int]]]:
         """Per bucket, the local ranges of this rank's owned slice that belong to parameters for
-        which `pred(param)` holds."""
-        return [[(s.buf_start - self.owned[b][0], s.buf_end - self.owned[b][0]) for s in segs
-                 if pred(self.params[s.param])] for b, segs in enumerate(self.segments)]
+        which `pred(param)` holds, touching neighbours joined (one view per contiguous run)."""
+        out = []
+        for b, segs in enumerate(self.segments):
+            lo, ranges = self.owned[b][0], []
+            for s in segs:  # in buffer order
+                if not pred(self.params[s.param]):
+                    continue
+                if ranges and ranges[-1][1] == s.buf_start - lo:
+                    ranges[-1] = (ranges[-1][0], s.buf_end - lo)
+                else:
+                    ranges.append((s.buf_start - lo, s.buf_end - lo))
+            out.append(ranges)
+        return out
 
     # -- gradients --------------------------------------------------------------------------
     def host_grads(self) -> list[torch.Tensor]:
@@ -158,11 +168,6 @@ class FlatGroup:
     def reset_pending(self) -> None:
         for b in self.layout.buckets:
             self.pending[b.index] = sum(1 for i in b.params if self.params[i].requires_grad)
-
-    def add_grad(self, i: int, grad: torch.Tensor) -> int | None:
-        """Accumulate parameter i's micro-batch gradient; return its bucket index if now complete."""
-        self.grad_view(i).add_(grad.reshape(-1))
-        return self.grad_done(i)
 
     def grad_view(self, i: int) -> torch.Tensor:
         """The fp32 slot (numel,) that parameter i's gradient accumulates into: its range of the full

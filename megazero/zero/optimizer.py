@@ -39,6 +39,7 @@ import torch
 
 from megazero.core.config.schema import NONFINITE_CHOICES
 from megazero.runtime import comm, kernels
+from megazero.runtime.kernels.reference import sgd_step
 from megazero.zero.flat_group import FlatGroup
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.param_groups import checked_group, group_runs, hyperparameters, load_hyperparameters
@@ -173,8 +174,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         pctx = self.pctx
         if (group.stage == 0 and pctx.dp_rank != 0) or (group.name == "tied" and not pctx.is_first_stage):
             return [[] for _ in group.layout.buckets]
-        ranges = group.owned_ranges(lambda p: getattr(p, "tp_dim", None) is not None or pctx.tp_rank == 0)
-        return [_merged(per_bucket) for per_bucket in ranges]
+        return group.owned_ranges(lambda p: getattr(p, "tp_dim", None) is not None or pctx.tp_rank == 0)
 
     # -- micro-batch hooks ------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -188,29 +188,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grad, p.grad = p.grad, None
         self.accumulate_grad(p, grad)
 
-    @torch.no_grad()
     def accumulate_grad(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """Add one micro-batch's gradient of `p` (what autograd's hook does; zero-bubble W passes
-        call it directly) and launch the bucket's reduction when the bucket is complete. Runs without
-        autograd: a gradient handed in with history must not make the flat buffers part of a graph."""
-        group, i = self._where[id(p)]
-        self._grad_ready(group, group.add_grad(i, grad))
+        """Add one micro-batch's gradient of `p` (what autograd's hook does) and launch the bucket's
+        reduction when the bucket is complete."""
+        self.accumulate_grad_into(p, lambda slot: slot.add_(grad.reshape(slot.shape)))
 
     @torch.no_grad()
     def accumulate_grad_into(self, p: torch.nn.Parameter, add_into) -> None:
-        """Like `accumulate_grad`, with no gradient tensor in between: ``add_into(slot)`` adds `p`'s
-        micro-batch gradient into its fp32 accumulation slot, shaped like `p` (zero-bubble W runs its
-        weight-gradient GEMM straight into the flat buffer: no temporary, no extra pass)."""
+        """``add_into(slot)`` adds `p`'s whole micro-batch gradient into its fp32 accumulation slot,
+        shaped like `p` (zero-bubble W runs its weight GEMM straight into it); then the bucket's
+        reduction is launched if the bucket is complete. Runs without autograd: a gradient handed in
+        with history must not make the flat buffers part of a graph."""
         group, i = self._where[id(p)]
         add_into(group.grad_view(i).view(group.shapes[i]))
-        self._grad_ready(group, group.grad_done(i))
-
-    def _grad_ready(self, group: FlatGroup, done: int | None) -> None:
+        done = group.grad_done(i)
+        if done is None:
+            return
         # Stages 2-3 reduce-scatter a bucket as soon as it is complete (asynchronously with
         # overlap_comm), so only the buckets being filled hold full-size gradients; stages 0-1 keep
         # full gradients anyway and reduce at the step's last micro-batch, here only when overlapping.
-        if done is None:
-            return
         if not group.full_grads:
             group.reduce_bucket(done, async_op=self.overlap)
         elif self.overlap and self._last_microbatch:
@@ -274,14 +270,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ranges, their squares summed in fp64, one all-reduce and one host sync per step."""
         views = [t[a:e] for group, counted in zip(self.groups, self._counted)
                  for t, ranges in zip(group.grad_owned, counted) for a, e in ranges]
-        by_device: dict[torch.device, list[torch.Tensor]] = {}  # one foreach per device (groups may differ)
-        for v in views:
-            by_device.setdefault(v.device, []).append(v)
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for same in by_device.values():
-            norms = torch._foreach_norm(same, 2)  # one fp32 norm per range
-            sq += torch.stack(norms).double().square().sum().to(self.device)
-        sq = sq.reshape(1)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if views:  # the gradient shards live on the optimizer's device, offloaded or not
+            sq += torch.stack(torch._foreach_norm(views, 2)).double().square().sum()  # one fp32 norm per range
         comm.all_reduce(sq, self.pctx.world_group)
         return float(sq.sqrt().item())
 
@@ -346,7 +337,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 h = self.param_groups[g]
                 p, gr, m, v = group.master[b][a:e], grads[b][a:e], group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e]
                 if s.type == "sgd":
-                    _sgd(p, gr, m, h["lr"], h["momentum"], h["weight_decay"], first=self.step_count == 1)
+                    sgd_step(p, gr, m, h["lr"], h["momentum"], h["weight_decay"], first=self.step_count == 1)
                     continue
                 lists = calls.setdefault((*h["betas"], h["eps"]), ([], [], [], [], [], []))
                 for lst, item in zip(lists, (p, gr, m, v, h["lr"], h["weight_decay"])):
@@ -463,26 +454,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def num_params(self) -> int:
         return sum(n for group in self.groups for n in group.layout.numels)
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted ranges with touching neighbours joined ([(0, 4), (4, 9)] -> [(0, 9)])."""
-    out: list[tuple[int, int]] = []
-    for a, e in sorted(ranges):
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], e)
-        else:
-            out.append((a, e))
-    return out
-
-
-def _sgd(p, grad, buf, lr, momentum, wd, first):
-    """SGD with optional momentum (torch.optim.SGD semantics, dampening 0)."""
-    d = grad + wd * p if wd else grad
-    if momentum:
-        if first:
-            buf.copy_(d)
-        else:
-            buf.mul_(momentum).add_(d)
-        d = buf
-    p.add_(d, alpha=-lr)

@@ -122,3 +122,16 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     param.addcdiv_(exp_avg, denom, value=-(lr / bc1))
     if param_copy is not None:
         param_copy.copy_(param)
+
+
+def sgd_step(p, grad, buf, lr, momentum, weight_decay, first):
+    """SGD with optional momentum, in place (torch.optim.SGD semantics, dampening 0): the ZeRO
+    optimizer's update rule for optimizer.type sgd (no fused kernel: one pass of torch ops)."""
+    d = grad + weight_decay * p if weight_decay else grad
+    if momentum:
+        if first:
+            buf.copy_(d)
+        else:
+            buf.mul_(momentum).add_(d)
+        d = buf
+    p.add_(d, alpha=-lr)
