@@ -54,3 +54,14 @@ def test_a_nan_on_one_rank_stops_every_rank_when_asked():
         stage = rank // 2
         assert (f"stage {stage} (rank {rank}) waiting at OptimizerStep (instruction 12 of 12): "
                 f"NonFiniteGradients: step 2") in msg, msg
+
+
+def test_ignore_is_refused_with_a_dynamic_fp16_loss_scale():
+    """`ignore` (no check, no host synchronisation in the step) cannot drive a dynamic loss scale,
+    which backs off on overflow; the error names the key, before any process group exists."""
+    from megazero.core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="nonfinite_gradients: 'ignore' cannot go with fp16's dynamic loss scale"):
+        load_config(dict(CONFIG, precision="fp16", nonfinite_gradients="ignore", parallel={"pp": 1}))
+    cfg = load_config(dict(CONFIG, precision="fp16", nonfinite_gradients="ignore", fp16={"loss_scale": 128}))
+    assert cfg.nonfinite_gradients == "ignore"

@@ -22,8 +22,10 @@ class EngineSurface:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """The last step's global gradient norm before clipping (None before the first step)."""
-        return self.last_info.get("grad_norm")
+        """The last step's global gradient norm before clipping (None before the first step); reading
+        it synchronises with the device when the step left it there (``nonfinite_gradients=ignore``)."""
+        norm = self.last_info.get("grad_norm")
+        return None if norm is None else float(norm)
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.micro_batch_size

@@ -121,7 +121,7 @@ def run_layout(config, overrides=(), steps: int = 2) -> dict:
     with _first_step_gradients(optimizer, pctx.tp_group, grads):
         for _ in range(steps):
             losses.append(engine.train_batch(data))
-            norms.append(engine.last_info.get("grad_norm"))
+            norms.append(engine.get_global_grad_norm())
     with optimizer.full_parameters():
         params = {k: v.float() for k, v in gather_full_params(engine.module, pctx.tp_group).items()}
     reporter = pctx.dp_rank == 0 and pctx.tp_rank == 0

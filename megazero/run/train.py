@@ -111,7 +111,8 @@ def run(cfg: Config, rank: int) -> int:
             loss = engine.train_batch(data)
         dt = clock.lap()
         info = engine.last_info
-        record = {"step": step, "loss": loss, "grad_norm": info.get("grad_norm"), "lr": info.get("lr"),
+        norm = info.get("grad_norm")  # a device tensor when the step did not need it on the host
+        record = {"step": step, "loss": loss, "grad_norm": None if norm is None else float(norm), "lr": info.get("lr"),
                   "loss_scale": info.get("loss_scale"), "skipped": info.get("skipped", False),
                   "skipped_steps": info.get("skipped_steps", 0),
                   "tokens_per_s": tokens / dt, "step_time_s": dt,

@@ -39,11 +39,13 @@ class FlatGroup:
     MAX_INFLIGHT = 2  # asynchronous gradient reductions launched and not yet waited for
 
     def __init__(self, name: str, params: list[torch.nn.Parameter], dp_group: GroupHandle, stage: int,
-                 bucket_size: int, boundaries=(), shard_params: bool = False, offload: bool = False):
+                 bucket_size: int, boundaries=(), shard_params: bool = False, offload: bool = False,
+                 on_reduced=None):
         self.name, self.params, self.dp, self.stage = name, params, dp_group, stage
         self.shard_params = shard_params
         self.full_grads = stage <= 1
         self.offload = offload
+        self.on_reduced = on_reduced  # on_reduced(group, b): bucket b's reduction has landed in grad_owned[b]
         self.shapes = [full_shape(p) for p in params]  # kept: stage 3 empties the parameters' data
         self.layout: FlatLayout = build_layout([s.numel() for s in self.shapes], dp_group.size, bucket_size,
                                                boundaries)
@@ -149,20 +151,27 @@ class FlatGroup:
         return out
 
     # -- gradients --------------------------------------------------------------------------
-    def host_grads(self) -> list[torch.Tensor]:
-        """Per bucket, the reduced gradient where the optimizer runs: `grad_owned` itself, or, when
-        offloaded from an accelerator, a copy in one pinned host buffer kept for the run (all buckets
-        copied asynchronously, then one synchronisation)."""
+    def host_grads(self, buckets) -> list[torch.Tensor]:
+        """The reduced gradients of `buckets` where the optimizer runs: `grad_owned` itself, or, when
+        offloaded from an accelerator, their slices of one pinned host buffer kept for the run (copied
+        asynchronously, then one synchronisation)."""
+        out = [self.host_grad_async(b) for b in buckets]
+        if out and self.offload and self.grad_owned[0].device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
+
+    def host_grad_async(self, b: int) -> torch.Tensor:
+        """Bucket b's reduced gradient on the optimizer's device: `grad_owned[b]` itself, or (offloaded
+        from an accelerator) its slice of the pinned staging buffer with the copy enqueued on the
+        current stream: the caller synchronises (or waits on an event recorded after it) before reading."""
         if not self.offload or self.grad_owned[0].device.type == "cpu":
-            return self.grad_owned
+            return self.grad_owned[b]
         if self._host_grad is None:
             self._host_grad = torch.empty(sum(t.numel() for t in self.grad_owned), dtype=torch.float32,
                                           pin_memory=torch.cuda.is_available())
-        host = list(torch.split(self._host_grad, [t.numel() for t in self.grad_owned]))
-        for dst, src in zip(host, self.grad_owned):
-            dst.copy_(src, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.current_stream(self.device).synchronize()
+        start = sum(t.numel() for t in self.grad_owned[:b])
+        host = self._host_grad[start:start + self.grad_owned[b].numel()]
+        host.copy_(self.grad_owned[b], non_blocking=True)
         return host
 
     def reset_pending(self) -> None:
@@ -239,6 +248,8 @@ class FlatGroup:
                 self.grad_owned[b].copy_(tmp)
             else:
                 self.grad_owned[b].add_(tmp)
+        if self.on_reduced is not None:
+            self.on_reduced(self, b)
 
     def flush(self) -> None:
         """Stage 2-3: reduce every bucket still holding gradients (e.g. with unused parameters)."""
@@ -326,6 +337,8 @@ class FlatGroup:
         gathered = sum(t.untyped_storage().nbytes() for t in self._gathered.values())  # stage 3: held buckets
         grads = nbytes(self.grad_flat) if self.full_grads else nbytes(self.grad_shard)
         buckets = sum(nbytes(t) for t in self._bucket_grad.values())
+        if self._host_grad is not None:  # offload from an accelerator: the pinned gradient staging
+            buckets += nbytes(self._host_grad)
         return {"params": params + gathered, "grads": grads,
                 "master": nbytes(self.master_flat) if self.separate_master else 0,
                 "optimizer_states": nbytes(self.state_flat), "comm_buffers": buckets}

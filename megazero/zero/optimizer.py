@@ -42,13 +42,15 @@ from megazero.runtime import comm, kernels
 from megazero.runtime.kernels.reference import sgd_step
 from megazero.zero.flat_group import FlatGroup
 from megazero.zero.loss_scaler import LossScaler
+from megazero.zero.offload_overlap import EarlyUpdates
 from megazero.zero.param_groups import checked_group, group_runs, hyperparameters, load_hyperparameters
 from megazero.zero.partitioned_init import full_shape
 from megazero.zero.stage3 import Stage3Gatherer
 
 
 NONFINITE = NONFINITE_CHOICES  # one list: the config schema's
-"""What a step with inf/NaN gradients does: skip it (and count it), or stop every rank with an error."""
+"""What a step with inf/NaN gradients does: skip it (and count it), stop every rank with an error, or
+ignore (no check: the update uses them, as torch's optimizers and DeepSpeed's bf16 do)."""
 
 
 class NonFiniteGradients(RuntimeError):
@@ -98,8 +100,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.clip = gradient_clipping
         self.scaler = loss_scaler or LossScaler.static(1.0)
         self.step_count = 0
-        self._last_microbatch = True
+        self.last_microbatch = True
         self._reduced = False
+        self._early = None  # EarlyUpdates, set below when the step allows them
         defaults = {"lr": spec.lr, "betas": tuple(spec.betas), "eps": spec.eps, "weight_decay": spec.weight_decay,
                     "momentum": spec.momentum}
         given = list(params)
@@ -126,6 +129,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gatherer = None
         if stage == 3 and units:
             self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size)
+        # The step needs the global norm on the host (one synchronisation) only to clip, to back off a
+        # dynamic loss scale or to check for inf/NaN; otherwise it stays a device tensor until read.
+        self._norm_on_host = self.clip > 0 or self.scaler.dynamic or nonfinite != "ignore"
+        # With nothing global to wait for (no clipping, no check, no loss scale), an offloaded bucket's
+        # update needs only its own reduced gradient: CPU Adam runs bucket by bucket in one worker
+        # thread while backward goes on (stages 1-3 with overlap_comm, at the step's last micro-batch).
+        if offload_optimizer and overlap_comm and not self._norm_on_host and self.scaler.scale == 1.0:
+            self._early = EarlyUpdates(self, self._sp_ranges)
         self._flattened = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -155,16 +166,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             sharded.sort(key=lambda p: -unit_of[id(p)])  # reverse forward order: fills first in backward
             cuts = [i for i in range(1, len(sharded)) if unit_of[id(sharded[i])] != unit_of[id(sharded[i - 1])]]
             if sharded:
-                groups.append(FlatGroup("sharded", sharded, dp, 3, bucket, cuts, True, offload_param or offload_opt))
+                groups.append(FlatGroup("sharded", sharded, dp, 3, bucket, cuts, True, offload_param or offload_opt, self._bucket_reduced))
             if persistent:
-                groups.append(FlatGroup("persistent", persistent[::-1], dp, 2, bucket, (), False, offload_opt))
+                groups.append(FlatGroup("persistent", persistent[::-1], dp, 2, bucket, (), False, offload_opt, self._bucket_reduced))
         elif rest:
-            groups.append(FlatGroup("main", rest[::-1], dp, self.stage, bucket, (), False, offload_opt))
+            groups.append(FlatGroup("main", rest[::-1], dp, self.stage, bucket, (), False, offload_opt, self._bucket_reduced))
         if tied:
             tied.sort(key=lambda p: p.tied_name)  # the same layout on first and last stage
             shard = self.stage == 3
             groups.append(FlatGroup("tied", tied, dp, self.stage, bucket, (), shard,
-                                    offload_opt or (shard and offload_param)))
+                                    offload_opt or (shard and offload_param), self._bucket_reduced))
         return groups
 
     def _counted_ranges(self, group: FlatGroup) -> list[list[tuple[int, int]]]:
@@ -182,7 +193,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def set_last_microbatch(self, last: bool) -> None:
         """Tell stages 0-1 whether the coming backward is the step's last (overlap launches then)."""
-        self._last_microbatch = last
+        self.last_microbatch = last
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         grad, p.grad = p.grad, None
@@ -209,10 +220,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # full gradients anyway and reduce at the step's last micro-batch, here only when overlapping.
         if not group.full_grads:
             group.reduce_bucket(done, async_op=self.overlap)
-        elif self.overlap and self._last_microbatch:
+        elif self.overlap and self.last_microbatch:
             group.reduce_bucket(done, async_op=True)
         if self.gatherer is not None and group.shard_params:
             self.gatherer.bucket_done(group, done)
+
+    def _bucket_reduced(self, group: FlatGroup, b: int) -> None:
+        """A flat group's bucket reduction landed (its `on_reduced`): an early update may start."""
+        if self._early is not None:
+            self._early.bucket_reduced(group, b)
 
     def after_backward(self) -> None:
         """End of one micro-batch's backward: stages 2-3 reduce-scatter what is left, stage 3
@@ -220,7 +236,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for group in self.groups:
             if not group.full_grads:
                 group.flush()
-            elif not self._last_microbatch or not self.overlap:
+            elif not self.last_microbatch or not self.overlap:
                 group.reset_pending()
         if self.gatherer is not None:
             self.gatherer.release_all()
@@ -264,21 +280,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return [t for group in self.groups for t in group.grad_owned]
 
     def global_grad_norm(self) -> float:
-        """L2 norm of the full model's gradient, every parameter counted once, over pctx.world_group.
+        """L2 norm of the full model's gradient, every parameter counted once, over pctx.world_group
+        (one all-reduce and one host synchronisation)."""
+        return float(self._squared_norm().sqrt().item())
 
-        One fused pass (`torch._foreach_norm`: one multi-tensor kernel on CUDA) over this rank's counted
-        ranges, their squares summed in fp64, one all-reduce and one host sync per step."""
+    def _squared_norm(self) -> torch.Tensor:
+        """The squared global gradient norm as a (1,) fp64 tensor on the optimizer's device, all-reduced
+        over pctx.world_group: one fused pass (`torch._foreach_norm`: one multi-tensor kernel on CUDA)
+        over this rank's counted ranges, no host synchronisation."""
         views = [t[a:e] for group, counted in zip(self.groups, self._counted)
                  for t, ranges in zip(group.grad_owned, counted) for a, e in ranges]
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         if views:  # the gradient shards live on the optimizer's device, offloaded or not
             sq += torch.stack(torch._foreach_norm(views, 2)).double().square().sum()  # one fp32 norm per range
         comm.all_reduce(sq, self.pctx.world_group)
-        return float(sq.sqrt().item())
+        return sq
+
+    def _update_all(self, coef: float) -> None:
+        """Update every flat group (the buckets an early update did not take) and publish the new
+        parameters (all-gathers over each group's dp)."""
+        done = self._early.finish() if self._early is not None else {}
+        for g, (group, runs) in enumerate(zip(self.groups, self._runs)):
+            left = [b for b in range(len(runs)) if (g, b) not in done]
+            if left:
+                self._update_group(group, runs, coef, left)
+            group.publish_master(self.allgather_bucket_size)
 
     def step(self) -> dict:
         """Reduce, unscale, agree on non-finite gradients, clip and update. Returns {"skipped",
-        "grad_norm", "loss_scale", "lr", "skipped_steps"}.
+        "grad_norm", "loss_scale", "lr", "skipped_steps"}; "grad_norm" is a float, or, when the step
+        needs no norm on the host (no clipping, ``nonfinite="ignore"``, no dynamic loss scale), a 0-d
+        tensor on the device that synchronises only when read (`float()`): then the step never waits
+        for the device.
 
         Every precision checks for inf/NaN in the reduced gradients through the global norm: an inf or
         NaN anywhere makes the all-reduced sum of squares non-finite on every rank, so the ranks agree
@@ -291,6 +324,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for t in self._all_owned_grads():
                 t.mul_(1.0 / scale)
         info = {"loss_scale": scale, "lr": self.param_groups[0]["lr"]}
+        if not self._norm_on_host:  # no host synchronisation: the norm is read when someone reads it
+            norm = self._squared_norm().sqrt()[0]  # 0-d; float(norm) synchronises
+            self.step_count += 1
+            self._update_all(1.0)
+            self.zero_grad()
+            return info | {"skipped": False, "grad_norm": norm, "skipped_steps": self.skipped_steps}
         norm = self.global_grad_norm()
         if not math.isfinite(norm):
             if self.scaler.dynamic:
@@ -305,9 +344,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return info | {"skipped": True, "grad_norm": float("nan"), "skipped_steps": self.skipped_steps}
         coef = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
         self.step_count += 1
-        for group, runs in zip(self.groups, self._runs):
-            self._update_group(group, runs, coef)
-            group.publish_master(self.allgather_bucket_size)
+        self._update_all(coef)
         self.zero_grad()
         self.scaler.update(False)
         return info | {"skipped": False, "grad_norm": norm, "skipped_steps": self.skipped_steps}
@@ -323,31 +360,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         return getattr(param, "logical_name", None) or f"{group.name} group parameter {s.param}"
         return None
 
-    def _update_group(self, group: FlatGroup, runs, coef: float) -> None:
-        """The update of every run of `group` with its parameter group's hyper-parameters, read now:
-        ONE multi-tensor Adam call for the whole flat group (per-run lr and weight decay go inside the
-        call; one call per distinct betas/eps, normally one), on the offloaded host copy if offloaded."""
-        s = self.spec
-        grads = group.host_grads()  # per bucket; offloaded: copied into pinned memory, one synchronisation
+    def _update_group(self, group: FlatGroup, runs, coef: float, buckets, grads=None, step: int | None = None) -> None:
+        """The update of every run of `group`'s `buckets` with its parameter group's hyper-parameters,
+        read now: ONE multi-tensor Adam call for them all (per-run lr and weight decay go inside the
+        call; one call per distinct betas/eps, normally one), on the offloaded host copy if offloaded
+        (`grads`: the host copies of those buckets, when the caller made them; `step`: the Adam step,
+        by default `step_count`)."""
+        s, step = self.spec, step or self.step_count
+        if grads is None:  # offloaded: copied into pinned memory, one synchronisation
+            grads = dict(zip(buckets, group.host_grads(buckets)))
         if coef != 1.0:
-            torch._foreach_mul_(grads, coef)  # clipping, in place: the gradients are zeroed after the step
+            torch._foreach_mul_([grads[b] for b in buckets], coef)  # clipping, in place: zeroed after the step
         calls: dict[tuple[float, float, float], tuple[list, ...]] = {}  # (beta1, beta2, eps) -> the lists
-        for b, bucket_runs in enumerate(runs):
-            for a, e, g in bucket_runs:
+        for b in buckets:
+            for a, e, g in runs[b]:
                 h = self.param_groups[g]
                 p, gr, m, v = group.master[b][a:e], grads[b][a:e], group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e]
                 if s.type == "sgd":
-                    sgd_step(p, gr, m, h["lr"], h["momentum"], h["weight_decay"], first=self.step_count == 1)
+                    sgd_step(p, gr, m, h["lr"], h["momentum"], h["weight_decay"], first=step == 1)
                     continue
                 lists = calls.setdefault((*h["betas"], h["eps"]), ([], [], [], [], [], []))
                 for lst, item in zip(lists, (p, gr, m, v, h["lr"], h["weight_decay"])):
                     lst.append(item)
         for (beta1, beta2, eps), (ps, gs, ms, vs, lrs, wds) in calls.items():
-            kernels.adam_step(ps, gs, ms, vs, step=self.step_count, lr=lrs, beta1=beta1, beta2=beta2, eps=eps,
+            kernels.adam_step(ps, gs, ms, vs, step=step, lr=lrs, beta1=beta1, beta2=beta2, eps=eps,
                               weight_decay=wds, adamw_mode=s.type == "adamw", bias_correction=s.bias_correction)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False
+        if self._early is not None:  # an early update already applied stays applied (see offload_overlap)
+            self._early.finish()
         for group in self.groups:
             group.zero_grads()
 

@@ -120,6 +120,10 @@ def check_precision(cfg: Config) -> list[str]:
     if cfg.gradient_clipping < 0:
         errs.append(f"gradient_clipping: must be >= 0 (0 = off), got {cfg.gradient_clipping}")
     errs += choice("nonfinite_gradients", cfg.nonfinite_gradients, NONFINITE_CHOICES)
+    if cfg.nonfinite_gradients == "ignore" and cfg.precision == "fp16" and f.loss_scale == 0:
+        errs.append("nonfinite_gradients: 'ignore' cannot go with fp16's dynamic loss scale (fp16.loss_scale=0), "
+                    "which backs off on overflow and so needs the check; use skip or error, or a static "
+                    "fp16.loss_scale")
     return errs
 
 

@@ -35,7 +35,7 @@ CHECKPOINT_POLICY_CHOICES = ("none", "full", "selective")
 """Named partition methods; ``type:<regex>`` and a list of per-stage layer counts are also valid."""
 TOKENIZER_CHOICES = ("byte", "bpe")
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
-NONFINITE_CHOICES = ("skip", "error")
+NONFINITE_CHOICES = ("skip", "error", "ignore")
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ class Config:
     run_dir: Optional[str] = None  # None resolves to runs/<name>
     precision: str = "fp32"
     gradient_clipping: float = 0.0  # max global grad norm; 0 = off
-    nonfinite_gradients: str = "skip"  # a step with inf/NaN gradients: skip (counted) | error
+    nonfinite_gradients: str = "skip"  # a step with inf/NaN gradients: skip (counted) | error | ignore (no check)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
