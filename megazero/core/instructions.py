@@ -17,7 +17,10 @@ Conventions the executor relies on:
 * Messages number instructions from 1 ("instruction 6 of 40"), as the executor does.
 * Sends and receives are *blocking and pairwise*: the k-th send from stage a to stage b is received
   by the k-th receive at b from a, and neither completes before both are posted. Schedules order
-  them so that this cannot deadlock; `megazero.core.simulate` checks it.
+  them so that this cannot deadlock; `megazero.core.simulate` checks it. On NCCL the executor
+  posts each run of consecutive transfers (`p2p_runs`) as one batch and waits for all of it before
+  the next instruction: that only removes waits, so a program that cannot deadlock blocking cannot
+  deadlock batched.
 * ``Backward`` is a full backward (input and weight grads). Zero-bubble schedules split it into
   ``BackwardInput`` (input grad, the critical path) and ``BackwardWeight`` (weight grad, deferred).
   Both ``Backward`` and ``BackwardInput`` print as ``B3``; a program containing ``W3`` for the same
@@ -203,6 +206,22 @@ RECVS = (RecvAct, RecvGrad)
 P2P = SENDS + RECVS
 PER_MICROBATCH = (LoadMicroBatch,) + COMPUTE + P2P
 """The instructions that act on one micro-batch (they have an `mb`; ReduceGrads and OptimizerStep act on the step)."""
+
+
+def p2p_runs(program: Sequence[Instruction]) -> tuple[tuple[int, int], ...]:
+    """The maximal runs of consecutive point-to-point instructions in `program`, as (start, stop)
+    index ranges in program order: what a batched executor (NCCL) posts as one batch each.
+    ``p2p_runs(parse_program("RA0<0 F0 SA0>2 RG0<2 B0"))`` is ``((0, 1), (2, 4))``."""
+    runs, start = [], None
+    for i, ins in enumerate(program):
+        if isinstance(ins, P2P):
+            start = i if start is None else start
+        elif start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(program)))
+    return tuple(runs)
 
 
 def render(program: Iterable[Instruction], sep: str = " ") -> str:

@@ -4,7 +4,11 @@ The executor owns only the per-step bookkeeping (micro-batches loaded, chunk inp
 received gradients, losses). Everything else is handed in, and its two partners are typed here:
 the stage's model (`Stage`; `megazero.pipeline.pipeline_module.PipelineModule` is one) and the
 optimizer (`StepOptimizer`; `megazero.zero.optimizer.ZeroOptimizer` is one). Point-to-point
-transfers go through `megazero.pipeline.p2p.PipeP2P` over the pp group.
+transfers go through `megazero.pipeline.p2p.PipeP2P` over the pp group: one instruction at a time,
+blocking (gloo), or, when the PipeP2P is batched (NCCL), each run of consecutive p2p instructions
+(`megazero.core.instructions.p2p_runs`) posted as one batch and waited on together before the next
+instruction; the run's received activations become autograd leaves once it completes, and each of
+its instructions is reported to `on_instruction` with the run's span.
 
 What crosses a boundary is a tensor or a tuple of tensors (megazero.pipeline.p2p); the
 floating-point ones get gradients back, and an input tensor that got none sends zeros.
@@ -16,7 +20,8 @@ shape is never checked.
 
 A failure inside an instruction (a peer died, a collective timed out) is re-raised as
 `PipelineError` naming this rank's position, e.g. "stage 2 (rank 5) waiting at RecvGrad mb 7 from
-stage 3 (instruction 23 of 40)".
+stage 3 (instruction 23 of 40)"; a batch that fails names all of its instructions ("waiting at
+SendAct mb 3 to stage 3, RecvGrad mb 1 from stage 3 (instructions 17-18 of 40)").
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import torch
 from torch.autograd import Variable
 
 from megazero.core import instructions as I
-from megazero.pipeline.p2p import PipeP2P, carries_grad, tensors_of
+from megazero.pipeline.p2p import P2PBatch, PipeP2P, carries_grad, tensors_of
 from megazero.runtime.clock import DeviceClock
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 
@@ -114,6 +119,13 @@ def _input_grads(x, grads):
     return full[0] if isinstance(x, torch.Tensor) and full else tuple(full)
 
 
+def _as_leaves(x) -> None:
+    """A received activation's floating-point tensors require grad (their grads go back upstream)."""
+    for t in tensors_of(x):
+        if carries_grad(t):
+            t.requires_grad_()
+
+
 def _add_grad(grad: torch.Tensor, slot: torch.Tensor) -> None:
     slot.add_(grad.reshape(slot.shape))
 
@@ -144,20 +156,37 @@ class PipelineExecutor:
             I.RecvGrad: self._recv_grad, I.ReduceGrads: self._reduce, I.OptimizerStep: self._step,
         }
 
+    @property
+    def batched(self) -> bool:
+        """Whether runs of consecutive p2p instructions go out as one batch (the PipeP2P's choice)."""
+        return self.p2p is not None and self.p2p.batched
+
     def run(self, program, data_iter, num_microbatches: int) -> _StepState:
-        """Execute `program`; returns the step state (losses on the last stage, optimizer info)."""
+        """Execute `program`; returns the step state (losses on the last stage, optimizer info).
+        Batched: starts with `PipeP2P.connect` (a barrier over the pp group on the first step)."""
         st = _StepState(data_iter, num_microbatches)
         weight_grads = [i for i, ins in enumerate(program) if isinstance(ins, (I.Backward, I.BackwardWeight))]
         st.last_weight_grad = weight_grads[-1] if weight_grads else -1
+        # (start, stop) of each span run at once: a batch of p2p instructions, else one instruction
+        runs = dict(I.p2p_runs(program)) if self.batched else {}
         marks = []  # (instruction, start token, end token) until the clock resolves them (CUDA events)
         try:
-            for pos, ins in enumerate(program):
+            if self.batched:
+                self._connect()
+            pos = 0
+            while pos < len(program):
+                stop = runs.get(pos, pos + 1)
                 t0 = self.clock.mark() if self.on_instruction is not None else None
-                self._run_one(program, pos, ins, st)
+                if pos in runs:
+                    self._run_batch(program, pos, stop, st)
+                else:
+                    self._run_one(program, pos, program[pos], st)
                 if self.on_instruction is not None:
-                    marks.append((ins, t0, self.clock.mark()))
-                    if not self.clock.deferred:
-                        self.on_instruction(*marks.pop())
+                    t1 = self.clock.mark()
+                    marks += [(ins, t0, t1) for ins in program[pos:stop]]
+                    while marks and not self.clock.deferred:
+                        self.on_instruction(*marks.pop(0))
+                pos = stop
         finally:  # on CUDA: one synchronisation per step turns the events into times (also after a failure)
             if marks:
                 times = self.clock.resolve([t for _, start, end in marks for t in (start, end)])
@@ -165,17 +194,46 @@ class PipelineExecutor:
                     self.on_instruction(ins, times[2 * k], times[2 * k + 1])
         return st
 
-    def _run_one(self, program, pos: int, ins, st) -> None:
-        """Instruction `pos` of `program`, its failure re-raised as a PipelineError naming where."""
+    def _connect(self) -> None:
+        try:
+            self.p2p.connect()
+        except Exception as exc:
+            raise PipelineError(f"stage {self.stage_index} (rank {self.rank}) waiting at the pp group's barrier "
+                                f"before its first batched transfer: {type(exc).__name__}: {exc}") from exc
+
+    def _run_one(self, program, pos: int, ins, st, batch: P2PBatch | None = None) -> None:
+        """Instruction `pos` of `program` (a p2p one posted to `batch` when given), its failure
+        re-raised as a PipelineError naming where."""
         try:
             if pos == st.last_weight_grad:
                 self.opt.set_last_microbatch(True)
             elif pos < st.last_weight_grad and isinstance(ins, (I.Backward, I.BackwardWeight)):
                 self.opt.set_last_microbatch(False)
-            self.handlers[type(ins)](ins, st)
+            if batch is None:
+                self.handlers[type(ins)](ins, st)
+            else:
+                self.handlers[type(ins)](ins, st, batch)
         except Exception as exc:
             raise PipelineError(f"stage {self.stage_index} (rank {self.rank}) waiting at {ins.describe()} "
                                 f"(instruction {pos + 1} of {len(program)}): {type(exc).__name__}: {exc}") from exc
+
+    def _run_batch(self, program, start: int, stop: int, st) -> None:
+        """The p2p instructions `start:stop` of `program` as one batch over the pp group: each posts
+        its tensors in program order (a boundary's metadata moves alone, in place), then all are
+        waited on together; the received activations then become autograd leaves."""
+        batch = self.p2p.batch()
+        for pos in range(start, stop):
+            self._run_one(program, pos, program[pos], st, batch)
+        try:
+            batch.flush()
+        except Exception as exc:
+            where = ", ".join(ins.describe() for ins in program[start:stop])
+            span = f"instruction {start + 1}" if stop == start + 1 else f"instructions {start + 1}-{stop}"
+            raise PipelineError(f"stage {self.stage_index} (rank {self.rank}) waiting at {where} "
+                                f"({span} of {len(program)}): {type(exc).__name__}: {exc}") from exc
+        for ins in program[start:stop]:
+            if isinstance(ins, I.RecvAct):
+                _as_leaves(st.inputs[(ins.mb, ins.chunk)])
 
     # -- handlers ------------------------------------------------------------------------------
     def _load(self, ins, st):
@@ -269,10 +327,11 @@ class PipelineExecutor:
 
     # Boundary v is between virtual stages v and v + 1: a chunk's output crosses its own boundary,
     # its input (and the input's gradient) the one before.
-    def _send_act(self, ins, st):
+    def _send_act(self, ins, st, batch=None):
         key = (ins.mb, ins.chunk)
         out = st.outputs[key]
-        self.p2p.send_activation(out, ins.peer, self.stage.virtual_stage(ins.chunk))
+        # with a batch, freeing below is safe before it completes: the batch holds the sent tensor's storage
+        self.p2p.send_activation(out, ins.peer, self.stage.virtual_stage(ins.chunk), batch)
         if not torch.is_grad_enabled():  # a forward-only program: nothing reads the output again
             del st.outputs[key]
         elif isinstance(out, torch.Tensor) and out.grad_fn is not None:
@@ -281,19 +340,18 @@ class PipelineExecutor:
             # input by the node that made another, and freeing it would corrupt that backward.
             out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
 
-    def _recv_act(self, ins, st):
-        x = self.p2p.recv_activation(ins.peer, self.stage.virtual_stage(ins.chunk) - 1)
-        for t in tensors_of(x):
-            if carries_grad(t):
-                t.requires_grad_()
+    def _recv_act(self, ins, st, batch=None):
+        x = self.p2p.recv_activation(ins.peer, self.stage.virtual_stage(ins.chunk) - 1, batch)
+        if batch is None:  # batched: once the batch completes (_run_batch)
+            _as_leaves(x)
         st.inputs[(ins.mb, ins.chunk)] = x
 
-    def _send_grad(self, ins, st):
+    def _send_grad(self, ins, st, batch=None):
         grad = st.grads_out.pop((ins.mb, ins.chunk))
-        self.p2p.send_grad(grad, ins.peer, self.stage.virtual_stage(ins.chunk) - 1)
+        self.p2p.send_grad(grad, ins.peer, self.stage.virtual_stage(ins.chunk) - 1, batch)
 
-    def _recv_grad(self, ins, st):
-        st.grads_in[(ins.mb, ins.chunk)] = self.p2p.recv_grad(ins.peer, self.stage.virtual_stage(ins.chunk))
+    def _recv_grad(self, ins, st, batch=None):
+        st.grads_in[(ins.mb, ins.chunk)] = self.p2p.recv_grad(ins.peer, self.stage.virtual_stage(ins.chunk), batch)
 
     def _reduce(self, ins, st):
         self.opt.reduce_grads()

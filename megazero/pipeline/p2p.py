@@ -1,8 +1,20 @@
 """Point-to-point transfers between pipeline stages over the pp group.
 
-Blocking `comm.send`/`comm.recv` of one tensor at a time (never gloo's batched isend/irecv, which
-can hang: pytorch#132644); a schedule that the simulator accepts cannot deadlock with these
-rendezvous semantics.
+Two paths, chosen per `PipeP2P` from the pp group's backend (or by whoever builds it):
+
+- blocking (gloo, and any backend but NCCL): `comm.send`/`comm.recv` of one tensor at a time (never
+  gloo's batched isend/irecv, which can hang: pytorch#132644); a schedule that the simulator
+  accepts cannot deadlock with these rendezvous semantics.
+- batched (NCCL, as Megatron and torch pipelining): the executor hands each run of consecutive
+  p2p instructions of a program to one `P2PBatch`; their tensors go out in one
+  `comm.batch_isend_irecv` and are waited on together before the next compute instruction. NCCL
+  progresses the ops of one batch independently (those with the same peer in order), so this only
+  drops the blocking path's waits between the transfers of a run: each is posted no later, the run
+  ends no earlier, and ops between two stages in one direction still pair up in program order.
+  Programs that cannot deadlock blocking therefore cannot deadlock batched. A metadata message (see
+  below) travels alone: the ops posted so far are issued and waited first, then the message as a
+  batch of one, so it sits exactly where the blocking path sends it, on the same communicator as
+  the rest. The first batch of a step is preceded by `PipeP2P.connect` (once per PipeP2P).
 
 What crosses a boundary is one tensor or, as in DeepSpeed's pipeline engine, a tuple of tensors
 (e.g. hidden states and an attention mask). Floating-point tensors carry a gradient back; integer and
@@ -23,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from megazero.runtime import comm
-from megazero.runtime.comm import GroupHandle
+from megazero.runtime.comm import GroupHandle, PeerOp
 
 MAX_DIMS = 8
 MAX_TENSORS = 16  # tensors in one activation tuple
@@ -49,6 +61,37 @@ def _as_value(tensors, is_tuple: bool):
     return tensors[0] if not is_tuple and len(tensors) == 1 else tuple(tensors)
 
 
+class P2PBatch:
+    """The sends and receives of consecutive p2p instructions over `group`, posted together by
+    `flush` as one `comm.batch_isend_irecv` and waited on together. Until `flush` returns, receive
+    buffers are unfilled; the batch holds every tensor it sends until then."""
+
+    def __init__(self, group: GroupHandle):
+        self.group = group
+        self.ops: list[PeerOp] = []
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        """Send `tensor` to group rank `peer` with the batch."""
+        self.ops.append(PeerOp("send", tensor, peer))
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        """Receive into `tensor` from group rank `peer` with the batch."""
+        self.ops.append(PeerOp("recv", tensor, peer))
+
+    def flush(self) -> None:
+        """Post the ops gathered so far as one batch over the group and wait for all of them."""
+        ops, self.ops = self.ops, []
+        for work in comm.batch_isend_irecv(ops, self.group):
+            work.wait()
+
+    def alone(self, kind: str, tensor: torch.Tensor, peer: int) -> None:
+        """A message that must not wait for the ops after it (a boundary's metadata): flush what is
+        posted, then move this one as a batch of its own."""
+        self.flush()
+        self.ops.append(PeerOp(kind, tensor, peer))
+        self.flush()
+
+
 class PipeP2P:
     """Sends and receives activations and their gradients to/from stage `peer` of `pp_group`
     (the group's ranks are ordered by pipeline stage); `stage` is this rank's stage.
@@ -57,32 +100,49 @@ class PipeP2P:
         act_shape: the shape of every activation between stages (one tensor), or None to learn each
             boundary's structure, shapes and dtypes from its first activation.
         dtype: the dtype activations travel in when `act_shape` is given (the compute dtype).
+        batched: whether the executor batches runs of consecutive transfers (`P2PBatch`, NCCL's
+            batch_isend_irecv) instead of moving one tensor at a time blocking; None decides from the
+            pp group's backend on `device`: batched on NCCL only (gloo's batches can hang).
     """
 
     def __init__(self, pp_group: GroupHandle, act_shape: tuple[int, ...] | None, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", batched: bool | None = None):
         self.group, self.dtype, self.device = pp_group, dtype, device
         self.declared = tuple(act_shape) if act_shape is not None else None
+        self.batched = comm.backend(pp_group, device) == "nccl" if batched is None else bool(batched)
+        self.connected = False  # batched: whether the pp group's first collective ran (`connect`)
         # boundary -> (((shape, dtype) per tensor), sent as a tuple?)
         self.known: dict[int, tuple[tuple[tuple[tuple[int, ...], torch.dtype], ...], bool]] = {}
 
+    def batch(self) -> P2PBatch:
+        """An empty batch over the pp group, for the transfers of one run of p2p instructions."""
+        return P2PBatch(self.group)
+
+    def connect(self) -> None:
+        """Batched only, a barrier over the pp group (every stage calls it at the start of each
+        step; only the first does anything): torch's batch_isend_irecv needs the group's first
+        collective to involve all of its ranks, and a pipeline's first batch involves two."""
+        if self.batched and not self.connected:
+            comm.barrier(self.group)
+            self.connected = True
+
     # -- activations (downstream) -----------------------------------------------------------------
-    def send_activation(self, value, peer: int, boundary: int) -> None:
+    def send_activation(self, value, peer: int, boundary: int, batch: P2PBatch | None = None) -> None:
         """Send the activation crossing `boundary` (virtual stage `boundary` -> `boundary + 1`) to stage
-        `peer`, one tensor after another; the first one across an undeclared boundary is preceded by
-        its structure, shapes and dtypes."""
+        `peer`, one tensor after another (with `batch`: posted to it); the first one across an
+        undeclared boundary is preceded by its structure, shapes and dtypes (alone, with `batch`)."""
         tensors, is_tuple = self._tensors(value, boundary)
         if self.declared is not None:
             if is_tuple:
                 raise TypeError(f"virtual stage {boundary} returned a tuple, but this model declares one activation "
                                 f"of shape {self.declared} between stages")
             self._check(tensors[0], boundary, self.declared, self.dtype, "declared activation shape")
-            comm.send(tensors[0].detach().to(self.dtype).contiguous(), peer, self.group)
+            self._send(tensors[0].detach().to(self.dtype).contiguous(), peer, batch)
             return
         if boundary not in self.known:
             meta = _encode([(t.shape, t.dtype) for t in tensors], is_tuple, self.device)  # refuses before caching
             self.known[boundary] = (tuple((tuple(t.shape), t.dtype) for t in tensors), is_tuple)
-            comm.send(meta, peer, self.group)
+            self._send(meta, peer, batch, alone=True)
         else:
             metas, was_tuple = self.known[boundary]
             if was_tuple != is_tuple or len(metas) != len(tensors):
@@ -92,22 +152,27 @@ class PipeP2P:
             for t, (shape, dtype) in zip(tensors, metas):
                 self._check(t, boundary, shape, dtype, "first micro-batch's activation")
         for t in tensors:
-            comm.send(t.detach().contiguous(), peer, self.group)
+            self._send(t.detach().contiguous(), peer, batch)
 
-    def recv_activation(self, peer: int, boundary: int):
+    def recv_activation(self, peer: int, boundary: int, batch: P2PBatch | None = None):
         """Receive the activation crossing `boundary` from stage `peer` into new buffers: a tensor,
-        or a tuple when the sender sent one."""
+        or a tuple when the sender sent one (with `batch`: filled once it is flushed; a metadata
+        message is received alone, first)."""
         if self.declared is None and boundary not in self.known:
             meta = torch.empty(2 + MAX_TENSORS * ENTRY, dtype=torch.int64, device=self.device)
-            comm.recv(meta, peer, self.group)
+            if batch is None:
+                comm.recv(meta, peer, self.group)
+            else:
+                batch.alone("recv", meta, peer)
             self.known[boundary] = _decode(meta)
         metas, is_tuple = self._meta(boundary)
-        return _as_value([self._recv(peer, shape, dtype) for shape, dtype in metas], is_tuple)
+        return _as_value([self._recv(peer, shape, dtype, batch) for shape, dtype in metas], is_tuple)
 
     # -- gradients (upstream) ---------------------------------------------------------------------
-    def send_grad(self, grads, peer: int, boundary: int) -> None:
+    def send_grad(self, grads, peer: int, boundary: int, batch: P2PBatch | None = None) -> None:
         """Send back to stage `peer` the gradients of the floating-point tensors that crossed
-        `boundary`: a tensor when one tensor crossed it, else a tuple (possibly empty)."""
+        `boundary`: a tensor when one tensor crossed it, else a tuple (possibly empty); with
+        `batch`, posted to it."""
         floats = self._grad_metas(boundary)
         grads = tensors_of(grads) if grads is not None else ()
         if len(grads) != len(floats):
@@ -115,11 +180,12 @@ class PipeP2P:
                              f"{len(grads)} tensors for the {len(floats)} floating-point activations that crossed")
         for g, (shape, dtype) in zip(grads, floats):
             self._check(g, boundary, shape, None, "activation's shape", what="gradient")
-            comm.send(g.detach().to(dtype).contiguous(), peer, self.group)
+            self._send(g.detach().to(dtype).contiguous(), peer, batch)
 
-    def recv_grad(self, peer: int, boundary: int):
-        """Receive the gradients of the floating-point tensors this stage sent across `boundary`."""
-        grads = [self._recv(peer, shape, dtype) for shape, dtype in self._grad_metas(boundary)]
+    def recv_grad(self, peer: int, boundary: int, batch: P2PBatch | None = None):
+        """Receive the gradients of the floating-point tensors this stage sent across `boundary`
+        (with `batch`: filled once it is flushed)."""
+        grads = [self._recv(peer, shape, dtype, batch) for shape, dtype in self._grad_metas(boundary)]
         return _as_value(grads, self._meta(boundary)[1])
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -145,9 +211,20 @@ class PipeP2P:
     def _grad_metas(self, boundary: int):
         return [(shape, dtype) for shape, dtype in self._meta(boundary)[0] if dtype in FLOATING]
 
-    def _recv(self, peer: int, shape, dtype) -> torch.Tensor:
+    def _send(self, tensor: torch.Tensor, peer: int, batch: P2PBatch | None, alone: bool = False) -> None:
+        if batch is None:
+            comm.send(tensor, peer, self.group)
+        elif alone:
+            batch.alone("send", tensor, peer)
+        else:
+            batch.send(tensor, peer)
+
+    def _recv(self, peer: int, shape, dtype, batch: P2PBatch | None = None) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        comm.recv(buf, peer, self.group)
+        if batch is None:
+            comm.recv(buf, peer, self.group)
+        else:
+            batch.recv(buf, peer)
         return buf
 
     def _check(self, tensor, boundary, shape, dtype, agreed: str, what: str = "activation") -> None:

@@ -16,13 +16,16 @@ Every function takes a `GroupHandle` (built by `ParallelContext`) and records, i
 These are the figures docs/reference.md states (plain DP 2Ψ, ZeRO-3 3Ψ, TP 8·b·s·h·(t−1)/t),
 so tests and benchmarks can check volumes exactly. Groups of one rank are no-ops and record nothing.
 
-Point-to-point uses blocking `send`/`recv` (or single `isend`/`irecv`), never
-`batch_isend_irecv`, which can hang on gloo (pytorch#132644).
+Point-to-point uses blocking `send`/`recv` (or single `isend`/`irecv`) on gloo, never
+`batch_isend_irecv`, which can hang there (pytorch#132644). `batch_isend_irecv` is for NCCL
+(`backend` tells a group's backend): it counts each of its sends and receives as `send` and `recv`
+do, so the volumes are the same whichever path moved them.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -231,6 +234,55 @@ def irecv(tensor: torch.Tensor, src: int, group: GroupHandle):
     """Non-blocking single receive from group rank `src`; returns the work handle."""
     _record(group, "recv", tensor.numel(), tensor)
     return dist.irecv(tensor, src=group.global_rank(src), group=group.pg)
+
+
+@dataclass(frozen=True)
+class PeerOp:
+    """One side of a point-to-point transfer in a `batch_isend_irecv`: `kind` "send" of `tensor` to
+    group rank `peer`, or "recv" into `tensor` from it."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+
+    def __post_init__(self):
+        if self.kind not in ("send", "recv"):
+            raise ValueError(f"PeerOp kind {self.kind!r}: must be 'send' or 'recv'")
+
+
+def batch_isend_irecv(ops: Sequence[PeerOp], group: GroupHandle) -> list:
+    """Post every op of `ops` (sends and receives with members of `group`) as one batch (NCCL: one
+    group call) and return the work handles; wait on all of them before reading a receive buffer or
+    reusing a sent tensor. Ops between the same pair of ranks in the same direction pair up in list
+    order. Each op is counted as `send`/`recv` counts it. NCCL only: on gloo this can hang
+    (pytorch#132644), use `send`/`recv` there."""
+    if not ops:
+        return []
+    p2p_ops = []
+    for op in ops:
+        _record(group, op.kind, op.tensor.numel(), op.tensor)
+        fn, tensor = (dist.isend, op.tensor.contiguous()) if op.kind == "send" else (dist.irecv, op.tensor)
+        p2p_ops.append(dist.P2POp(fn, tensor, group.global_rank(op.peer), group.pg))
+    return dist.batch_isend_irecv(p2p_ops)
+
+
+def backend(group: GroupHandle, device: torch.device | str = "cpu") -> str | None:
+    """The name of the backend ("gloo", "nccl", ...) that carries `group`'s traffic on `device`'s
+    type; None for a group without a process group (one rank). A process group with a backend per
+    device type ("cpu:gloo,cuda:nccl") answers the one for `device`."""
+    if group.pg is None:
+        return None
+    name = str(dist.get_backend(group.pg))
+    return backend_for_device(name, torch.device(device).type)
+
+
+def backend_for_device(name: str, device_type: str) -> str | None:
+    """The backend of `device_type` in a process group's backend string: "nccl" is every device's,
+    "cpu:gloo,cuda:nccl" names one per device type (None when `device_type` has none)."""
+    if ":" not in name:
+        return name
+    per_device = dict(part.split(":", 1) for part in name.split(","))
+    return per_device.get(device_type)
 
 
 def all_gather_object(obj, group: GroupHandle) -> list:
