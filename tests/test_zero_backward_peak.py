@@ -11,8 +11,9 @@ above the resident set after forward. That rise is what backward allocates on to
 - stage 2 without overlap_comm: the fp32 gradient shard (4Ψ/Nd) exists before backward; backward adds
   ONE bucket being filled, autograd's gradient of one parameter and one reduce-scatter's working
   memory: each bucket is reduce-scattered into the shard and freed as soon as it is complete;
-- stage 2 with overlap_comm: the bucket being filled plus FlatGroup.MAX_INFLIGHT reductions in flight,
-  each holding its bucket and its reduce-scatter's working memory;
+- stage 2 with overlap_comm: the bucket being filled and autograd's gradient of one parameter, plus up to
+  FlatGroup.MAX_INFLIGHT reductions alive (the oldest is finished before another is launched), each
+  holding its reduce-scatter's working memory and, once it has landed, its output shard (bucket/Nd);
 - stage 3: stage 2's gradient terms plus the gathered weights of the layer being differentiated and
   of the prefetched next one (a bucket each) and one all-gather's working memory.
 
@@ -110,8 +111,9 @@ def test_peak_during_backward_is_the_formula(measured, stage, overlap):
         if stage <= 1:
             expected, grads_before = param, full_grads
         elif stage == 2:
-            in_flight = FlatGroup.MAX_INFLIGHT if overlap else 0  # launched reductions keep their buckets
-            expected, grads_before = bucket + param + rs + in_flight * (bucket + rs), full_grads // dp
+            # with overlap, MAX_INFLIGHT reductions alive while a bucket fills, each its rs and output shard
+            reductions = FlatGroup.MAX_INFLIGHT * (rs + bucket // dp) if overlap else rs
+            expected, grads_before = bucket + param + reductions, full_grads // dp
         else:
             expected, grads_before = bucket + param + rs + 2 * bucket + ag, full_grads // dp
         rise, grads = r["rise"]["backward"], r["states"]["grads"]
@@ -123,3 +125,44 @@ def test_peak_during_backward_is_the_formula(measured, stage, overlap):
         assert rise <= expected + SLACK, (rise, expected)
         if stage >= 2:
             assert rise >= bucket, (rise, bucket)  # the bucket really is allocated during backward
+
+
+def test_overlap_keeps_at_most_max_inflight_reductions_alive(monkeypatch):
+    """Pure (one process, a fake collective): asynchronous reductions finish the oldest BEFORE launching
+    the next, so at most FlatGroup.MAX_INFLIGHT are ever alive, each holding a copy of its bucket as
+    gloo does (the peak above counts that many), and every bucket still lands in the gradient shard."""
+    import torch
+
+    from megazero.runtime.comm import single_rank_group
+    from megazero.zero import flat_group as fg
+
+    alive, most = [], []
+
+    class Work:
+        def __init__(self, out, inp):
+            self.out, self.copy = out, inp.clone()  # what gloo's reduce-scatter holds until waited for
+
+        def wait(self):
+            self.out.copy_(self.copy)
+            alive.remove(self)
+
+    def reduce_scatter(out, inp, group, async_op=False):
+        work = Work(out, inp)
+        alive.append(work)
+        most.append(len(alive))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    monkeypatch.setattr(fg.comm, "reduce_scatter", reduce_scatter)
+    params = [torch.nn.Parameter(torch.zeros(8)) for _ in range(6)]
+    group = fg.FlatGroup("g", params, single_rank_group("dp"), 2, 8)  # stage 2, one parameter per bucket
+    assert len(group.layout.buckets) == len(params)
+    for i in range(len(params)):
+        group.grad_view(i).fill_(i + 1)
+        group.reduce_bucket(group.grad_done(i), async_op=True)
+    group.wait()
+    assert max(most) == fg.FlatGroup.MAX_INFLIGHT and not alive, most
+    for i in range(len(params)):
+        assert torch.equal(group.grad_owned[group.layout.bucket_of(i)], torch.full((8,), i + 1.0))

@@ -21,10 +21,16 @@ reduce_bucket_size; a bucket closes once it holds at least that many elements; a
 every layer), L = 4 × one layer's
 parameters, and the collectives' working memory RS (a reduce-scatter of a B-sized bucket) and AG (an
 all-gather into one), measured alone in the same rank (gloo copies through temporaries; NCCL would not).
+A reduction of a bucket holds R = RS + B/N until it is waited for: gloo's copy of the bucket (RS) and
+the output shard megazero allocates for it (B/N; RS is measured into a shard already resident), both
+alive when the result lands, before the shard is added into the gradient shard and freed. With
+overlap_comm (set here as DeepSpeed and megazero default it: at stage 3 only) up to
+`FlatGroup.MAX_INFLIGHT` = M reductions are alive while the next bucket fills (the oldest is finished
+before another is launched), else one.
 stage 0: max(G, AR) (backward, or the gradient all-reduce); stage 1: max(G, RS + B/N, AG); stage 2:
-max(B + G + RS, AG) (the bucket being filled and its reduction); stage 3: 2L + B + G + RS + AG (the
-layer being differentiated and the prefetched one, whose all-gather is in flight, the bucket being
-filled and its reduction).
+max(B + G + R, AG) (the bucket being filled and its reduction); stage 3: 2L + B + G + M·R + AG (the
+layer being differentiated and the prefetched one, whose all-gather is in flight, the bucket just
+filled, autograd's gradient still held by its hook, and the M previous buckets' reductions in flight).
 Check: the losses of the measured steps agree between the two (rel 1e-4) before a ratio is shown.
 """
 from __future__ import annotations
@@ -46,8 +52,15 @@ def layers(width: int, count: int, seed: int = 0) -> nn.Module:
 def config(stage: int, bucket: int) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "steps_per_print": 10 ** 9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+            "zero_optimization": {"stage": stage, "overlap_comm": overlaps(stage),
+                                  "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                                   "stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 10_000}}
+
+
+def overlaps(stage: int) -> bool:
+    """overlap_comm as DeepSpeed and megazero resolve it when unset (true at stage 3 only), made explicit
+    because the formula depends on it."""
+    return stage == 3
 
 
 def worker(framework: str, stage: int, width: int, count: int, bucket: int, steps: int):
@@ -129,10 +142,14 @@ def model_states(stage: int, psi: int, n: int) -> int:
 
 def formula(stage: int, psi: int, n: int, width: int, coll: dict) -> int:
     """Model states plus the step's working set at its highest moment (module docstring)."""
+    from megazero.zero.flat_group import FlatGroup
+
     g, bk, layer = 4 * width * width, coll["bucket_bytes"], 4 * (width * width + width)
     ar, rs, ag = coll["all_reduce"], coll["reduce_scatter"], coll["all_gather"]
-    work = {0: max(g, ar), 1: max(g, rs + bk // n, ag), 2: max(bk + g + rs, ag),
-            3: 2 * layer + bk + g + rs + ag}[stage]
+    reduction = rs + bk // n  # R: gloo's copy of the bucket and the output shard, alive until waited for
+    alive = FlatGroup.MAX_INFLIGHT if overlaps(stage) else 1  # M: reductions alive while the next bucket fills
+    work = {0: max(g, ar), 1: max(g, rs + bk // n, ag), 2: max(bk + g + alive * reduction, ag),
+            3: 2 * layer + bk + g + alive * reduction + ag}[stage]
     return model_states(stage, psi, n) + work
 
 

@@ -36,7 +36,7 @@ class FlatGroup:
     buckets, all-gather of updated (stages 1-2) or used (stage 3) parameter buckets.
     """
 
-    MAX_INFLIGHT = 2  # asynchronous gradient reductions launched and not yet waited for
+    MAX_INFLIGHT = 2  # asynchronous gradient reductions launched and not yet waited for, the newest included
 
     def __init__(self, name: str, params: list[torch.nn.Parameter], dp_group: GroupHandle, stage: int,
                  bucket_size: int, boundaries=(), shard_params: bool = False, offload: bool = False,
@@ -202,6 +202,14 @@ class FlatGroup:
         """Reduce bucket b's gradient over dp (averaged): all-reduce at stage 0, else reduce-scatter
         into this rank's owned slice. Stage 2-3 add into the shard accumulator and free the bucket."""
         n, bk = self.dp.size, self.layout.buckets[b]
+        if not self.full_grads and b not in self._bucket_grad:
+            return  # no parameter of this bucket got a gradient this micro-batch
+        # A launched reduction holds memory until it is waited for (gloo's reduce-scatter: its copy of
+        # the bucket, then the output shard; NCCL: its input). Finish the oldest BEFORE launching, so
+        # that at most MAX_INFLIGHT are alive at any time, this one included: overlapping then costs
+        # MAX_INFLIGHT - 1 reductions' memory, not one per bucket of the whole backward.
+        while len(self._inflight) >= self.MAX_INFLIGHT:
+            self._finish(*self._inflight.pop(0))
         if self.full_grads:
             full = self.grad_flat[bk.start:bk.end]
             full.div_(n)
@@ -213,9 +221,7 @@ class FlatGroup:
                 work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
                 self._inflight.append((work, b, tmp))
         else:
-            full = self._bucket_grad.pop(b, None)
-            if full is None:  # no parameter of this bucket got a gradient this micro-batch
-                return
+            full = self._bucket_grad.pop(b)
             full.div_(n)
             tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
             work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
@@ -223,11 +229,6 @@ class FlatGroup:
         self._launched.append(b)
         if not async_op:
             self.wait()
-        # A launched reduction keeps its input alive (at stages 2-3 a bucket-sized fp32 buffer) until
-        # it is waited for: finish the oldest beyond MAX_INFLIGHT so that overlapping costs a couple
-        # of buckets of memory, not one per bucket of the whole backward.
-        while len(self._inflight) > self.MAX_INFLIGHT:
-            self._finish(*self._inflight.pop(0))
 
     def launched(self) -> set[int]:
         """The buckets whose reduction was launched since the last `wait()` (finished or not)."""
