@@ -9,8 +9,9 @@ above the resident set after forward. That rise is what backward allocates on to
 - stages 0-1: the full fp32 gradient buffer (4Ψ) exists before backward; backward adds only autograd's
   own gradient of one parameter, alive until its hook has added it into the buffer;
 - stage 2 without overlap_comm: the fp32 gradient shard (4Ψ/Nd) exists before backward; backward adds
-  ONE bucket being filled, autograd's gradient of one parameter and one reduce-scatter's working
-  memory: each bucket is reduce-scattered into the shard and freed as soon as it is complete;
+  ONE bucket being filled and either autograd's gradient of one parameter (while the hook adds it) or
+  one reduce-scatter's working memory (the hook drops autograd's gradient before the bucket's
+  reduction launches): each bucket is reduce-scattered into the shard and freed as soon as it is complete;
 - stage 2 with overlap_comm: the bucket being filled and autograd's gradient of one parameter, plus up to
   FlatGroup.MAX_INFLIGHT reductions alive (the oldest is finished before another is launched), each
   holding its reduce-scatter's working memory and, once it has landed, its output shard (bucket/Nd);
@@ -112,10 +113,11 @@ def test_peak_during_backward_is_the_formula(measured, stage, overlap):
             expected, grads_before = param, full_grads
         elif stage == 2:
             # with overlap, MAX_INFLIGHT reductions alive while a bucket fills, each its rs and output shard
-            reductions = FlatGroup.MAX_INFLIGHT * (rs + bucket // dp) if overlap else rs
-            expected, grads_before = bucket + param + reductions, full_grads // dp
+            # without: autograd's gradient is dropped before its bucket's reduction launches
+            working = param + FlatGroup.MAX_INFLIGHT * (rs + bucket // dp) if overlap else max(param, rs)
+            expected, grads_before = bucket + working, full_grads // dp
         else:
-            expected, grads_before = bucket + param + rs + 2 * bucket + ag, full_grads // dp
+            expected, grads_before = bucket + max(param, rs) + 2 * bucket + ag, full_grads // dp
         rise, grads = r["rise"]["backward"], r["states"]["grads"]
         print(f"stage {stage} overlap {overlap} rank {rank}: grads held before backward {grads / 2**20:.2f} MiB "
               f"(formula {grads_before / 2**20:.2f}); backward's rise {rise / 2**20:.2f} MiB "

@@ -28,7 +28,8 @@ overlap_comm (set here as DeepSpeed and megazero default it: at stage 3 only) up
 `FlatGroup.MAX_INFLIGHT` = M reductions are alive while the next bucket fills (the oldest is finished
 before another is launched), else one.
 stage 0: max(G, AR) (backward, or the gradient all-reduce); stage 1: max(G, RS + B/N, AG); stage 2:
-max(B + G + R, AG) (the bucket being filled and its reduction); stage 3: 2L + B + G + M·R + AG (the
+max(B + max(G, R), AG) without overlap (the bucket being filled, then its reduction: the hook drops
+autograd's gradient before the reduction launches), B + G + M·R with it; stage 3: 2L + B + G + M·R + AG (the
 layer being differentiated and the prefetched one, whose all-gather is in flight, the bucket just
 filled, autograd's gradient still held by its hook, and the M previous buckets' reductions in flight).
 Check: the losses of the measured steps agree between the two (rel 1e-4) before a ratio is shown.
@@ -148,7 +149,7 @@ def formula(stage: int, psi: int, n: int, width: int, coll: dict) -> int:
     ar, rs, ag = coll["all_reduce"], coll["reduce_scatter"], coll["all_gather"]
     reduction = rs + bk // n  # R: gloo's copy of the bucket and the output shard, alive until waited for
     alive = FlatGroup.MAX_INFLIGHT if overlaps(stage) else 1  # M: reductions alive while the next bucket fills
-    work = {0: max(g, ar), 1: max(g, rs + bk // n, ag), 2: max(bk + g + alive * reduction, ag),
+    work = {0: max(g, ar), 1: max(g, rs + bk // n, ag), 2: max(bk + (g + alive * reduction if overlaps(2) else max(g, reduction)), ag),
             3: 2 * layer + bk + g + alive * reduction + ag}[stage]
     return model_states(stage, psi, n) + work
 

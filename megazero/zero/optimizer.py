@@ -195,9 +195,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Tell stages 0-1 whether the coming backward is the step's last (overlap launches then)."""
         self.last_microbatch = last
 
+    @torch.no_grad()
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        """Autograd's hook: add p.grad into its slot and drop it before the bucket's reduction
+        launches (so the peak does not hold autograd's gradient and the reduction at once)."""
         grad, p.grad = p.grad, None
-        self.accumulate_grad(p, grad)
+        group, i = self._where[id(p)]
+        group.grad_view(i).view(group.shapes[i]).add_(grad.reshape(group.shapes[i]))
+        del grad
+        self._grad_finished(group, i)
 
     def accumulate_grad(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Add one micro-batch's gradient of `p` (what autograd's hook does) and launch the bucket's
@@ -212,6 +218,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with history must not make the flat buffers part of a graph."""
         group, i = self._where[id(p)]
         add_into(group.grad_view(i).view(group.shapes[i]))
+        self._grad_finished(group, i)
+
+    def _grad_finished(self, group: FlatGroup, i: int) -> None:
+        """Parameter i of `group` has its micro-batch gradient in its slot: launch its bucket's
+        reduction if the bucket is complete."""
         done = group.grad_done(i)
         if done is None:
             return
