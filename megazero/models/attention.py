@@ -40,8 +40,8 @@ from torch import nn
 from megazero.runtime import kernels
 from megazero.models.common import LayerContext
 from megazero.models.rope import RopeTables, apply_rope
-from megazero.tensor_parallel import TP_STREAM, ColumnParallelLinear, Dropout, RowParallelLinear, ShardInfo
-from megazero.tensor_parallel.mappings import enter_column_region
+from megazero.tensor_parallel import (TP_STREAM, ColumnParallelLinear, Dropout, RowParallelLinear, ShardInfo,
+                                      column_parallel_region)
 
 
 def alibi_slopes(heads: int) -> list[float]:
@@ -103,13 +103,13 @@ class SelfAttention(nn.Module):
         self.core_checkpoint = lctx.attention_core(f"{p}.core") if lctx.attention_core is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (s, b, h): one f (or sequence all-gather) for q, k, v; under sequence parallelism the
-        # three GEMMs keep only the shard and gather it again in backward
-        x, rg = enter_column_region(x, self.tp_group, self.sequence_parallel, 3)
+        # (s, b, h): one column-parallel region for q, k, v: one f (or sequence all-gather) forward,
+        # one all-reduce (reduce-scatter) backward, in flight while their weight-gradient GEMMs run
+        q, k, v = column_parallel_region(x, (self.q, self.k, self.v))  # (s, b, ·/t) each
         d = self.head_dim
-        q = rearrange(self.q(x, rg), "s b (n d) -> b n s d", d=d)  # (b, a/t, s, d)
-        k = rearrange(self.k(x, rg), "s b (n d) -> b n s d", d=d)  # (b, kv/t, s, d)
-        v = rearrange(self.v(x, rg), "s b (n d) -> b n s d", d=d)
+        q = rearrange(q, "s b (n d) -> b n s d", d=d)  # (b, a/t, s, d)
+        k = rearrange(k, "s b (n d) -> b n s d", d=d)  # (b, kv/t, s, d)
+        v = rearrange(v, "s b (n d) -> b n s d", d=d)
         if self.rope is not None:
             cos, sin = self.rope.get(q.shape[2], q.device, q.dtype)  # (s, d)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

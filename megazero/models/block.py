@@ -16,8 +16,7 @@ from torch import nn
 
 from megazero.models.attention import SelfAttention
 from megazero.models.common import LayerContext, Norm
-from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megazero.tensor_parallel.mappings import enter_column_region
+from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear, column_parallel_region
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -52,12 +51,13 @@ class MLP(nn.Module):
         self.dropout = lctx.hidden_dropout(f"{p}.dropout", spec.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (s, b, h): one f (or sequence all-gather) for the MLP; see SelfAttention.forward
-        x, rg = enter_column_region(x, self.tp_group, self.sequence_parallel, 2 if self.activation == "swiglu" else 1)
+        # (s, b, h): one column-parallel region for the MLP; see SelfAttention.forward
         if self.activation == "swiglu":
-            y = self.down(F.silu(self.gate(x, rg)) * self.up(x, rg))  # inner (s, b, ffn/t)
+            gate, up = column_parallel_region(x, (self.gate, self.up))  # (s, b, ffn/t) each
+            y = self.down(F.silu(gate) * up)
         else:
-            y = self.fc2(_ACTIVATIONS[self.activation](self.fc1(x, rg)))
+            (inner,) = column_parallel_region(x, (self.fc1,))  # (s, b, ffn/t)
+            y = self.fc2(_ACTIVATIONS[self.activation](inner))
         return self.dropout(y)
 
 

@@ -4,7 +4,8 @@ Every function and layer receives its TP group (a `megazero.runtime.comm.GroupHa
 """
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.init import make_param, padded_size, stable_seed
-from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megazero.tensor_parallel.layers import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_region)
 from megazero.tensor_parallel.mappings import (
     copy_to_tp_region, enter_tp_region, exit_tp_region, gather_from_sequence_parallel_region,
     gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
@@ -16,7 +17,8 @@ from megazero.tensor_parallel.random import (
     REPLICATED_STREAM, TP_STREAM, Dropout, LogicalMaskFn, RNGStatesTracker, ShardInfo, set_dropout_mask_fn)
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_region",
+    "vocab_parallel_cross_entropy",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "enter_tp_region", "exit_tp_region",

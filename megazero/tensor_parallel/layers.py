@@ -17,6 +17,7 @@ from torch import nn
 
 from megazero.runtime.comm import GroupHandle
 from megazero.tensor_parallel import mappings
+from megazero.tensor_parallel.column_region import column_region
 from megazero.tensor_parallel.init import local_size, make_param, padded_size
 from megazero.tensor_parallel.weight_grad import WeightGradStore, linear
 
@@ -27,9 +28,11 @@ class ColumnParallelLinear(nn.Module):
 
     Communication over `tp_group`: entering the region, f (identity forward, all-reduce of the input
     gradient backward) or, with `sequence_parallel`, an all-gather of the sequence forward and a
-    reduce-scatter backward; none when ``comm_input=False`` (the caller already entered the region
-    with `mappings.enter_tp_region`, e.g. to share one f among q, k and v). With `gather_output` the
-    output is all-gathered along the last dim (forward) and split (backward).
+    reduce-scatter backward, the backward reduction overlapped with the weight-gradient GEMM
+    (`column_parallel_region`); none when ``comm_input=False`` (the caller already entered the region
+    with `mappings.enter_column_region`; `column_parallel_region` is the overlapped way to share one
+    region among q, k and v). With `gather_output` the output is all-gathered along the last dim
+    (forward) and split (backward).
 
     Shapes: input (..., in_features) [(seq/t, b, in) under sequence parallelism];
     output (..., out_features/t), or (..., out_features) with gather_output.
@@ -55,16 +58,46 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, regather=None) -> torch.Tensor:
         """`regather`: the region's handle from `mappings.enter_column_region` (then x is the
         already gathered input, and only the shard is kept for backward)."""
-        if self.comm_input:
-            x, regather = mappings.enter_column_region(x, self.tp_group, self.sequence_parallel, 1)
+        if self.comm_input and self.tp_group.size > 1:
+            return column_parallel_region(x, (self,))[0]
         y = linear(x, self.weight, self.bias, self.wgrad_store, regather)  # (..., out/t)
-        if self.gather_output:
-            y = mappings.gather_from_tp_region(y, self.tp_group)  # (..., out)
-        return y
+        return mappings.gather_from_tp_region(y, self.tp_group) if self.gather_output else y  # (..., out)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_group.size}, "
                 f"sequence_parallel={self.sequence_parallel}, gather_output={self.gather_output}")
+
+
+def column_parallel_region(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    """The outputs of the column-parallel `linears` of ONE region on the same input x: q, k and v (or
+    gate and up) enter the region once. They must share tp_group, sequence_parallel and wgrad_store;
+    their own comm_input is not used.
+
+    Communication over that tp_group: forward, none (f) or, with sequence parallelism, one all-gather
+    of the sequence; backward, one all-reduce (one reduce-scatter) of the input gradient summed over
+    the linears, in flight while their weight-gradient GEMMs run (`column_region.column_region`);
+    then each output with `gather_output` is all-gathered along the last dim.
+
+    With one TP rank each linear is called as a module (nothing to overlap; hooks on it, such as
+    ZeRO-3's per-module gathering under ModuleEngine, run as usual). With more, the region is one
+    autograd node that reads every linear's parameters: the linears' own module hooks do not run, so
+    a hook that must see them belongs on an enclosing module (PipelineModule's ZeRO-3 units are layers).
+
+    Shapes: x (s, b, in) [(s/t, b, in) under sequence parallelism]; output i (s, b, out_i/t), or
+    (s, b, out_i) with gather_output.
+    """
+    first = linears[0]
+    for lin in linears[1:]:
+        if (lin.tp_group is not first.tp_group or lin.sequence_parallel != first.sequence_parallel
+                or lin.wgrad_store is not first.wgrad_store):
+            raise ValueError("column_parallel_region: the linears of one region must share tp_group, "
+                             "sequence_parallel and wgrad_store")
+    if first.tp_group.size == 1:
+        return tuple(lin(x) for lin in linears)
+    ys = column_region(x, [lin.weight for lin in linears], [lin.bias for lin in linears], first.tp_group,
+                       first.sequence_parallel, first.wgrad_store)  # (s, b, out_i/t) each
+    return tuple(mappings.gather_from_tp_region(y, lin.tp_group) if lin.gather_output else y
+                 for y, lin in zip(ys, linears))
 
 
 class RowParallelLinear(nn.Module):

@@ -202,7 +202,11 @@ def enter_column_region(x: torch.Tensor, group: GroupHandle, sequence_parallel: 
                         regather: bool = True):
     """`enter_tp_region` for a region of `uses` column-parallel GEMMs; returns (input, handle). With
     sequence parallelism and `regather`, the handle lets the GEMMs save only this rank's shard and
-    all-gather it again in backward (see `weight_grad.Regather`); otherwise the handle is None."""
+    all-gather it again in backward (see `weight_grad.Regather`); otherwise the handle is None.
+
+    The entry is its own autograd node, so its backward reduction starts only after the GEMMs' whole
+    backward; `layers.column_parallel_region` does the same communication overlapped with their
+    weight-gradient GEMMs."""
     from megazero.tensor_parallel.weight_grad import Regather
 
     full = enter_tp_region(x, group, sequence_parallel)

@@ -98,7 +98,8 @@ class Regather:
 
 class _Linear(torch.autograd.Function):
     """y = x·Wᵀ (+ b). Backward defers gW to `store` while it is deferring; with `regather`, x is
-    not saved: the region's shard is, and x is gathered again for gW."""
+    not saved: the region's shard is, and x is gathered again for gW. Under autocast backward's
+    GEMMs run under forward's autocast (as F.linear's would)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, store, regather):
@@ -107,6 +108,7 @@ class _Linear(torch.autograd.Function):
         # parameter it accumulates into
         ctx.save_for_backward(regather.shard if regather is not None else x)
         ctx.weight, ctx.has_bias, ctx.store, ctx.regather = weight, bias is not None, store, regather
+        ctx.autocast = autocast_dtype(x)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -114,19 +116,34 @@ class _Linear(torch.autograd.Function):
         (saved,), weight = ctx.saved_tensors, ctx.weight
         needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]  # a frozen weight gets no GEMM and no entry
         x = ctx.regather.full(saved) if ctx.regather is not None else saved  # (..., in)
-        gx = gy.matmul(weight) if needs_x else None  # (..., in)
-        gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias and needs_b else None
-        gw = None
-        if needs_w and ctx.store is not None and ctx.store.deferring:
-            ctx.store.push(weight, x, gy)
-        elif needs_w:
-            gw = gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-        return gx, gw, gb, None, None
+        with autocast_like(saved, ctx.autocast):
+            gx = gy.matmul(weight) if needs_x else None  # (..., in)
+            gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias and needs_b else None
+            gw = None
+            if needs_w and ctx.store is not None and ctx.store.deferring:
+                ctx.store.push(weight, x, gy)
+            elif needs_w:
+                gw = gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return gx, gw, gb, None, None  # autograd casts each gradient to its input's dtype
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast casts GEMMs to on `x`'s device type, or None when autocast is off there."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def autocast_like(x: torch.Tensor, dtype: torch.dtype | None):
+    """Autocast to `dtype` on `x`'s device type (a backward redoing forward's autocast), or nothing."""
+    return torch.autocast(x.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def linear(x, weight, bias=None, store: WeightGradStore | None = None, regather: Regather | None = None):
     """F.linear, or its twin when a store is attached (zero bubble) or the input is re-gathered in
-    backward (sequence parallelism)."""
+    backward (sequence parallelism). Under autocast a store is ignored (autocast casts inside the GEMM,
+    so W's entries would mix dtypes): the weight GEMM runs in B."""
+    if autocast_dtype(x) is not None:
+        store = None
     if store is None and regather is None:
         return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias, store, regather)
@@ -146,7 +163,5 @@ def defer_linears(module: torch.nn.Module, store: WeightGradStore) -> int:
 
 def _store_linear_forward(store: WeightGradStore):
     def forward(self, x):
-        if torch.is_autocast_enabled(x.device.type):  # autocast casts inside F.linear only: not deferred
-            return F.linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias, store)
+        return linear(x, self.weight, self.bias, store)  # under autocast torch's own F.linear: not deferred
     return forward
