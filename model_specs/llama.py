@@ -2,6 +2,14 @@
 (kv_heads < heads), no biases, untied output head.
 
 Load with `megazero.core.spec.load_spec("model_specs/llama.py:<flavor>", overrides)`.
+
+Any other Llama is a flavor plus ``key=value`` overrides (every ModelSpec field can be given), e.g.
+Llama-3 405B from the debug flavor:
+
+    model_specs/llama.py:debug layers=126 hidden=16384 heads=128 kv_heads=8 ffn_hidden=53248 vocab=128256 seq_len=8192 rope_theta=500000
+
+Published sizes, counted by `megazero.models.count_params` on the meta device (tests/test_model_specs_100b.py):
+llama3-8b 8,030,261,248, llama3-70b 70,553,706,496, llama3-405b 405,853,388,800 (from their configs).
 """
 from megazero.core.spec import ModelSpec
 

@@ -41,7 +41,9 @@ class ModelSpec:
     family: ``gpt`` (LayerNorm, GeLU MLP, learned positions or ALiBi, biases, tied embeddings) or
     ``llama`` (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied head); the
     individual fields below decide, the family only supplies defaults in the spec files.
-    kv_heads None = heads; ffn_hidden None = 4·hidden.
+    kv_heads None = heads; ffn_hidden None = 4·hidden. embedding_norm: a norm (of kind `norm`,
+    logical name ``embedding.norm``) on the embedding output, before the blocks, as BLOOM's
+    ``word_embeddings_layernorm``.
     """
 
     family: str = "gpt"
@@ -57,6 +59,7 @@ class ModelSpec:
     position: str = "learned"
     tie_embeddings: bool = True
     bias: bool = True
+    embedding_norm: bool = False
     dropout: float = 0.0
     attention_dropout: float = 0.0
     eps: float = 1e-5

@@ -3,7 +3,9 @@
 `EmbeddingLayer`: tokens (b, s) -> hidden (s, b, h) [(s/t, b, h) under sequence parallelism].
 Vocabulary-parallel word embedding (one all-reduce over the TP group forward, or a reduce-scatter
 along the sequence under sequence parallelism), plus learned positions (``position='learned'``),
-then hidden dropout (site ``embedding.dropout``).
+then, with ``spec.embedding_norm``, a norm (``embedding.norm``; BLOOM's word_embeddings_layernorm, on
+the sequence shard under sequence parallelism, like the blocks' norms), then hidden dropout (site
+``embedding.dropout``).
 
 `HeadLayer`: hidden -> vocabulary-parallel logits (s, b, Vp/t) of the padded vocabulary Vp. Final
 norm, then one entry into the TP region (f, or the sequence all-gather), then the local GEMM with
@@ -41,6 +43,7 @@ class EmbeddingLayer(nn.Module):
         self.position = None
         if spec.position == "learned":
             self.position = lctx.replicated_param((spec.seq_len, spec.hidden), "embedding.position.weight", "normal")
+        self.norm = Norm(lctx, "embedding.norm") if spec.embedding_norm else None
         self.dropout = lctx.hidden_dropout("embedding.dropout", spec.dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -54,6 +57,8 @@ class EmbeddingLayer(nn.Module):
             if self.sequence_parallel and self.tp_group.size > 1:
                 pos = pos.chunk(self.tp_group.size, dim=0)[self.tp_group.rank]  # (s/t, h)
             h = h + pos.unsqueeze(1)
+        if self.norm is not None:
+            h = self.norm(h)  # (s, b, h) or (s/t, b, h): replicated params, sequence_parallel-marked
         return self.dropout(h)
 
 

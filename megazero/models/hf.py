@@ -85,6 +85,7 @@ def hf_config_dict(spec: ModelSpec) -> dict:
         need("tie_embeddings", spec.tie_embeddings, "True")
         need("bias", spec.bias, "True")
         need("kv_heads", spec.num_kv_heads == spec.heads, f"None or {spec.heads}")
+        need("embedding_norm", not spec.embedding_norm, "False")
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": spec.layers,
                 "n_embd": spec.hidden, "n_head": spec.heads, "n_inner": spec.ffn, "vocab_size": spec.vocab,
                 "n_positions": spec.seq_len, "activation_function": acts[spec.activation],
@@ -97,6 +98,7 @@ def hf_config_dict(spec: ModelSpec) -> dict:
     need("activation", spec.activation == "swiglu", "swiglu")
     need("position", spec.position == "rope", "rope")
     need("dropout", spec.dropout == 0.0, "0.0")
+    need("embedding_norm", not spec.embedding_norm, "False")
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec.hidden,
             "intermediate_size": spec.ffn, "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
             "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "vocab_size": spec.vocab,
@@ -156,8 +158,15 @@ def _gpt2_pairs(spec: ModelSpec) -> list[tuple[str, str, bool]]:
     return pairs
 
 
+def _check_mappable(spec: ModelSpec) -> None:
+    """GPT-2 and Llama have no embedding norm (BLOOM's word_embeddings_layernorm is not mapped)."""
+    if spec.embedding_norm:
+        raise SpecError("embedding_norm=True has no Hugging Face GPT-2 or Llama equivalent; valid: False")
+
+
 def hf_export_plan(spec: ModelSpec) -> Plan:
     """{HF key: ([megazero logical names], make)} of the whole HF state dict (tied lm_head included)."""
+    _check_mappable(spec)
     if spec.family == "llama":
         plan = {theirs: ([ours], _SAME) for ours, theirs in _llama_names(spec).items()}
         if spec.tie_embeddings:
@@ -174,6 +183,7 @@ def hf_export_plan(spec: ModelSpec) -> Plan:
 
 def hf_import_plan(spec: ModelSpec) -> Plan:
     """{megazero logical name: ([HF keys], make)}: the inverse of `hf_export_plan`."""
+    _check_mappable(spec)
     if spec.family == "llama":
         return {ours: ([theirs], _SAME) for ours, theirs in _llama_names(spec).items()}
     plan = {ours: ([theirs], _T if transposed else _SAME) for ours, theirs, transposed in _gpt2_pairs(spec)}

@@ -17,6 +17,7 @@ from megazero.core.spec import ModelSpec
 from megazero.models.embedding import EmbeddingLayer, HeadLayer
 from megazero.models.lm import causal_lm_loss, layer_builders
 from megazero.pipeline.pipeline_module import LayerSpec, PipelineModule
+from megazero.runtime.comm import single_rank_group
 from megazero.tensor_parallel import RNGStatesTracker
 
 LAYER_TYPES = {"embedding": "EmbeddingLayer", "block": "TransformerBlock", "head": "HeadLayer"}
@@ -25,7 +26,7 @@ LAYER_TYPES = {"embedding": "EmbeddingLayer", "block": "TransformerBlock", "head
 def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_parallel: bool = False,
                          dtype: torch.dtype = torch.float32, partition="uniform", chunks: int = 1,
                          label_smoothing: float = 0.0, device=None, wrap_block=None,
-                         activation_checkpointer=None, wgrad_store=None) -> PipelineModule:
+                         activation_checkpointer=None, wgrad_store=None, layer_infos=None) -> PipelineModule:
     """This rank's PipelineModule for `spec` on the groups of ParallelContext `pctx` (tp_group for
     the layers, the pipeline coordinates for the partition). `wrap_block(module) -> module` may wrap
     each transformer block. `activation_checkpointer` (a
@@ -34,7 +35,9 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
     `megazero.tensor_parallel.weight_grad.WeightGradStore`) is given to every linear layer, for
     schedules that split backward into B and W. `partition`: a `megazero.core.partition` method name,
     or the number of transformer blocks of each virtual stage (as ``pipeline.partition`` in a config;
-    the embedding joins the first stage, the head the last)."""
+    the embedding joins the first stage, the head the last). `layer_infos`: `pipeline_layer_infos(spec)`
+    computed once, for callers that build many ranks of one model (megazero.run.model_facts); by
+    default each call computes it (one meta-device build of every layer)."""
     attention_core = None
     if activation_checkpointer is not None:
         if wrap_block is not None:
@@ -48,7 +51,7 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
     layers = [LayerSpec(_wrap, b, device, wrap_block if b.kind == "block" else None) for b in builders]
     if isinstance(partition, (list, tuple)):
         partition = block_counts_to_layer_counts(partition, [b.kind for b in builders])
-    infos = [LayerInfo(LAYER_TYPES[b.kind], b.num_params(), float(_flops_per_token(spec, b.kind))) for b in builders]
+    infos = list(layer_infos) if layer_infos is not None else pipeline_layer_infos(spec, builders)
     tp_group, tp_size = pctx.tp_group, pctx.tp_size
 
     def loss_fn(logits, labels):
@@ -68,6 +71,15 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
         if emb and head:
             head[0].weight = emb[0].word.weight  # one parameter; both uses' gradients are summed
     return model
+
+
+def pipeline_layer_infos(spec: ModelSpec, builders=None) -> list[LayerInfo]:
+    """What the partition balances, one `LayerInfo` per pipeline layer (embedding, blocks, head): type
+    name, logical parameters (built on the meta device; the same for every TP size) and FLOPs per
+    token. `builders` default to `layer_builders(spec)` on one TP rank."""
+    if builders is None:
+        builders = layer_builders(spec, single_rank_group("tp"))
+    return [LayerInfo(LAYER_TYPES[b.kind], b.num_params(), float(_flops_per_token(spec, b.kind))) for b in builders]
 
 
 def _wrap(builder, device, wrap_block):
