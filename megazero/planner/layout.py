@@ -1,0 +1,125 @@
+"""`Layout`: one way to run a model on a cluster, and its checks against the model and the batch.
+
+Pure data; `check(spec)` raises `PlanError` with one clear line per problem (a layout that does not
+divide the model or the batch), before anything is built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megazero.core.instructions import ScheduleError
+from megazero.core.schedules import check_sizes
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+class PlanError(ValueError):
+    """A layout, hardware or model the planner cannot plan; the message names the argument."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """tp x pp x dp ranks; each step is `global_batch` sequences in micro-batches of `micro_batch`.
+
+    zero: the ZeRO stage over dp (0-3); recompute: activation recompute policy (none | selective:
+    the attention core | full: every transformer block from its input); schedule: a pipeline
+    schedule, `chunks` model chunks per stage for the interleaved one; sequence_parallel: norms and
+    dropout on sequence shards of the TP group (Korthikanti et al.); offload_optimizer: fp32 master
+    and Adam moments in host memory; offload_param: stage-3 parameter shards in host memory. Bucket
+    sizes in elements, as the ``zero.*`` config keys.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1
+    zero: int = 1
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    chunks: int = 1
+    sequence_parallel: bool = False
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    precision: str = "bf16"
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    prefetch_bucket_size: int = 50_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default, on at stage 3 only
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per pipeline flush on each data-parallel rank."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.pp * self.chunks
+
+    @property
+    def overlaps(self) -> bool:
+        return self.zero == 3 if self.overlap_comm is None else self.overlap_comm
+
+    def replace(self, **changes) -> "Layout":
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line: tp2 pp4 dp8 mb1 zero1 recompute=selective 1f1b."""
+        sched = f"interleaved:{self.chunks}" if self.schedule == "interleaved" else self.schedule
+        extras = [x for x, on in (("sp", self.sequence_parallel), ("offload-opt", self.offload_optimizer),
+                                  ("offload-param", self.offload_param)) if on]
+        return " ".join([f"tp{self.tp} pp{self.pp} dp{self.dp} mb{self.micro_batch} zero{self.zero}",
+                         f"recompute={self.recompute} {sched}"] + extras)
+
+    def problems(self, spec) -> list[str]:
+        """Every reason this layout cannot run `spec` (a `megazero.core.spec.ModelSpec`), one line each."""
+        errs = []
+        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "chunks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                errs.append(f"{name}={v!r} must be a positive integer")
+        if errs:
+            return errs
+        if self.zero not in (0, 1, 2, 3):
+            errs.append(f"zero={self.zero!r} must be 0, 1, 2 or 3")
+        if self.recompute not in RECOMPUTE:
+            errs.append(f"recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if self.schedule not in SCHEDULES:
+            errs.append(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)} (interleaved:V for V chunks)")
+        if self.precision not in PRECISIONS:
+            errs.append(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.offload_param and self.zero != 3:
+            errs.append("offload_param needs zero=3")
+        if self.offload_optimizer and self.zero == 0:
+            errs.append("offload_optimizer needs zero 1, 2 or 3")
+        if spec.heads % self.tp:
+            errs.append(f"tp={self.tp} does not divide heads={spec.heads}")
+        elif spec.num_kv_heads % self.tp:
+            errs.append(f"tp={self.tp} does not divide kv_heads={spec.num_kv_heads}")
+        if spec.ffn % self.tp:
+            errs.append(f"tp={self.tp} does not divide ffn_hidden={spec.ffn}")
+        if spec.layers % self.virtual_stages:
+            errs.append(f"pp x chunks = {self.pp} x {self.chunks} does not divide layers={spec.layers}")
+        if self.sequence_parallel and spec.seq_len % self.tp:
+            errs.append(f"sequence_parallel needs seq_len={spec.seq_len} divisible by tp={self.tp}")
+        if self.global_batch % (self.micro_batch * self.dp):
+            errs.append(f"global_batch={self.global_batch} is not divisible by micro_batch x dp = "
+                        f"{self.micro_batch} x {self.dp}")
+        elif self.schedule in SCHEDULES:
+            try:
+                check_sizes(self.schedule, self.pp, self.num_microbatches, self.chunks)
+            except ScheduleError as err:
+                errs.append(str(err))
+        return errs
+
+    def check(self, spec) -> None:
+        """Raise `PlanError` with every problem of `problems(spec)`, one per line."""
+        errs = self.problems(spec)
+        if errs:
+            raise PlanError(f"layout {self.describe()}: " + "; ".join(errs))

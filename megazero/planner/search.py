@@ -1,0 +1,102 @@
+"""`--search`: every layout of a model on N GPUs and a global batch, ranked by predicted throughput.
+
+`candidates` generates the layouts (nothing hand-picked): tp over the divisors of the GPUs per node
+that divide the heads, KV heads and FFN (TP stays inside a node: its collectives are on the critical
+path), pp over the divisors of the layers with tp x pp dividing the GPUs, dp the rest; micro-batches
+of 1, 2, 4, 8 that divide the batch per dp rank; ZeRO 0-3 (one stage when dp = 1: nothing to shard);
+recompute none / selective / full; the schedules 1F1B, GPipe, ZB-H1 and interleaved with 2 or 4
+chunks where the layers divide; sequence parallelism whenever tp > 1 (it only saves memory and
+replaces each all-reduce by a reduce-scatter plus an all-gather of the same volume); offload of the
+optimizer (and at ZeRO-3 of the parameters) as a last resort, only when asked (``offload=True``).
+Fixed choices (e.g. ``tp=8``) restrict the generation. `rank` keeps the layouts that fit, fastest
+first, and says for each rejected one why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from megazero.planner.layout import Layout
+
+MICRO_BATCHES = (1, 2, 4, 8)
+CHUNKS = (2, 4)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(spec, gpus: int, global_batch: int, gpus_per_node: int, fixed: dict | None = None,
+               offload: bool = False, precision: str = "bf16") -> Iterator[Layout]:
+    """Every layout of `spec` on `gpus` GPUs for `global_batch` that `Layout.problems` accepts, with
+    the choices in `fixed` (Layout field -> value) held."""
+    fixed = dict(fixed or {})
+
+    def options(name, values):
+        return [fixed[name]] if name in fixed else list(values)
+
+    tps = options("tp", [t for t in _divisors(gpus_per_node) if gpus % t == 0])
+    for tp in tps:
+        for pp in options("pp", [p for p in _divisors(spec.layers) if gpus % (tp * p) == 0]):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if "dp" in fixed and fixed["dp"] != dp:
+                continue
+            for mb in options("micro_batch", MICRO_BATCHES):
+                if global_batch % (mb * dp):
+                    continue
+                for zero in options("zero", (0, 1, 2, 3) if dp > 1 else (1,)):
+                    for recompute in options("recompute", ("none", "selective", "full")):
+                        for schedule, chunks in _schedules(spec, pp, fixed):
+                            for sp in options("sequence_parallel", (tp > 1,)):
+                                for off_opt, off_param in _offloads(zero, offload, fixed):
+                                    layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, global_batch=global_batch,
+                                                    zero=zero, recompute=recompute, schedule=schedule,
+                                                    chunks=chunks, sequence_parallel=sp,
+                                                    offload_optimizer=off_opt, offload_param=off_param,
+                                                    precision=fixed.get("precision", precision))
+                                    if not layout.problems(spec):
+                                        yield layout
+
+
+def _schedules(spec, pp: int, fixed: dict):
+    if "schedule" in fixed:
+        yield fixed["schedule"], fixed.get("chunks", 1)
+        return
+    if pp == 1:
+        yield "1f1b", 1  # one stage: every schedule is the same
+        return
+    yield from (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1))
+    for v in CHUNKS:
+        if spec.layers % (pp * v) == 0:
+            yield "interleaved", v
+
+
+def _offloads(zero: int, offload: bool, fixed: dict):
+    if "offload_optimizer" in fixed or "offload_param" in fixed:
+        yield fixed.get("offload_optimizer", False), fixed.get("offload_param", False)
+        return
+    yield False, False
+    if offload and zero >= 1:
+        yield True, False
+        if zero == 3:
+            yield True, True
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """The outcome of a search: `fits` fastest first, `rejected` as (layout, why) pairs."""
+
+    fits: list
+    rejected: list
+
+
+def rank(plans: list, fits: Callable[[object], str | None], throughput: Callable[[object], float]) -> Ranked:
+    """`plans` split by `fits(plan)` (None: it fits, else the reason) and sorted by `throughput`."""
+    good, bad = [], []
+    for plan in plans:
+        why = fits(plan)
+        (good if why is None else bad).append(plan if why is None else (plan, why))
+    good.sort(key=throughput, reverse=True)
+    return Ranked(good, bad)

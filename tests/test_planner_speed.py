@@ -1,0 +1,215 @@
+"""The planner's step-time model (megazero/planner/speed.py): calibrated on Megatron-LM's Table 1 rows
+up to 39.1B (docs/reference.md), and the properties a step-time model must have. Pure: no torch,
+no processes (except the one that checks the import stays torch-free)."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from megazero.core.spec import ModelSpec
+from megazero.planner import speed
+from megazero.planner.facts import ModelFacts, StageFacts
+from megazero.planner.hardware import load_hardware
+from megazero.planner.layout import Layout, PlanError
+
+A100 = load_hardware("a100-80gb", "configs/hardware")
+H100 = load_hardware("h100-80gb", "configs/hardware")
+GPT_7B = ModelSpec(family="gpt", layers=36, hidden=4096, heads=32, vocab=51200, seq_len=2048)
+LLAMA = ModelSpec(family="llama", layers=16, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256,
+                  seq_len=4096, norm="rmsnorm", activation="swiglu", position="rope", tie_embeddings=False, bias=False)
+BASE = Layout(tp=2, pp=4, dp=1, micro_batch=1, global_batch=16, zero=1, recompute="none", schedule="1f1b")
+
+
+def predict(layout, spec=GPT_7B, hw=A100, **kw):
+    return speed.predict_step(spec, layout, hw, **kw)
+
+
+# -- calibration: the five Table-1 rows up to 39.1B ---------------------------------------------------------
+
+@pytest.mark.parametrize("run", speed.CALIBRATION, ids=lambda r: f"{r.params_b}B")
+def test_table1_rows_within_ten_percent(run):
+    plan = speed.predict_published(run, A100)
+    assert abs(plan.hardware_tflops_per_gpu / run.tflops_per_gpu - 1) <= 0.10
+    assert plan.mfu < plan.hardware_tflops_per_gpu / 312  # full recompute: hardware FLOPs > model FLOPs
+
+
+def test_default_efficiency_is_the_fit_of_the_calibration_rows():
+    fitted = speed.calibrate(A100)
+    assert fitted.gemm_max == pytest.approx(speed.DEFAULT_EFFICIENCY.gemm_max, abs=2e-3)
+    assert fitted.gemm_k_half == pytest.approx(speed.DEFAULT_EFFICIENCY.gemm_k_half, abs=5.0)
+    assert max(abs(r) for r in speed.residuals(A100)) < 0.03  # the documented residuals
+
+
+def test_calibration_rows_are_the_reference_table():
+    assert [(r.params_b, r.heads, r.hidden, r.layers, r.tp, r.pp, r.dp, r.global_batch, r.tflops_per_gpu)
+            for r in speed.CALIBRATION] == [
+        (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 32, 512, 138),
+        (7.5, 32, 4096, 36, 4, 1, 32, 512, 142), (18.4, 48, 6144, 40, 8, 1, 32, 1024, 135),
+        (39.1, 64, 8192, 48, 8, 2, 32, 1536, 138)]
+    assert all(r.params_b > 39.1 for r in speed.JUDGE)  # judged, never fitted
+
+
+def test_flops_are_megatrons_formulas():
+    for run in speed.CALIBRATION:
+        spec, layout = run.spec(), run.layout()
+        b, s, l, h, v = layout.global_batch, spec.seq_len, spec.layers, spec.hidden, spec.vocab
+        model, hardware = speed.step_flops(spec, layout)
+        assert model == pytest.approx(72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)), rel=1e-12)
+        assert hardware == pytest.approx(96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)), rel=1e-12)
+
+
+# -- the breakdown and the outputs ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", [
+    BASE, BASE.replace(schedule="zb-h1"), BASE.replace(schedule="interleaved", chunks=3, recompute="full"),
+    BASE.replace(dp=4, global_batch=64, zero=3), BASE.replace(dp=4, global_batch=64, zero=2, overlap_comm=True),
+    BASE.replace(pp=1, dp=8, global_batch=64, zero=0, recompute="selective", sequence_parallel=True),
+    BASE.replace(dp=2, global_batch=32, offload_optimizer=True),
+], ids=lambda lay: lay.describe())
+def test_breakdown_sums_to_the_step_and_outputs_agree(layout):
+    plan = predict(layout)
+    assert set(plan.breakdown) == set(speed.CATEGORIES)
+    assert sum(plan.breakdown.values()) == pytest.approx(plan.step_time_s, rel=1e-9)
+    assert all(v >= -1e-9 * plan.step_time_s for v in plan.breakdown.values())
+    assert plan.tokens_per_s == pytest.approx(layout.global_batch * GPT_7B.seq_len / plan.step_time_s)
+    model, _ = speed.step_flops(GPT_7B, layout)
+    assert plan.model_tflops_per_gpu == pytest.approx(model / plan.step_time_s / layout.gpus / 1e12)
+    assert plan.mfu == pytest.approx(plan.model_tflops_per_gpu / A100.peak_tflops)
+    assert 0 < plan.mfu < 1 and 0 <= plan.bubble_fraction < 1
+    assert len(plan.stage_costs) == layout.pp
+
+
+def test_one_stage_has_no_bubble_and_no_p2p():
+    plan = predict(BASE.replace(pp=1, tp=8, global_batch=4, micro_batch=2))
+    assert plan.bubble_fraction == pytest.approx(0.0, abs=1e-12)
+    assert plan.breakdown["p2p"] == 0 and abs(plan.breakdown["pipeline_bubble"]) < 1e-9
+
+
+# -- properties ---------------------------------------------------------------------------------------------
+
+def test_more_data_parallel_ranks_keep_per_gpu_throughput_minus_communication():
+    compute = ("gemm", "attention", "elementwise", "tp_comm", "embedding_head")
+    plans = {dp: predict(BASE.replace(dp=dp, global_batch=16 * dp)) for dp in (1, 2, 4, 16, 64)}  # batch per GPU fixed
+    per_gpu = {dp: p.tokens_per_s / (dp * BASE.tp * BASE.pp) for dp, p in plans.items()}
+    for dp, plan in plans.items():
+        assert all(plan.breakdown[k] == pytest.approx(plans[1].breakdown[k], rel=1e-12) for k in compute)
+        assert 0.9 * per_gpu[1] < per_gpu[dp] < 1.01 * per_gpu[1]  # roughly constant
+    # what changes is communication (growing; across nodes from dp=4 on) and the sharded optimizer (shrinking)
+    assert plans[64].breakdown["dp_comm"] > plans[4].breakdown["dp_comm"] > plans[1].breakdown["dp_comm"]
+    assert plans[64].breakdown["optimizer"] < plans[1].breakdown["optimizer"] / 32
+    assert per_gpu[64] < per_gpu[4] < per_gpu[2]
+
+
+def test_full_recompute_is_slower_than_none_and_selective_in_between():
+    none, sel, full = (predict(BASE.replace(recompute=r)) for r in ("none", "selective", "full"))
+    assert none.step_time_s < sel.step_time_s < full.step_time_s
+    assert full.breakdown["recompute"] > sel.breakdown["recompute"] > none.breakdown["recompute"] == 0
+    assert full.hardware_tflops_per_gpu > full.model_tflops_per_gpu
+    assert none.hardware_tflops_per_gpu == pytest.approx(none.model_tflops_per_gpu)
+
+
+@pytest.mark.parametrize("m", [4, 16, 64])
+def test_zero_bubble_splits_backward_and_shrinks_the_bubble(m):
+    one = predict(BASE.replace(global_batch=m))
+    zb = predict(BASE.replace(global_batch=m, schedule="zb-h1"))
+    assert zb.bubble_fraction < one.bubble_fraction
+    assert all(w > 0 for _, _, w in zb.stage_costs) and all(w == 0 for _, _, w in one.stage_costs)
+    # W deferred: the backward all-reduces lose the weight GEMMs that hid them
+    assert zb.breakdown["tp_comm"] > one.breakdown["tp_comm"]
+
+
+def test_interleaving_shrinks_the_bubble():
+    one = predict(BASE)  # tp2 x pp4: one node, p2p on NVLink
+    for v in (3, 9):
+        inter = predict(BASE.replace(schedule="interleaved", chunks=v))
+        assert inter.bubble_fraction < one.bubble_fraction
+        assert inter.breakdown["p2p"] > one.breakdown["p2p"]  # v times more transfers
+    assert predict(BASE.replace(schedule="gpipe")).step_time_s == pytest.approx(one.step_time_s, rel=1e-9)
+
+
+def test_bubble_shrinks_with_more_microbatches():
+    fractions = [predict(BASE.replace(global_batch=m)).bubble_fraction for m in (4, 8, 32, 128)]
+    assert fractions == sorted(fractions, reverse=True)
+
+
+def test_zero_stage_communication():
+    common = dict(dp=16, global_batch=16 * 16)
+    plans = {z: predict(BASE.replace(zero=z, overlap_comm=False, **common)) for z in (0, 1, 2, 3)}
+    comm = {z: p.breakdown["dp_comm"] for z, p in plans.items()}
+    assert comm[3] > comm[2] > comm[1] > 0 and comm[0] > 0
+    assert plans[1].breakdown["optimizer"] < plans[0].breakdown["optimizer"]  # Adam over the shard
+    overlapped = predict(BASE.replace(zero=2, overlap_comm=True, **common))
+    assert overlapped.breakdown["dp_comm"] < comm[2]
+    assert predict(BASE.replace(zero=3, **common)).breakdown["dp_comm"] < comm[3]  # stage 3 prefetches by default
+
+
+def test_dp_inside_a_node_is_cheaper_than_across_nodes():
+    layout = Layout(tp=2, pp=1, dp=4, global_batch=16, zero=0)
+    inside = predict(layout)  # 8 GPUs a node: the dp group on NVLink
+    across = predict(layout, hw=dataclasses.replace(A100, gpus_per_node=2))  # one TP group a node: InfiniBand
+    assert 0 < inside.breakdown["dp_comm"] < across.breakdown["dp_comm"]
+    assert inside.step_time_s < across.step_time_s
+
+
+def test_offloading_the_optimizer_costs_host_time():
+    on_gpu = predict(BASE.replace(dp=2, global_batch=32))
+    offloaded = predict(BASE.replace(dp=2, global_batch=32, offload_optimizer=True))
+    assert offloaded.breakdown["optimizer"] > on_gpu.breakdown["optimizer"]
+
+
+def test_tensor_parallel_overlap_is_megazeros_and_not_megatron_2021s():
+    layout = BASE.replace(tp=8, pp=1, global_batch=4)
+    megazero = predict(layout)
+    no_overlap = predict(layout, implementation=speed.Implementation(tp_overlap=False))
+    assert megazero.breakdown["tp_comm"] < no_overlap.breakdown["tp_comm"]
+
+
+def test_faster_hardware_is_faster_and_llama_runs():
+    assert predict(BASE, hw=H100).step_time_s < predict(BASE).step_time_s
+    layout = Layout(tp=4, pp=2, dp=2, micro_batch=1, global_batch=16, zero=1, recompute="selective",
+                    schedule="zb-h1", sequence_parallel=True)
+    plan = predict(layout, spec=LLAMA, hw=H100)
+    assert sum(plan.breakdown.values()) == pytest.approx(plan.step_time_s, rel=1e-9)
+    assert plan.breakdown["attention"] > 0 and 0 < plan.mfu < 1
+
+
+def test_gemm_efficiency_rises_with_the_reduction_dim():
+    mc = speed._Machine(A100, speed.DEFAULT_EFFICIENCY, BASE)
+    rates = [2 * 8192 * 8192 * k / mc.gemm(8192, 8192, k) for k in (64, 256, 1024, 8192)]
+    assert rates == sorted(rates) and rates[-1] < mc.peak * speed.DEFAULT_EFFICIENCY.gemm_max
+
+
+# -- inputs -------------------------------------------------------------------------------------------------
+
+def test_facts_replace_the_counted_parameters():
+    layout = BASE.replace(pp=2)
+    counted = predict(layout)
+    stages = tuple(StageFacts(stage=s, layers=18, params=2 * 10 ** 9) for s in range(2))
+    heavier = predict(layout.replace(dp=8, global_batch=128), facts=ModelFacts(total_params=4 * 10 ** 9, stages=stages))
+    assert heavier.breakdown["dp_comm"] > predict(layout.replace(dp=8, global_batch=128)).breakdown["dp_comm"]
+    assert counted.step_time_s > 0
+    with pytest.raises(PlanError, match="pipeline stages"):
+        predict(layout, facts=ModelFacts(total_params=1, stages=stages[:1]))
+
+
+def test_a_layout_that_cannot_run_is_refused():
+    with pytest.raises(PlanError):
+        predict(BASE.replace(tp=3))
+    with pytest.raises(PlanError):
+        predict(BASE.replace(schedule="interleaved", chunks=2, global_batch=6))
+
+
+def test_speed_never_imports_torch():
+    code = "import sys, megazero.planner.speed; sys.exit('torch' in sys.modules)"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60).returncode == 0
+
+
+def test_judged_rows_are_valid_layouts():
+    for run in speed.JUDGE:  # their predictions are reported, never asserted nor fitted
+        run.layout().check(run.spec())
+        assert run.layout().num_microbatches * run.micro_batch * run.dp == run.global_batch
