@@ -12,8 +12,9 @@ schedule, RNG, data position; the metrics of later steps are dropped and appende
 checkpoint.load names where to start. Per-rank Chrome traces go to <run_dir>/trace/ when trace.enabled.
 
 Communication beyond the engine's: the per-step metrics are already agreed on every rank by
-`train_batch` (loss) and the optimizer (grad norm, loss scale); the memory breakdown is gathered
-to rank 0 over the world group when asked for.
+`train_batch` (loss) and the optimizer (grad norm, loss scale); after the first step every rank's
+measured memory is gathered to rank 0 over the world group, which prints it next to the planner's
+prediction for each pipeline stage.
 """
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ from megazero.core.spec import SpecError
 from megazero.core.topology import Topology
 from megazero.engine import data_iterator, initialize_from_config, load_run_config
 from megazero.models import count_params
+from megazero.planner.from_config import memory_lines, predicted_memory
+from megazero.planner.layout import PlanError
 from megazero.run import checkpoint
 from megazero.run.memory import SavedActivationMeter, memory_report
 from megazero.run.metrics import MetricsWriter, StepClock, Timers, format_bytes, mfu, model_flops_per_step
 from megazero.run.trace import Tracer
+from megazero.runtime import comm
 
 
 def main(argv=None) -> int:
@@ -104,11 +108,15 @@ def run(cfg: Config, rank: int) -> int:
     checkpointer = engine.module.activation_checkpointer
     meter = SavedActivationMeter(engine.module, checkpointer=checkpointer) if cfg.log.memory_breakdown else None
     for step in range(start_step + 1, cfg.train.steps + 1):
-        if meter is not None:  # saved-activation bytes of this step (peak in flight on this stage)
-            with meter.measure():
+        first = step == start_step + 1  # measured always: the summary shows it next to the planner's
+        step_meter = meter or (SavedActivationMeter(engine.module, checkpointer=checkpointer) if first else None)
+        if step_meter is not None:  # saved-activation bytes of this step (peak in flight on this stage)
+            with step_meter.measure():
                 loss = engine.train_batch(data)
         else:
             loss = engine.train_batch(data)
+        if first:
+            _memory_check(cfg, engine, memory_report(optimizer, step_meter, checkpointer), rank, bar)
         dt = clock.lap()
         info = engine.last_info
         norm = info.get("grad_norm")  # a device tensor when the step did not need it on the host
@@ -145,6 +153,30 @@ def run(cfg: Config, rank: int) -> int:
         print(f"done: {cfg.train.steps} steps; metrics {cfg.log.metrics_file}", flush=True)
     _finish()
     return 0
+
+
+def _memory_check(cfg: Config, engine, report: dict[str, int], rank: int, bar) -> None:
+    """After the first step: every rank's measured memory (`memory_report`) gathered over the world
+    group; rank 0 prints the planner's prediction for each pipeline stage next to what one of its
+    ranks holds (predicted/measured, MiB)."""
+    pctx = engine.pctx
+    reports = comm.all_gather_object((pctx.pp_rank, report), pctx.world_group)
+    if rank != 0:
+        return
+    measured: dict[int, dict[str, int]] = {}
+    for stage, rep in reports:
+        measured.setdefault(stage, rep)
+    device = "cpu" if next(engine.module.parameters()).device.type == "cpu" else "cuda"
+    try:
+        plan, why = predicted_memory(cfg, device=device)
+    except (PlanError, SpecError) as err:
+        plan, why = None, str(err)
+    if plan is None:
+        _say(bar, f"memory   the planner cannot predict this run ({why})")
+        return
+    _say(bar, "memory   after step 1, predicted/measured MiB per pipeline stage (megazero.planner vs memory_report):")
+    for line in memory_lines(plan, measured):
+        _say(bar, f"         {line}")
 
 
 def _tracer(cfg: Config, rank: int) -> Tracer:

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from megazero.planner.from_config import memory_lines, predicted_memory
+from megazero.planner.layout import PlanError
+
 from ..instructions import ScheduleError
+from ..spec import SpecError
 from ..schedules import bubble_fraction
 from .errors import ConfigError
 from .schema import Config
@@ -30,6 +34,21 @@ def derived_values(cfg: Config) -> dict[str, object]:
             "pipeline_schedule": pl.schedule, "bubble_fraction": bubble}
 
 
+def memory_prediction(cfg: Config) -> list[str]:
+    """The planner's memory per GPU for each pipeline stage of resolved `cfg` (on a GPU: flash
+    attention, fused kernels), as comment lines; a line saying why when it cannot plan the run."""
+    head = ["", "# predicted memory per GPU and pipeline stage (megazero.planner; MiB by kind, on a GPU)"]
+    if cfg.model.spec is None:
+        return head + ["#   no model.spec: nothing to plan"]
+    try:
+        plan, why = predicted_memory(cfg)
+    except (PlanError, SpecError) as err:
+        return head + [f"#   cannot plan this run: {err}"]
+    if plan is None:
+        return head + [f"#   cannot plan this run: {why}"]
+    return head + [f"#   {line}" for line in memory_lines(plan)]
+
+
 def explain(cfg: Config, world_size: Optional[int] = None, deepspeed_defaults: Sequence[str] = ()) -> str:
     """The resolved config as YAML, then the DeepSpeed defaults a DeepSpeed file got (lines from
     `deepspeed.defaults_applied`), the derived values and any not-supported-yet keys."""
@@ -45,6 +64,7 @@ def explain(cfg: Config, world_size: Optional[int] = None, deepspeed_defaults: S
               f"dp_size: {d['dp_size']}  # world / (pp x tp) = {d['world_size']} / ({p} x {cfg.parallel.tp})",
               f"micro_batches_per_flush: {m}  # = train.gradient_accumulation_steps",
               f"bubble_fraction: {d['bubble_fraction']}  # {cfg.pipeline.schedule}, p={p}, m={m}, v={v}"]
+    lines += memory_prediction(cfg)
     missing = unsupported(cfg)
     if missing:
         lines += ["", "# not supported yet (the trainer refuses these)"] + [f"#   {line}" for line in missing]

@@ -1,0 +1,65 @@
+"""A resolved training config as the planner's `Layout`, and its memory prediction as text.
+
+`config explain` and the trainer's start-up summary show the prediction next to what a run holds;
+both start from the resolved `megazero.core.config.Config`. Layouts the planner does not model
+(a custom .csv schedule, an uneven partition, CPU or contiguous activation checkpoints) give a
+reason instead of a plan.
+"""
+from __future__ import annotations
+
+from megazero.core.spec import load_spec
+from megazero.planner.layout import SCHEDULES, Layout
+from megazero.planner.memory_plan import predict_memory
+
+MIB = 2 ** 20
+
+
+def spec_of(cfg):
+    """The ModelSpec of model.spec with the config's architecture overrides (and seq_len)."""
+    overrides = cfg.model.architecture()
+    if cfg.model.seq_len is not None:
+        overrides["seq_len"] = cfg.model.seq_len
+    return load_spec(cfg.model.spec, overrides)
+
+
+def layout_of(cfg) -> tuple[Layout | None, str]:
+    """(the Layout of resolved config `cfg`, "") or (None, why the planner cannot model it)."""
+    pl, ac, z, t = cfg.pipeline, cfg.activation_checkpointing, cfg.zero, cfg.train
+    if pl.schedule not in SCHEDULES:
+        return None, f"pipeline.schedule={pl.schedule!r}: the planner models {', '.join(SCHEDULES)}"
+    if pl.partition != "uniform":
+        return None, f"pipeline.partition={pl.partition!r}: the planner models the uniform partition"
+    if ac.partition_activations or ac.cpu_checkpointing or ac.contiguous_memory_optimization or ac.every_k_layers != 1:
+        return None, "activation_checkpointing: the planner models policy none/selective/full on every layer only"
+    layout = Layout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp, micro_batch=t.micro_batch_size,
+                    global_batch=t.global_batch_size, zero=z.stage, recompute=ac.policy, schedule=pl.schedule,
+                    chunks=pl.chunks, sequence_parallel=cfg.parallel.sequence_parallel,
+                    offload_optimizer=z.offload_optimizer.device == "cpu", offload_param=z.offload_param.device == "cpu",
+                    precision=cfg.precision, reduce_bucket_size=z.reduce_bucket_size,
+                    allgather_bucket_size=z.allgather_bucket_size, prefetch_bucket_size=z.prefetch_bucket_size,
+                    overlap_comm=z.overlap_comm)
+    return layout, ""
+
+
+def predicted_memory(cfg, facts=None, device: str = "cuda"):
+    """(MemoryPlan, "") of resolved config `cfg`, or (None, why not)."""
+    layout, why = layout_of(cfg)
+    if layout is None:
+        return None, why
+    return predict_memory(spec_of(cfg), layout, facts, device=device,
+                          param_persistence_threshold=cfg.zero.param_persistence_threshold), ""
+
+
+def memory_lines(plan, measured: dict[int, dict[str, int]] | None = None) -> list[str]:
+    """One line per pipeline stage: the predicted categories in MiB, and with `measured`
+    ({stage: memory_report of one of its ranks}) each measured value after a slash."""
+    lines = []
+    for st in plan.stages:
+        got = (measured or {}).get(st.stage)
+        parts = []
+        for k, v in st.breakdown.items():
+            if v or (got and got.get(k)):
+                parts.append(f"{k} {v / MIB:.2f}" + (f"/{got.get(k, 0) / MIB:.2f}" if got is not None else ""))
+        lines.append(f"stage {st.stage}: " + ", ".join(parts) + f"; device total with transients and "
+                     f"{plan.fragmentation:.0%} fragmentation {st.total / MIB:.2f}")
+    return lines

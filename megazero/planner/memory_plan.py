@@ -1,0 +1,352 @@
+"""Memory per GPU and pipeline stage of a layout, before launch (pure: no torch, no processes).
+
+`predict_memory(spec, layout, facts)` gives, for every pipeline stage (its TP and DP ranks hold the
+same), the bytes megazero holds by the categories `megazero.run.memory.memory_report` measures:
+
+* ``params, grads, master, optimizer_states, comm_buffers``: the ZeRO optimizer's flat groups between
+  steps (`megazero.zero.flat_group.FlatGroup.memory`). The groups are rebuilt here exactly as
+  `ZeroOptimizer._make_groups` builds them, from the per-parameter shapes of megazero's layers
+  (`layer_params`; checked against the meta-device counts in `facts`), and laid out by the same
+  `megazero.core.flat_buffer.build_layout`. Per group of padded size P elements, owned slice
+  S = P (stage 0) or P / dp (stages 1-3), working dtype of w bytes:
+  params P·w (stage-3 sharded groups: S·w, the gathered buckets are empty between steps); grads fp32 as
+  megazero accumulates them: P·4 at stages 0-1, S·4 at 2-3; master S·4 when the working dtype is not
+  fp32 or the group is offloaded (otherwise the master is a view of the params); optimizer_states
+  2·S·4 (two fp32 moment buffers, also for SGD); comm_buffers between steps: only the pinned host
+  staging of offloaded gradients on an accelerator, S·4.
+* ``activations``: the peak of device bytes autograd keeps for backward plus the recompute working set
+  over one step (what `SavedActivationMeter` reports as ``device_total``), from `activation_chunks`
+  (every tensor megazero's layers save, derived in activation_ledger.py) walked through the stage's
+  pipeline program (`megazero.core.schedules.get_schedule`): a Forward adds its chunk's bytes, a
+  Backward (or zero-bubble B) releases them in reverse order, rebuilding each recompute region first.
+* ``activations_host`` and ``checkpoint_buffer``: 0 (the Layout has no CPU checkpointing or
+  contiguous checkpoint buffer).
+
+Beyond what memory_report can see, `transient` names the peaks inside a step that add on top:
+``grad_buckets`` (stage 2-3 gradient buckets being filled and reduced, stage-1 reduce-scatter
+outputs), ``gathered_params`` (ZeRO-3: the unit running plus what prefetch gathered ahead of it),
+``logits`` (the head's logits and their fp32 shifted copy while the loss runs) and ``wgrad_pending``
+(zero bubble: the inputs and output gradients kept between B and W, and the small weight gradients B
+computed and holds). Each is what it adds to the stage's peak: ``logits`` and ``wgrad_pending`` the rise
+of the walked peak above the activation peak, the other two whole (they may meet it). Those are
+derived from the code's behaviour, not compared with measurements.
+
+The device total of a stage is what is not in host memory (offloaded master, moments and staging) plus
+the transients, times (1 + `fragmentation`): a stated allowance for the caching allocator's rounding
+and fragmentation (default `FRAGMENTATION`, a planning margin, not a measurement; measured CPU
+breakdowns are exact byte counts and compare without it). The plan names the tightest stage and,
+given a `Hardware`, every stage that would not fit and by how many GB.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megazero.core.flat_buffer import FlatLayout, build_layout
+from megazero.core.partition import LayerInfo, partition
+from megazero.core.schedules import get_schedule
+from megazero.planner.activation_ledger import activation_chunks, walk_program
+from megazero.planner.layout import PlanError
+
+FRAGMENTATION = 0.10
+"""Allowance for allocator fragmentation, as a fraction of a stage's device bytes: PyTorch's caching
+allocator rounds every block up (512 B small, 2 MiB large blocks cut from 20 MiB segments) and keeps
+freed blocks cached, so the reserved memory of a training step runs above the live bytes. A stated
+margin for planning (``expandable_segments:True`` lowers it), never used against measurements."""
+
+MAX_INFLIGHT = 2
+"""`megazero.zero.flat_group.FlatGroup.MAX_INFLIGHT`: asynchronous gradient reductions alive at once."""
+
+CATEGORIES = ("params", "grads", "master", "optimizer_states", "comm_buffers", "activations",
+              "activations_host", "checkpoint_buffer")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a layer on one TP rank: numel, whether it is a matrix (Megatron's weight-decay
+    split puts matrices first), whether it is the tied word embedding / LM head weight."""
+
+    numel: int
+    matrix: bool
+    tied: bool = False
+
+
+def layer_params(spec, kind: str, t: int) -> list[Param]:
+    """The parameters of one layer (`kind` embedding | block | head) of `spec` on one of `t` TP ranks, in
+    registration order (megazero/models/embedding.py, block.py, attention.py, common.py:Norm)."""
+    h, ln, tied = spec.hidden, spec.norm == "layernorm", spec.tie_embeddings
+    vocab = spec.padded_vocab(t) // t  # VocabParallelEmbedding / HeadLayer rows on this rank
+
+    def norm():
+        return [Param(h, False)] + ([Param(h, False)] if ln else [])
+
+    def linear(n_out, n_in, bias_numel):
+        return [Param(n_out * n_in, True)] + ([Param(bias_numel, False)] if spec.bias else [])
+
+    if kind == "embedding":
+        out = [Param(vocab * h, True, tied)]
+        if spec.position == "learned":
+            out.append(Param(spec.seq_len * h, True))
+        return out + (norm() if spec.embedding_norm else [])
+    if kind == "head":
+        return norm() + [Param(vocab * h, True, tied)]
+    q, kv, f = spec.heads * spec.head_dim // t, spec.num_kv_heads * spec.head_dim // t, spec.ffn // t
+    attn = linear(q, h, q) + linear(kv, h, kv) + linear(kv, h, kv) + linear(h, q, h)  # out's bias: replicated
+    if spec.activation == "swiglu":
+        mlp = linear(f, h, f) + linear(f, h, f) + linear(h, f, h)
+    else:
+        mlp = linear(f, h, f) + linear(h, f, h)
+    return norm() + attn + norm() + mlp
+
+
+def pipeline_layers(spec, layout) -> list[list[list[tuple[str, int]]]]:
+    """[stage][chunk] -> [(kind, unit index on the stage)] of megazero's default "uniform" partition of the
+    L+2 pipeline layers (embedding, blocks, head) over pp x chunks virtual stages
+    (`megazero.core.partition`; virtual stage chunk·p + stage)."""
+    kinds = ["embedding"] + ["block"] * spec.layers + ["head"]
+    p, v = layout.pp, layout.chunks
+    bounds = partition([LayerInfo(k) for k in kinds], p, "uniform", v)
+    stages = []
+    for s in range(p):
+        chunks, unit = [], 0
+        for c in range(v):
+            k = c * p + s
+            chunk = []
+            for kind in kinds[bounds[k]:bounds[k + 1]]:
+                chunk.append((kind, unit))
+                unit += 1
+            chunks.append(chunk)
+        stages.append(chunks)
+    return stages
+
+
+@dataclass(frozen=True)
+class _Group:
+    name: str
+    layout: FlatLayout
+    stage: int  # the ZeRO stage the group runs at (stage 3's persistent group: 2)
+    shard_params: bool
+    offload: bool
+
+
+def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group]:
+    """This stage's flat groups, as `ZeroOptimizer._make_groups` makes them from the parameter order of
+    `megazero.engine.factories.param_groups` (Megatron's split: matrices, then vectors, each in model
+    order; pp=1 shares the tied weight, counted once)."""
+    params = []  # (Param, unit)
+    for chunk in chunks:
+        for kind, unit in chunk:
+            params += [(p, unit) for p in layer_params(spec, kind, layout.tp)]
+    if layout.pp == 1 and spec.tie_embeddings:
+        tied_seen = False
+        kept = []
+        for p, u in params:
+            if p.tied and tied_seen:
+                continue  # the head's weight is the embedding's parameter (build_pipeline_model)
+            tied_seen = tied_seen or p.tied
+            kept.append((p, u))
+        params = kept
+    ordered = [x for x in params if x[0].matrix] + [x for x in params if not x[0].matrix]
+    tied = [x for x in ordered if layout.pp > 1 and x[0].tied]
+    rest = [x for x in ordered if not (layout.pp > 1 and x[0].tied)]
+    dp, bucket, opt = layout.dp, layout.reduce_bucket_size, layout.offload_optimizer
+    groups = []
+    if layout.zero == 3:
+        sharded = sorted((x for x in rest if x[0].numel >= persistence_threshold), key=lambda x: -x[1])
+        persistent = [x for x in rest if x[0].numel < persistence_threshold]
+        cuts = [i for i in range(1, len(sharded)) if sharded[i][1] != sharded[i - 1][1]]
+        if sharded:
+            groups.append(_Group("sharded", build_layout([x[0].numel for x in sharded], dp, bucket, cuts), 3,
+                                 True, layout.offload_param or opt))
+        if persistent:
+            groups.append(_Group("persistent", build_layout([x[0].numel for x in persistent[::-1]], dp, bucket),
+                                 2, False, opt))
+    elif rest:
+        groups.append(_Group("main", build_layout([x[0].numel for x in rest[::-1]], dp, bucket), layout.zero,
+                             False, opt))
+    if tied:
+        shard = layout.zero == 3
+        groups.append(_Group("tied", build_layout([x[0].numel for x in tied], dp, bucket), layout.zero, shard,
+                             opt or (shard and layout.offload_param)))
+    return groups
+
+
+def group_memory(g: _Group, w: int, accelerator: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """(bytes by category, of which in host memory) of one flat group between steps (FlatGroup.memory)."""
+    padded = g.layout.total
+    owned = padded if g.stage == 0 else g.layout.shard_numel
+    separate_master = w != 4 or g.offload
+    mem = {"params": (g.layout.shard_numel if g.shard_params else padded) * w,
+           "grads": (padded if g.stage <= 1 else g.layout.shard_numel) * 4,
+           "master": owned * 4 if separate_master else 0,
+           "optimizer_states": 2 * owned * 4,
+           "comm_buffers": owned * 4 if g.offload and accelerator else 0}  # FlatGroup._host_grad
+    host = {}
+    if g.offload:
+        host = {k: mem[k] for k in ("master", "optimizer_states", "comm_buffers")}
+        if g.shard_params:
+            host["params"] = mem["params"]  # the shard lives on the host with the optimizer
+    return mem, host
+
+
+def comm_bucket_peak(g: _Group, overlap: bool) -> int:
+    """Bytes of gradient buckets alive at once in a group's backward, at their peak: stages 2-3 fill an
+    fp32 bucket and reduce-scatter it into a temporary shard (synchronously: both alive; with overlap_comm
+    up to MAX_INFLIGHT reductions in flight plus the next bucket filling); stage 1's reduce-scatter of
+    the full buffer writes temporary shards; stage 0 all-reduces in place."""
+    big = max((b.numel for b in g.layout.buckets), default=0)
+    tmp = big // g.layout.dp_size * 4
+    if g.stage == 0:
+        return 0
+    if g.stage == 1:
+        return tmp * (MAX_INFLIGHT if overlap else 1)
+    if overlap:
+        return MAX_INFLIGHT * (big * 4 + tmp) + big * 4
+    return big * 4 + tmp
+
+
+def gathered_peak(g: _Group, prefetch: int, w: int) -> int:
+    """ZeRO-3: bytes of gathered buckets alive at once (megazero/zero/stage3.py): the unit running and
+    the following (forward) or preceding (backward) buckets its prefetch launched, at most `prefetch`
+    elements of them; each bucket holds its full padded size while gathered."""
+    sizes = [b.numel for b in g.layout.buckets]  # reverse forward order: one bucket per unit at the default size
+    best = 0
+    for order in (sizes[::-1], sizes):
+        for i, n in enumerate(order):
+            budget, ahead = prefetch, 0
+            for m in order[i + 1:]:
+                if budget < m:
+                    break
+                budget -= m
+                ahead += m
+            best = max(best, n + ahead)
+    return best * w
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One pipeline stage (each of its TP x DP ranks): `breakdown` by the measured categories, `host`
+    (of those, bytes in host memory), `transient` (peaks inside a step, see the module docstring),
+    `fragmentation` (the allowance, bytes) and `total`: device bytes including all of them."""
+
+    stage: int
+    breakdown: dict[str, int]
+    host: dict[str, int]
+    transient: dict[str, int]
+    fragmentation: int
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes before the fragmentation allowance."""
+        return sum(v - self.host.get(k, 0) for k, v in self.breakdown.items()) + sum(self.transient.values())
+
+    @property
+    def total(self) -> int:
+        return self.device_bytes + self.fragmentation
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-stage memory of one layout; `tightest` is the stage with the largest total; `over` lists
+    (stage, GB above the device) for each stage that would not fit `hbm_bytes` (when known)."""
+
+    layout: object
+    stages: tuple[StageMemory, ...]
+    hbm_bytes: float | None = None
+    fragmentation: float = FRAGMENTATION
+
+    @property
+    def tightest(self) -> StageMemory:
+        return max(self.stages, key=lambda st: st.total)
+
+    @property
+    def over(self) -> list[tuple[int, float]]:
+        if self.hbm_bytes is None:
+            return []
+        return [(st.stage, (st.total - self.hbm_bytes) / GB) for st in self.stages if st.total > self.hbm_bytes]
+
+    @property
+    def fits(self) -> bool:
+        return not self.over
+
+    def table(self) -> str:
+        """One line per stage: every non-zero category, transient and the total in GB, the tightest
+        stage marked with *; then whether it fits the device."""
+        cols = [c for c in CATEGORIES if any(st.breakdown[c] for st in self.stages)]
+        trans = sorted({k for st in self.stages for k, v in st.transient.items() if v})
+        head = ["stage"] + cols + trans + ["fragmentation", "total"]
+        widths = [max(8, len(c)) for c in head]
+        lines = ["  ".join(f"{c:>{n}}" for c, n in zip(head, widths))]
+        tight = self.tightest.stage
+        for st in self.stages:
+            vals = ([st.breakdown[c] for c in cols] + [st.transient.get(k, 0) for k in trans]
+                    + [st.fragmentation, st.total])
+            cells = [("*" if st.stage == tight else " ") + f"{st.stage:>{widths[0] - 1}}"]
+            cells += [f"{v / GB:>{n}.3f}" for v, n in zip(vals, widths[1:])]
+            lines.append("  ".join(cells))
+        if self.hbm_bytes is not None:
+            lines.append("fits" if self.fits else "does not fit: " + ", ".join(
+                f"stage {s} by {gb:.2f} GB" for s, gb in self.over))
+        return "\n".join(lines)
+
+
+def _check_facts(spec, layout, facts, stages) -> None:
+    """The meta-device counts (`facts`) must be the parameters the planner laid out, stage by stage."""
+    if facts is None:
+        return
+    if len(facts.stages) != layout.pp:
+        raise PlanError(f"model facts have {len(facts.stages)} stages, the layout pp={layout.pp}")
+    for s, (fs, chunks) in enumerate(zip(facts.stages, stages)):
+        groups = flat_groups(spec, layout.replace(dp=1, zero=1), chunks, 0)
+        mine = sum(sum(g.layout.numels) for g in groups)
+        blocks = sum(1 for chunk in chunks for kind, _ in chunk if kind == "block")
+        if (mine, blocks) != (fs.params, fs.layers):
+            raise PlanError(f"stage {s}: the model facts count {fs.params} parameters in {fs.layers} blocks, the "
+                            f"planner's layers {mine} in {blocks}; megazero/planner/memory_plan.py:layer_params "
+                            f"is out of date with the model's layers")
+
+
+def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cuda",
+                   param_persistence_threshold: int = 100_000, fragmentation: float = FRAGMENTATION
+                   ) -> MemoryPlan:
+    """The `MemoryPlan` of running `spec` (a `megazero.core.spec.ModelSpec`) on `layout` (a `Layout`).
+
+    `facts`: the `ModelFacts` of the model on this layout (checked against the planner's parameter
+    list); `hardware`: a `Hardware` whose memory the plan is checked against. `device` "cuda" (fused norm
+    and causal-softmax kernels, flash attention) or "cpu" (megazero's PyTorch reference kernels: what CPU
+    runs measure). `param_persistence_threshold`: ``zero.param_persistence_threshold`` (ZeRO-3 keeps
+    smaller parameters whole)."""
+    layout.check(spec)
+    if device not in ("cuda", "cpu"):
+        raise PlanError(f"device={device!r} must be 'cuda' or 'cpu'")
+    w = {"bf16": 2, "fp16": 2, "fp32": 4}[layout.precision]
+    accelerator = device != "cpu"
+    stages = pipeline_layers(spec, layout)
+    _check_facts(spec, layout, facts, stages)
+    programs = get_schedule(layout.schedule, layout.pp, layout.num_microbatches, layout.chunks)
+    counts = {kind: (sum(p.numel for p in ps if not p.matrix), sum(p.numel for p in ps))
+              for kind in ("embedding", "block", "head") for ps in [layer_params(spec, kind, layout.tp)]}
+    out = []
+    for s, chunks in enumerate(stages):
+        groups = flat_groups(spec, layout, chunks, param_persistence_threshold)
+        breakdown = dict.fromkeys(CATEGORIES, 0)
+        host: dict[str, int] = {}
+        transient = {"grad_buckets": 0, "gathered_params": 0}
+        for g in groups:
+            mem, off = group_memory(g, w, accelerator)
+            for k, v in mem.items():
+                breakdown[k] += v
+            for k, v in off.items():
+                host[k] = host.get(k, 0) + v
+            transient["grad_buckets"] += comm_bucket_peak(g, layout.overlaps)
+            if g.shard_params:
+                transient["gathered_params"] += gathered_peak(g, layout.prefetch_bucket_size, w)
+        ledger = activation_chunks(spec, layout, chunks, device, counts)
+        peaks = walk_program(programs[s], ledger)
+        breakdown["activations"] = peaks.metered
+        transient["logits"] = peaks.with_logits - peaks.metered
+        transient["wgrad_pending"] = peaks.real - peaks.with_logits
+        st = StageMemory(s, breakdown, host, transient, 0)
+        out.append(StageMemory(s, breakdown, host, transient, round(st.device_bytes * fragmentation)))
+    return MemoryPlan(layout, tuple(out), hardware.hbm_bytes if hardware is not None else None, fragmentation)
+

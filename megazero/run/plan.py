@@ -1,0 +1,209 @@
+"""``python tools/plan.py SPEC[:flavor] [key=value ...] --hardware NAME --gpus N --global-batch B ...``
+
+What a layout will cost before launch: memory per GPU for every pipeline stage (the tightest named)
+and the step time with its breakdown, from `megazero.planner` (memory_plan.py, speed.py) and the
+parameters of the model built on the meta device (`megazero.run.model_facts`). ``--search`` ranks
+every layout that fits the GPUs and the batch by predicted throughput and says why each other one
+does not fit; ``--json`` prints one object instead of text.
+
+SPEC is a spec file and flavor (``model_specs/gpt.py:gpt3-175b``) or, for the files in model_specs/,
+just ``gpt:gpt3-175b``; key=value pairs override spec fields (a generic GPT or Llama:
+``gpt:debug layers=96 hidden=12288 heads=96 vocab=51200 seq_len=2048``). Exit status: 0, 1 when the
+layout does not fit (or nothing fits), 2 for bad input (one line on stderr naming the argument).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from functools import lru_cache
+
+from megazero.core.spec import SpecError, load_spec
+from megazero.planner.hardware import load_hardware
+from megazero.planner.layout import Layout, PlanError
+from megazero.planner.memory_plan import GB, predict_memory
+from megazero.planner.search import candidates
+from megazero.planner.speed import predict_step
+from megazero.run.model_facts import model_facts
+
+SCHEDULE_HELP = "1f1b | gpipe | interleaved[:V] (V chunks per stage, default 2) | zb-h1"
+
+
+def spec_ref(ref: str, spec_dir: str) -> str:
+    """`ref` as load_spec takes it: a path, or ``NAME:flavor`` for ``spec_dir/NAME.py``."""
+    where, sep, flavor = ref.partition(":")
+    if os.sep not in where and "/" not in where and not where.endswith(".py"):
+        where = os.path.join(spec_dir, where + ".py")
+    return where + sep + flavor
+
+
+def parse_schedule(text: str) -> tuple[str, int]:
+    name, _, v = text.partition(":")
+    if name == "interleaved":
+        try:
+            chunks = int(v) if v else 2
+        except ValueError:
+            raise PlanError(f"--schedule {text!r}: the chunks after 'interleaved:' must be an integer") from None
+        return name, chunks
+    if v:
+        raise PlanError(f"--schedule {text!r}: only interleaved takes ':V'")
+    return name, 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python tools/plan.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec", help="SPEC[:flavor], e.g. gpt:gpt3-175b or model_specs/llama.py:llama3-405b")
+    p.add_argument("overrides", nargs="*", help="spec fields as key=value, e.g. layers=48 seq_len=4096")
+    p.add_argument("--hardware", required=True, help="a preset of configs/hardware/ (file stem) or a YAML path")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--tp", type=int)
+    p.add_argument("--pp", type=int)
+    p.add_argument("--dp", type=int, help="default: gpus / (tp x pp)")
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    p.add_argument("--recompute", choices=("none", "selective", "full"))
+    p.add_argument("--schedule", help=SCHEDULE_HELP)
+    p.add_argument("--sequence-parallel", action="store_true", default=None)
+    p.add_argument("--offload-optimizer", action="store_true", default=None)
+    p.add_argument("--offload-param", action="store_true", default=None)
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--search", action="store_true", help="rank every layout that fits (the given flags are held)")
+    p.add_argument("--top", type=int, default=10, help="layouts shown by --search (default 10)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return p
+
+
+def fixed_choices(args) -> dict:
+    """The Layout fields the command line sets."""
+    fixed = {}
+    for arg, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("micro_batch", "micro_batch"), ("zero", "zero"),
+                       ("recompute", "recompute"), ("sequence_parallel", "sequence_parallel"),
+                       ("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+        if getattr(args, arg) is not None:
+            fixed[field] = getattr(args, arg)
+    if args.schedule is not None:
+        fixed["schedule"], fixed["chunks"] = parse_schedule(args.schedule)
+    return fixed
+
+
+def one_layout(args, fixed: dict) -> Layout:
+    """The layout the flags describe (unset ones at their defaults), dp = gpus / (tp x pp)."""
+    tp, pp = fixed.get("tp", 1), fixed.get("pp", 1)
+    if args.gpus % (tp * pp):
+        raise PlanError(f"--gpus {args.gpus} is not divisible by tp x pp = {tp} x {pp}")
+    dp = args.gpus // (tp * pp)
+    if fixed.get("dp", dp) != dp:
+        raise PlanError(f"--dp {fixed['dp']}: tp x pp x dp must be --gpus {args.gpus}; with tp={tp}, pp={pp} dp is {dp}")
+    given = {k: v for k, v in fixed.items() if k not in ("tp", "pp", "dp")}
+    return Layout(tp=tp, pp=pp, dp=dp, global_batch=args.global_batch, precision=args.precision,
+                  **{"micro_batch": 1, **given})
+
+
+class Planner:
+    """Plans layouts of one model on one hardware; the meta-device facts are built once per (tp, pp, chunks)."""
+
+    def __init__(self, spec, hardware):
+        self.spec, self.hardware = spec, hardware
+        self._facts = lru_cache(maxsize=None)(self._build_facts)
+
+    def _build_facts(self, tp: int, pp: int, chunks: int, sp: bool):
+        return model_facts(self.spec, tp, pp, chunks, sequence_parallel=sp)
+
+    def plan(self, layout: Layout) -> dict:
+        """The prediction of one layout as the JSON object (see `describe`)."""
+        layout.check(self.spec)
+        facts = self._facts(layout.tp, layout.pp, layout.chunks, layout.sequence_parallel)
+        memory = predict_memory(self.spec, layout, facts, self.hardware)
+        step = predict_step(self.spec, layout, self.hardware, facts)
+        tight = memory.tightest
+        return {
+            "layout": layout.describe(),
+            "layout_fields": {k: getattr(layout, k) for k in ("tp", "pp", "dp", "micro_batch", "global_batch", "zero",
+                                                              "recompute", "schedule", "chunks", "sequence_parallel",
+                                                              "offload_optimizer", "offload_param", "precision")},
+            "params": facts.total_params,
+            "memory_gb_per_gpu": tight.total / GB, "tightest_stage": tight.stage,
+            "memory_gb_per_stage": [st.total / GB for st in memory.stages],
+            "memory_breakdown_gb": [{k: v / GB for k, v in {**st.breakdown, **st.transient,
+                                                             "fragmentation": st.fragmentation}.items() if v}
+                                    for st in memory.stages],
+            "hbm_gb": self.hardware.hbm_bytes / GB, "fits": memory.fits,
+            "over_gb": {str(s): gb for s, gb in memory.over},
+            "step_time_s": step.step_time_s, "tokens_per_s": step.tokens_per_s,
+            "model_tflops_per_gpu": step.model_tflops_per_gpu, "hardware_tflops_per_gpu": step.hardware_tflops_per_gpu,
+            "mfu": step.mfu, "bubble_fraction": step.bubble_fraction, "critical_stage": step.critical_stage,
+            "breakdown": dict(step.breakdown), "_memory": memory,
+        }
+
+
+def _public(result: dict) -> dict:
+    return {k: v for k, v in result.items() if not k.startswith("_")}
+
+
+def describe(spec, hardware, result: dict) -> str:
+    """The text report of one plan."""
+    lines = [f"model    {spec.name}: {result['params'] / 1e9:.2f}B parameters",
+             f"layout   {result['layout']} on {hardware.name}",
+             "", "memory per GPU (GB; * = tightest stage, fragmentation allowance included in total)",
+             result["_memory"].table(), "",
+             f"step     {result['step_time_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s, "
+             f"{result['model_tflops_per_gpu']:.1f} model TFLOP/s per GPU, {result['hardware_tflops_per_gpu']:.1f} "
+             f"hardware TFLOP/s per GPU (recompute counted), MFU {result['mfu']:.1%}, bubble "
+             f"{result['bubble_fraction']:.1%}",
+             f"         breakdown on stage {result['critical_stage']}: " + ", ".join(
+                 f"{k} {v:.3f} s" for k, v in result["breakdown"].items() if abs(v) > 5e-4)]
+    return "\n".join(lines)
+
+
+def search(planner: Planner, args, fixed: dict) -> tuple[list[dict], list[tuple[str, str]]]:
+    """(plans that fit, fastest first; (layout, why) of the others)."""
+    fits, rejected = [], []
+    hw = planner.hardware
+    for layout in candidates(planner.spec, args.gpus, args.global_batch, hw.gpus_per_node, fixed,
+                             offload=bool(fixed.get("offload_optimizer")), precision=args.precision):
+        result = planner.plan(layout)
+        if result["fits"]:
+            fits.append(result)
+        else:
+            worst = max(result["over_gb"].items(), key=lambda kv: kv[1])
+            rejected.append((layout.describe(), f"stage {worst[0]} needs {result['memory_gb_per_stage'][int(worst[0])]:.1f} "
+                                                f"GB, {worst[1]:.1f} GB over the {result['hbm_gb']:.1f} GB of a GPU"))
+    fits.sort(key=lambda r: r["tokens_per_s"], reverse=True)
+    return fits, rejected
+
+
+def main(argv=None, hardware_dir: str = "configs/hardware", spec_dir: str = "model_specs") -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.gpus < 1 or args.global_batch < 1:
+            raise PlanError(f"--gpus and --global-batch must be >= 1, got {args.gpus} and {args.global_batch}")
+        spec = load_spec(spec_ref(args.spec, spec_dir), args.overrides)
+        hardware = load_hardware(args.hardware, hardware_dir)
+        fixed = fixed_choices(args)
+        planner = Planner(spec, hardware)
+        if args.search:
+            fits, rejected = search(planner, args, fixed)
+            if args.json:
+                print(json.dumps({"fits": [_public(r) for r in fits],
+                                  "rejected": [{"layout": lay, "why": why} for lay, why in rejected]}, indent=1))
+            else:
+                print(f"{len(fits)} layouts fit, {len(rejected)} do not ({spec.name}, {args.gpus} x {hardware.name}, "
+                      f"global batch {args.global_batch})")
+                for i, r in enumerate(fits[:args.top]):
+                    print(f"{i + 1:>3}. {r['layout']:<58} {r['tokens_per_s']:>12,.0f} tokens/s  MFU {r['mfu']:.1%}  "
+                          f"{r['memory_gb_per_gpu']:.1f} GB (stage {r['tightest_stage']})")
+                for lay, why in rejected[:args.top]:
+                    print(f"  does not fit: {lay}: {why}")
+                if len(rejected) > args.top:
+                    print(f"  ... and {len(rejected) - args.top} more that do not fit (--json lists all)")
+            return 0 if fits else 1
+        layout = one_layout(args, fixed)
+        result = planner.plan(layout)
+        print(json.dumps(_public(result), indent=1) if args.json else describe(spec, hardware, result))
+        return 0 if result["fits"] else 1
+    except (PlanError, SpecError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

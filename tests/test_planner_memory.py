@@ -1,0 +1,224 @@
+"""The planner's memory prediction (megazero/planner/memory_plan.py) against megazero's own measurement.
+
+Every layout below runs one training step on CPU (gloo) with a debug flavor; each rank measures its
+`megazero.run.memory.memory_report` (the ZeRO optimizer's breakdown after the step, the
+`SavedActivationMeter` peak during it) and the test compares every category with
+`predict_memory(..., device="cpu")` for that rank's pipeline stage, within 5% (a category measured 0
+must be predicted 0). The layouts cover ZeRO 0-3, recompute none / selective / full, the schedules gpipe,
+1f1b, interleaved (2 chunks) and zb-h1, tp / pp / dp of 1, 2 and 4, sequence parallelism, optimizer
+offload, bf16, GPT (learned positions, LayerNorm, GeLU, tied head) and Llama (RoPE, RMSNorm, SwiGLU,
+grouped-query attention), SDPA and the reference attention core (attention dropout on). All run on 4
+ranks in one launch.
+"""
+import pytest
+
+from megazero.core.spec import load_spec
+from megazero.planner.facts import ModelFacts, StageFacts
+from megazero.planner.layout import Layout
+from megazero.planner.memory_plan import CATEGORIES, MAX_INFLIGHT, predict_memory
+from tests.harness import run_ranks
+
+GPT = {"spec": "model_specs/gpt.py:debug", "layers": 4, "hidden": 32, "heads": 4, "vocab": 200, "seq_len": 16}
+GPT_DROPOUT = dict(GPT, dropout=0.1, overrides={"attention_dropout": 0.1})
+LLAMA = {"spec": "model_specs/llama.py:debug", "layers": 4, "hidden": 32, "heads": 4, "kv_heads": 2,
+         "ffn_hidden": 48, "vocab": 200, "seq_len": 16}
+LLAMA_DROPOUT = dict(LLAMA, dropout=0.1, overrides={"attention_dropout": 0.1})
+
+# (model, Layout, zero.param_persistence_threshold)
+CASES = {
+    "tp2-pp2-z0-none-1f1b": (GPT, Layout(tp=2, pp=2, dp=1, micro_batch=2, global_batch=8, zero=0,
+                                         precision="fp32"), 100_000),
+    "pp2-dp2-z1-selective-gpipe-bf16": (GPT, Layout(pp=2, dp=2, micro_batch=2, global_batch=12, zero=1,
+                                                    recompute="selective", schedule="gpipe"), 100_000),
+    "tp2-dp2-z2-full-sp-llama": (LLAMA, Layout(tp=2, dp=2, micro_batch=2, global_batch=8, zero=2,
+                                               recompute="full", sequence_parallel=True, precision="fp32"),
+                                 100_000),
+    "pp2-dp2-z3-zbh1": (GPT, Layout(pp=2, dp=2, micro_batch=1, global_batch=8, zero=3, schedule="zb-h1",
+                                    precision="fp32", reduce_bucket_size=3000), 0),
+    "tp2-pp2-selective-interleaved-sp-llama": (LLAMA, Layout(tp=2, pp=2, micro_batch=2, global_batch=8, zero=1,
+                                                             recompute="selective", schedule="interleaved",
+                                                             chunks=2, sequence_parallel=True), 100_000),
+    "pp4-full-1f1b-dropout": (GPT_DROPOUT, Layout(pp=4, micro_batch=2, global_batch=12, zero=0, recompute="full",
+                                                  precision="fp32"), 100_000),
+    "dp4-z2-offload-bf16-llama": (LLAMA, Layout(dp=4, micro_batch=2, global_batch=8, zero=2,
+                                                offload_optimizer=True, reduce_bucket_size=5000), 100_000),
+    "tp2-dp2-z3-selective-dropout-sp": (GPT_DROPOUT, Layout(tp=2, dp=2, micro_batch=2, global_batch=8, zero=3,
+                                                            recompute="selective", sequence_parallel=True,
+                                                            precision="fp32"), 1000),
+    "pp2-dp2-z2-full-interleaved-bf16-llama": (LLAMA_DROPOUT, Layout(pp=2, dp=2, micro_batch=1, global_batch=8,
+                                                                     zero=2, recompute="full",
+                                                                     schedule="interleaved", chunks=2), 100_000),
+    "pp2-dp2-z0-none-zbh1-llama": (LLAMA, Layout(pp=2, dp=2, micro_batch=2, global_batch=8, zero=0,
+                                                 schedule="zb-h1", precision="fp32"), 100_000),
+}
+WORLD = 4
+
+
+def spec_of(model: dict):
+    fields = {k: v for k, v in model.items() if k not in ("spec", "overrides")}
+    return load_spec(model["spec"], fields | dict(model.get("overrides", {})))
+
+
+def config_of(model: dict, lay: Layout, threshold: int) -> dict:
+    offload = {"device": "cpu" if lay.offload_optimizer else "none"}
+    return {"model": model, "precision": lay.precision,
+            "parallel": {"pp": lay.pp, "tp": lay.tp, "sequence_parallel": lay.sequence_parallel},
+            "pipeline": {"schedule": lay.schedule, "chunks": lay.chunks},
+            "train": {"micro_batch_size": lay.micro_batch, "global_batch_size": lay.global_batch, "seed": 5},
+            "zero": {"stage": lay.zero, "offload_optimizer": offload,
+                     "offload_param": {"device": "cpu" if lay.offload_param else "none"},
+                     "overlap_comm": lay.overlap_comm, "reduce_bucket_size": lay.reduce_bucket_size,
+                     "allgather_bucket_size": lay.allgather_bucket_size,
+                     "prefetch_bucket_size": lay.prefetch_bucket_size, "param_persistence_threshold": threshold},
+            "activation_checkpointing": {"policy": lay.recompute},
+            "optimizer": {"type": "adamw", "lr": 1e-3}}
+
+
+def measure_worker(cases: dict) -> dict:
+    """{case: (pp rank, memory_report after one step, (parameters, tied parameters, blocks) here)}."""
+    import megazero
+    from megazero.models import TransformerBlock
+    from megazero.activation_checkpoint import CheckpointedBlock
+    from megazero.run.memory import SavedActivationMeter, memory_report
+
+    out = {}
+    for name, (model, lay, threshold) in cases.items():
+        engine, opt, data, _ = megazero.initialize(config=config_of(model, lay, threshold))
+        ckpt = engine.module.activation_checkpointer
+        meter = SavedActivationMeter(engine.module, checkpointer=ckpt)
+        with meter.measure():
+            engine.train_batch(data)
+        report = memory_report(opt, meter, ckpt)
+        blocks = sum(isinstance(m, (TransformerBlock, CheckpointedBlock)) for chunk in engine.module.local_chunks
+                     for m in chunk)
+        tied = sum(sum(g.layout.numels) for g in opt.groups if g.name == "tied")
+        out[name] = (engine.pctx.pp_rank, report, (opt.num_params(), tied, blocks))
+        del engine, opt, data, meter  # (no gc.collect(): a second here; the tiny models' cycles may wait)
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_ranks(measure_worker, WORLD, CASES, timeout=240)
+
+
+def facts_of(name: str, ranks: list) -> ModelFacts:
+    """The model facts of the real run (what megazero.run.model_facts makes from the meta-device model)."""
+    per_stage = {}
+    for rank in ranks:
+        stage, _, (params, tied, blocks) = rank[name]
+        per_stage[stage] = StageFacts(stage, blocks, params, tied)
+    stages = tuple(per_stage[s] for s in sorted(per_stage))
+    return ModelFacts(sum(s.params for s in stages), stages)
+
+
+def compare(name: str, ranks: list) -> list[str]:
+    model, lay, threshold = CASES[name]
+    plan = predict_memory(spec_of(model), lay, facts_of(name, ranks), device="cpu",
+                          param_persistence_threshold=threshold)
+    errors = []
+    for r, rank in enumerate(ranks):
+        stage, report, _ = rank[name]
+        predicted = plan.stages[stage].breakdown
+        for key in CATEGORIES:
+            got, want = report.get(key, 0), predicted[key]
+            if (got == 0) != (want == 0) or abs(want - got) > 0.05 * got:
+                errors.append(f"{name} rank {r} stage {stage} {key}: measured {got}, predicted {want}")
+    return errors
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_prediction_matches_the_measured_breakdown(measured, name):
+    assert compare(name, measured) == []
+
+
+def test_the_layouts_cover_every_stage_policy_and_schedule():
+    lays = [lay for _, lay, _ in CASES.values()]
+    assert {lay.zero for lay in lays} == {0, 1, 2, 3}
+    assert {lay.recompute for lay in lays} == {"none", "selective", "full"}
+    assert {lay.schedule for lay in lays} == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert any(lay.sequence_parallel for lay in lays) and any(lay.offload_optimizer for lay in lays)
+    assert {lay.precision for lay in lays} == {"fp32", "bf16"}
+    assert all(lay.gpus == WORLD for lay in lays)
+
+
+def test_the_planner_mirrors_megazeros_constants():
+    from megazero.zero.flat_group import FlatGroup
+
+    assert MAX_INFLIGHT == FlatGroup.MAX_INFLIGHT
+
+
+# -- pure: no processes ----------------------------------------------------------------------------
+
+S, B, H, A = 2048, 2, 1024, 16  # a GPT block with dropout everywhere, 16-bit, on CUDA's fused kernels
+SBH, AS2B, STATS = S * B * H, A * S * S * B, 16 * S * B  # STATS: two LayerNorms' fp32 mean and rstd
+
+
+@pytest.mark.parametrize("t, sp, policy, table_2", [
+    (1, False, "none", 34 * SBH + 5 * AS2B),
+    (4, False, "none", SBH * (10 + 24 / 4) + 5 * AS2B / 4),
+    (4, True, "none", (34 * SBH + 5 * AS2B) / 4),
+    (4, False, "selective", SBH * (10 + 24 / 4)),
+    (4, True, "selective", 34 * SBH / 4),
+    (4, False, "full", 2 * SBH),
+    (4, True, "full", 2 * SBH / 4),
+])
+def test_cuda_block_bytes_are_korthikanti_table_2(t, sp, policy, table_2):
+    """On CUDA (fused norm and softmax kernels, 16-bit activations, 1-byte dropout masks) one block keeps
+    exactly docs/reference.md's Table 2 row, plus the LayerNorm statistics the formula leaves out."""
+    from megazero.planner.activation_ledger import layer_bytes
+
+    spec = load_spec("model_specs/gpt.py:gpt2-medium", {"seq_len": S})
+    lay = Layout(tp=t, micro_batch=B, global_batch=B, sequence_parallel=sp, recompute=policy, precision="bf16")
+    stats = 0 if policy == "full" else STATS / (t if sp else 1)
+    assert layer_bytes(spec, lay, "cuda")["block"] == table_2 + stats
+
+
+@pytest.mark.parametrize("zero, bytes_per_param", [(0, 18), (1, 6 + 12 / 8), (2, 2 + 16 / 8), (3, 18 / 8)])
+def test_model_states_are_the_zero_papers_with_fp32_gradients(zero, bytes_per_param):
+    """Rajbhandari et al.'s 2 + 2 + 12 bytes per parameter (bf16 params and grads, fp32 master and
+    moments) become 2 + 4 + 12 with megazero's fp32 gradient accumulation, divided over dp = 8 as each
+    ZeRO stage shards them (padding to dp per bucket aside)."""
+    from megazero.planner.memory_plan import layer_params
+
+    spec = load_spec("model_specs/llama.py:llama2-7b")
+    psi = sum(p.numel for kind in ("embedding", "head") for p in layer_params(spec, kind, 1))
+    psi += spec.layers * sum(p.numel for p in layer_params(spec, "block", 1))
+    plan = predict_memory(spec, Layout(dp=8, micro_batch=1, global_batch=8, zero=zero),
+                          param_persistence_threshold=0)
+    states = sum(plan.stages[0].breakdown[k] for k in ("params", "grads", "master", "optimizer_states"))
+    assert abs(states / (psi * bytes_per_param) - 1) < 1e-6
+
+
+def test_the_plan_names_the_tightest_stage_and_what_does_not_fit():
+    """1F1B keeps p - s micro-batches in flight on stage s; the allowance is a stated fraction of the
+    device bytes; offloaded states are host memory; a stage above the device is named with its excess."""
+    from megazero.planner.hardware import Hardware
+    from megazero.planner.memory_plan import FRAGMENTATION
+
+    spec = load_spec("model_specs/gpt.py:gpt-1.7b")
+    lay = Layout(pp=4, dp=2, micro_batch=4, global_batch=64, zero=1, offload_optimizer=True)
+    plan = predict_memory(spec, lay)
+    totals = [st.total for st in plan.stages]
+    assert plan.tightest.stage == totals.index(max(totals)) and plan.over == [] and plan.fits
+    acts = [st.breakdown["activations"] for st in plan.stages]
+    assert acts[0] > acts[1] > acts[2] > acts[3]
+    for st in plan.stages:
+        assert st.host["master"] == st.breakdown["master"] > 0 and st.host["optimizer_states"] > 0
+        device = sum(st.breakdown.values()) - sum(st.host.values()) + sum(st.transient.values())
+        assert st.device_bytes == device and st.fragmentation == round(FRAGMENTATION * device)
+        assert st.total == device + st.fragmentation
+    cut = sorted(totals)[1] + 1  # every stage but the two smallest is above it
+    plan = predict_memory(spec, lay, hardware=Hardware("tiny", 1.0, cut / 2 ** 30, 1.0, 8, 1.0, 1.0))
+    assert [s for s, _ in plan.over] == [s for s, v in enumerate(totals) if v > cut]
+    assert all(abs(gb - (totals[s] - cut) / 1e9) < 1e-6 for s, gb in plan.over)
+    assert "does not fit: stage" in plan.table()
+
+
+def test_facts_that_disagree_with_the_planners_layers_are_an_error():
+    from megazero.planner.layout import PlanError
+
+    spec = spec_of(GPT)
+    lay = Layout(pp=2, micro_batch=1, global_batch=2)
+    with pytest.raises(PlanError, match="stage 0: the model facts count 5 parameters in 2 blocks"):
+        predict_memory(spec, lay, ModelFacts(10, (StageFacts(0, 2, 5), StageFacts(1, 2, 5))))
