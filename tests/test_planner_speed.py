@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from megazero.core.spec import ModelSpec
-from megazero.planner import speed
+from megazero.planner import published, speed
 from megazero.planner.facts import ModelFacts, StageFacts
 from megazero.planner.hardware import load_hardware
 from megazero.planner.layout import Layout, PlanError
@@ -30,31 +30,31 @@ def predict(layout, spec=GPT_7B, hw=A100, **kw):
 
 # -- calibration: the five Table-1 rows up to 39.1B ---------------------------------------------------------
 
-@pytest.mark.parametrize("run", speed.CALIBRATION, ids=lambda r: f"{r.params_b}B")
+@pytest.mark.parametrize("run", published.CALIBRATION, ids=lambda r: f"{r.params_b}B")
 def test_table1_rows_within_ten_percent(run):
-    plan = speed.predict_published(run, A100)
+    plan = published.predict_published(run, A100)
     assert abs(plan.hardware_tflops_per_gpu / run.tflops_per_gpu - 1) <= 0.10
     assert plan.mfu < plan.hardware_tflops_per_gpu / 312  # full recompute: hardware FLOPs > model FLOPs
 
 
 def test_default_efficiency_is_the_fit_of_the_calibration_rows():
-    fitted = speed.calibrate(A100)
+    fitted = published.calibrate(A100)
     assert fitted.gemm_max == pytest.approx(speed.DEFAULT_EFFICIENCY.gemm_max, abs=2e-3)
     assert fitted.gemm_k_half == pytest.approx(speed.DEFAULT_EFFICIENCY.gemm_k_half, abs=5.0)
-    assert max(abs(r) for r in speed.residuals(A100)) < 0.03  # the documented residuals
+    assert max(abs(r) for r in published.residuals(A100)) < 0.03  # the documented residuals
 
 
 def test_calibration_rows_are_the_reference_table():
     assert [(r.params_b, r.heads, r.hidden, r.layers, r.tp, r.pp, r.dp, r.global_batch, r.tflops_per_gpu)
-            for r in speed.CALIBRATION] == [
+            for r in published.CALIBRATION] == [
         (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 32, 512, 138),
         (7.5, 32, 4096, 36, 4, 1, 32, 512, 142), (18.4, 48, 6144, 40, 8, 1, 32, 1024, 135),
         (39.1, 64, 8192, 48, 8, 2, 32, 1536, 138)]
-    assert all(r.params_b > 39.1 for r in speed.JUDGE)  # judged, never fitted
+    assert all(r.params_b > 39.1 for r in published.JUDGE)  # judged, never fitted
 
 
 def test_flops_are_megatrons_formulas():
-    for run in speed.CALIBRATION:
+    for run in published.CALIBRATION:
         spec, layout = run.spec(), run.layout()
         b, s, l, h, v = layout.global_batch, spec.seq_len, spec.layers, spec.hidden, spec.vocab
         model, hardware = speed.step_flops(spec, layout)
@@ -210,6 +210,6 @@ def test_speed_never_imports_torch():
 
 
 def test_judged_rows_are_valid_layouts():
-    for run in speed.JUDGE:  # their predictions are reported, never asserted nor fitted
+    for run in published.JUDGE:  # their predictions are reported, never asserted nor fitted
         run.layout().check(run.spec())
         assert run.layout().num_microbatches * run.micro_batch * run.dp == run.global_batch

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from megazero.core.flat_buffer import FlatLayout, build_layout
 from megazero.core.partition import LayerInfo, partition
-from megazero.core.schedules import get_schedule
+from megazero.planner.programs import schedule_programs
 from megazero.planner.activation_ledger import activation_chunks, walk_program
 from megazero.planner.layout import PlanError
 
@@ -307,15 +307,16 @@ def _check_facts(spec, layout, facts, stages) -> None:
 
 
 def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cuda",
-                   param_persistence_threshold: int = 100_000, fragmentation: float = FRAGMENTATION
-                   ) -> MemoryPlan:
+                   param_persistence_threshold: int = 100_000, fragmentation: float = FRAGMENTATION,
+                   schedule_cache: dict | None = None) -> MemoryPlan:
     """The `MemoryPlan` of running `spec` (a `megazero.core.spec.ModelSpec`) on `layout` (a `Layout`).
 
     `facts`: the `ModelFacts` of the model on this layout (checked against the planner's parameter
     list); `hardware`: a `Hardware` whose memory the plan is checked against. `device` "cuda" (fused norm
     and causal-softmax kernels, flash attention) or "cpu" (megazero's PyTorch reference kernels: what CPU
     runs measure). `param_persistence_threshold`: ``zero.param_persistence_threshold`` (ZeRO-3 keeps
-    smaller parameters whole)."""
+    smaller parameters whole). `schedule_cache`: a dict kept across calls, for the pipeline programs
+    (`planner.programs`)."""
     layout.check(spec)
     if device not in ("cuda", "cpu"):
         raise PlanError(f"device={device!r} must be 'cuda' or 'cpu'")
@@ -323,7 +324,7 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
     accelerator = device != "cpu"
     stages = pipeline_layers(spec, layout)
     _check_facts(spec, layout, facts, stages)
-    programs = get_schedule(layout.schedule, layout.pp, layout.num_microbatches, layout.chunks)
+    programs = schedule_programs(layout.schedule, layout.pp, layout.num_microbatches, layout.chunks, cache=schedule_cache)
     counts = {kind: (sum(p.numel for p in ps if not p.matrix), sum(p.numel for p in ps))
               for kind in ("embedding", "block", "head") for ps in [layer_params(spec, kind, layout.tp)]}
     out = []

@@ -3,9 +3,10 @@
 `candidates` generates the layouts (nothing hand-picked): tp over the divisors of the GPUs per node
 that divide the heads, KV heads and FFN (TP stays inside a node: its collectives are on the critical
 path), pp over the divisors of the layers with tp x pp dividing the GPUs, dp the rest; micro-batches
-of 1, 2, 4, 8 that divide the batch per dp rank; ZeRO 0-3 (one stage when dp = 1: nothing to shard);
-recompute none / selective / full; the schedules 1F1B, GPipe, ZB-H1 and interleaved with 2 or 4
-chunks where the layers divide; sequence parallelism whenever tp > 1 (it only saves memory and
+of 1, 2, 4, 8 that divide the batch per dp rank; ZeRO 1-3 (ZeRO-0 moves the same bytes as ZeRO-1 and
+holds more; one stage when dp = 1: nothing to shard); recompute none / selective / full; the schedules
+1F1B, ZB-H1 and interleaved with 2 or 4 chunks where the layers divide (GPipe has 1F1B's bubble and
+holds every micro-batch's activations); sequence parallelism whenever tp > 1 (it only saves memory and
 replaces each all-reduce by a reduce-scatter plus an all-gather of the same volume); offload of the
 optimizer (and at ZeRO-3 of the parameters) as a last resort, only when asked (``offload=True``).
 Fixed choices (e.g. ``tp=8``) restrict the generation. `rank` keeps the layouts that fit, fastest
@@ -46,7 +47,7 @@ def candidates(spec, gpus: int, global_batch: int, gpus_per_node: int, fixed: di
             for mb in options("micro_batch", MICRO_BATCHES):
                 if global_batch % (mb * dp):
                     continue
-                for zero in options("zero", (0, 1, 2, 3) if dp > 1 else (1,)):
+                for zero in options("zero", (1, 2, 3) if dp > 1 else (1,)):
                     for recompute in options("recompute", ("none", "selective", "full")):
                         for schedule, chunks in _schedules(spec, pp, fixed):
                             for sp in options("sequence_parallel", (tp > 1,)):
@@ -67,7 +68,7 @@ def _schedules(spec, pp: int, fixed: dict):
     if pp == 1:
         yield "1f1b", 1  # one stage: every schedule is the same
         return
-    yield from (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1))
+    yield from (("1f1b", 1), ("zb-h1", 1))
     for v in CHUNKS:
         if spec.layers % (pp * v) == 0:
             yield "interleaved", v

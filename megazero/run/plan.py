@@ -24,7 +24,7 @@ from megazero.planner.hardware import load_hardware
 from megazero.planner.layout import Layout, PlanError
 from megazero.planner.memory_plan import GB, predict_memory
 from megazero.planner.search import candidates
-from megazero.planner.speed import predict_step
+from megazero.planner.speed import estimate_step_time, predict_step
 from megazero.run.model_facts import model_facts
 
 SCHEDULE_HELP = "1f1b | gpipe | interleaved[:V] (V chunks per stage, default 2) | zb-h1"
@@ -108,16 +108,25 @@ class Planner:
     def __init__(self, spec, hardware):
         self.spec, self.hardware = spec, hardware
         self._facts = lru_cache(maxsize=None)(self._build_facts)
+        self.schedules: dict = {}  # pipeline programs by (schedule, p, m, v, costs), shared by every plan
 
     def _build_facts(self, tp: int, pp: int, chunks: int, sp: bool):
         return model_facts(self.spec, tp, pp, chunks, sequence_parallel=sp)
 
-    def plan(self, layout: Layout) -> dict:
-        """The prediction of one layout as the JSON object (see `describe`)."""
+    def facts(self, layout: Layout):
+        """The meta-device `ModelFacts` of the layout's tp x pp x chunks."""
+        return self._facts(layout.tp, layout.pp, layout.chunks, layout.sequence_parallel)
+
+    def memory(self, layout: Layout):
+        """The `MemoryPlan` of one layout (a search drops the layouts that do not fit before timing them)."""
         layout.check(self.spec)
-        facts = self._facts(layout.tp, layout.pp, layout.chunks, layout.sequence_parallel)
-        memory = predict_memory(self.spec, layout, facts, self.hardware)
-        step = predict_step(self.spec, layout, self.hardware, facts)
+        return predict_memory(self.spec, layout, self.facts(layout), self.hardware, schedule_cache=self.schedules)
+
+    def plan(self, layout: Layout, memory=None) -> dict:
+        """The prediction of one layout as the JSON object (see `describe`)."""
+        memory = memory or self.memory(layout)
+        facts = self.facts(layout)
+        step = predict_step(self.spec, layout, self.hardware, facts, schedule_cache=self.schedules)
         tight = memory.tightest
         return {
             "layout": layout.describe(),
@@ -159,20 +168,30 @@ def describe(spec, hardware, result: dict) -> str:
 
 
 def search(planner: Planner, args, fixed: dict) -> tuple[list[dict], list[tuple[str, str]]]:
-    """(plans that fit, fastest first; (layout, why) of the others)."""
-    fits, rejected = [], []
+    """(plans that fit, fastest first; (layout, why) of the others). Every generated layout gets its
+    memory plan; those that fit are sorted by `estimate_step_time` (closed-form bubble), and the best
+    max(3 x top, 30) of them are timed through the simulator (`predict_step`) and ranked by it."""
+    fitting, rejected = [], []
     hw = planner.hardware
     for layout in candidates(planner.spec, args.gpus, args.global_batch, hw.gpus_per_node, fixed,
                              offload=bool(fixed.get("offload_optimizer")), precision=args.precision):
-        result = planner.plan(layout)
-        if result["fits"]:
-            fits.append(result)
+        memory = planner.memory(layout)
+        if memory.fits:
+            facts = planner.facts(layout)
+            fitting.append((estimate_step_time(planner.spec, layout, hw, facts), layout, memory))
         else:
-            worst = max(result["over_gb"].items(), key=lambda kv: kv[1])
-            rejected.append((layout.describe(), f"stage {worst[0]} needs {result['memory_gb_per_stage'][int(worst[0])]:.1f} "
-                                                f"GB, {worst[1]:.1f} GB over the {result['hbm_gb']:.1f} GB of a GPU"))
+            stage, gb = max(memory.over, key=lambda sg: sg[1])
+            rejected.append((layout.describe(), f"stage {stage} needs {memory.stages[stage].total / GB:.1f} GB, "
+                                                f"{gb:.1f} GB over the {hw.hbm_bytes / GB:.1f} GB of a GPU"))
+    if not fitting and not rejected:
+        layout = one_layout(args, fixed)  # why even the plainest layout with the fixed choices cannot run
+        raise PlanError(f"no layout of {planner.spec.name} runs on {args.gpus} GPUs with global batch "
+                        f"{args.global_batch} and the given flags; e.g. {layout.describe()}: "
+                        + "; ".join(layout.problems(planner.spec) or ["(none generated)"]))
+    fitting.sort(key=lambda item: item[0])
+    fits = [planner.plan(layout, memory) for _, layout, memory in fitting[:max(3 * args.top, 30)]]
     fits.sort(key=lambda r: r["tokens_per_s"], reverse=True)
-    return fits, rejected
+    return fits, rejected, len(fitting)
 
 
 def main(argv=None, hardware_dir: str = "configs/hardware", spec_dir: str = "model_specs") -> int:
@@ -185,13 +204,13 @@ def main(argv=None, hardware_dir: str = "configs/hardware", spec_dir: str = "mod
         fixed = fixed_choices(args)
         planner = Planner(spec, hardware)
         if args.search:
-            fits, rejected = search(planner, args, fixed)
+            fits, rejected, fitting = search(planner, args, fixed)
             if args.json:
-                print(json.dumps({"fits": [_public(r) for r in fits],
+                print(json.dumps({"fitting": fitting, "fits": [_public(r) for r in fits],
                                   "rejected": [{"layout": lay, "why": why} for lay, why in rejected]}, indent=1))
             else:
-                print(f"{len(fits)} layouts fit, {len(rejected)} do not ({spec.name}, {args.gpus} x {hardware.name}, "
-                      f"global batch {args.global_batch})")
+                print(f"{fitting} layouts fit, {len(rejected)} do not ({spec.name}, {args.gpus} x {hardware.name}, "
+                      f"global batch {args.global_batch}); the {len(fits)} fastest by estimate, timed by the simulator:")
                 for i, r in enumerate(fits[:args.top]):
                     print(f"{i + 1:>3}. {r['layout']:<58} {r['tokens_per_s']:>12,.0f} tokens/s  MFU {r['mfu']:.1%}  "
                           f"{r['memory_gb_per_gpu']:.1f} GB (stage {r['tightest_stage']})")
