@@ -23,13 +23,18 @@ TOL = 1e-4
 LR, WEIGHT_DECAY = 1e-3, 0.01
 SETTINGS = {"zero0": {"stage": 0}, "zero1": {"stage": 1}, "zero2": {"stage": 2}, "zero3": {"stage": 3},
             "zero2-offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-TORCH_PEER = {"zero0": "ddp", "zero3": "fsdp2"}
+TORCH_PEER = {"zero0": "ddp", "zero3": "fsdp2", "zero0-smoke": "ddp"}
+SMOKE = {"zero0-smoke": {"stage": 0}}
+"""--tiny's setting: ZeRO-0 with DeepSpeed on torch's AdamW (``torch_adam``) and without its shared-memory
+comm op, so that a smoke run on a fresh machine does not wait ~2 minutes for DeepSpeed's JIT builds; the
+real runs keep both."""
 
 
-def ds_config(zero: dict, micro: int) -> dict:
+def ds_config(zero: dict, micro: int, torch_adam: bool = False) -> dict:
     """The one config both megazero and DeepSpeed read (clipping off in both: DeepSpeed's default is 1.0)."""
+    params = {"lr": LR, "weight_decay": WEIGHT_DECAY} | ({"torch_adam": True} if torch_adam else {})
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "optimizer": {"type": "AdamW", "params": params},
             "zero_optimization": dict(zero), "steps_per_print": 10 ** 9}
 
 
@@ -78,7 +83,7 @@ def _single_step(size: GPTSize, batches):
     return step
 
 
-def build(name: str, size: GPTSize, zero: dict, micro: int, mine, full):
+def build(name: str, size: GPTSize, zero: dict, micro: int, mine, full, torch_adam: bool = False):
     """Contestant `name`'s step function on this rank (`mine`: this rank's micro-batches, `full`:
     the global batches)."""
     import torch.distributed as dist
@@ -90,9 +95,11 @@ def build(name: str, size: GPTSize, zero: dict, micro: int, mine, full):
         import megazero as deepspeed
     elif name == "deepspeed":
         import deepspeed
+        if torch_adam:  # the smoke run: no JIT build of the shared-memory op, used by inference all-reduce only
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if name in ("megazero", "deepspeed"):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(zero, micro))
+                                          config=ds_config(zero, micro, torch_adam))
         return _engine_step(engine, mine)
     if name == "ddp":
         return _torch_step(torch.nn.parallel.DistributedDataParallel(model), mine)
@@ -108,7 +115,7 @@ def build(name: str, size: GPTSize, zero: dict, micro: int, mine, full):
     raise ValueError(name)
 
 
-def worker(names, size, zero, micro, warmup, repeats, window):
+def worker(names, size, zero, micro, warmup, repeats, window, torch_adam=False):
     """On each rank: build every contestant (recording why one cannot be built), then time them
     interleaved. Returns {"timed": {name: ...}, "absent": {name: reason}}."""
     import torch.distributed as dist
@@ -119,7 +126,7 @@ def worker(names, size, zero, micro, warmup, repeats, window):
     contestants, absent = {}, {}
     for name in names:
         try:
-            contestants[name] = build(name, size, zero, micro, mine, full)
+            contestants[name] = build(name, size, zero, micro, mine, full, torch_adam)
         except Exception as err:  # noqa: BLE001 - a peer that cannot run is recorded; the rest runs
             absent[name] = C.failure(err)
         dist.barrier()
@@ -137,7 +144,8 @@ def measure(setting: str, world: int, size: GPTSize, micro: int, warmup: int, re
     names = ["megazero", "deepspeed"] + ([TORCH_PEER[setting]] if setting in TORCH_PEER else []) + ["single"]
     print(f"[bench] zero_step {setting} at {world} ranks: {', '.join(names)}", file=sys.stderr, flush=True)
     try:
-        per_rank = C.run_ranks(worker, world, names, size, SETTINGS[setting], micro, warmup, repeats, window)
+        per_rank = C.run_ranks(worker, world, names, size, {**SETTINGS, **SMOKE}[setting], micro, warmup, repeats,
+                               window, setting in SMOKE)
     except Exception as err:  # noqa: BLE001
         return {"error": C.failure(err)}
     absent = per_rank[0]["absent"]
@@ -163,7 +171,7 @@ def measure(setting: str, world: int, size: GPTSize, micro: int, warmup: int, re
 def sizes(args) -> tuple[GPTSize, int, int, int, list[int], list[str]]:
     """(model, global batch, warm-up steps, steps per window, world sizes, settings)."""
     if args.tiny:
-        return GPTSize(layers=1, hidden=32, heads=2, vocab=64, seq=16), 4, 1, 1, [2], ["zero0"]
+        return GPTSize(layers=1, hidden=32, heads=2, vocab=64, seq=16), 4, 1, 1, [2], ["zero0-smoke"]
     return GPTSize(), 8, 2, 2, [2, 4], list(SETTINGS)
 
 
