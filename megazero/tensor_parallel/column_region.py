@@ -71,10 +71,15 @@ def _launch_all_reduce(x: torch.Tensor, group: GroupHandle) -> _InFlight:
 
 
 def _input_grad(gys, weights) -> torch.Tensor:
-    """Σ_i gy_i·W_i, the input gradient of all the region's linears: gy_i (..., out_i) -> (..., in)."""
-    gx = gys[0].reshape(-1, gys[0].shape[-1]).mm(weights[0])  # (rows, in)
-    for gy, w in zip(gys[1:], weights[1:]):
-        gx = torch.addmm(gx, gy.reshape(-1, gy.shape[-1]), w)  # (rows, in)
+    """Σ_i gy_i·W_i, the input gradient of all the region's linears: gy_i (..., out_i) -> (..., in).
+
+    Each product is rounded to the working dtype and the sum taken last to first, as autograd sums the
+    unfused linears' input gradients: the region is then bit for bit the unfused composition (a chain
+    of addmm accumulating in fp32 would be more precise in bf16, and differ from one process's run)."""
+    parts = [gy.reshape(-1, gy.shape[-1]).mm(w) for gy, w in zip(gys, weights)]  # (rows, in) each
+    gx = parts[-1]
+    for p in reversed(parts[:-1]):
+        gx = gx + p
     return gx.view(*gys[0].shape[:-1], gx.shape[-1])
 
 
