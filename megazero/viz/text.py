@@ -1,0 +1,56 @@
+"""The character grid of a `Timeline` (``--format text``): one row per stage, one column per time step.
+
+A cell shows what runs then: forward of micro-batch n as 0-9 then a-z, backward (full, or input
+grad) of micro-batch n as A-Z (A = micro-batch 0), the zero-bubble weight-grad pass as w, and idle
+time (the bubble) as '.'. With unit costs a column is one time unit (today's grid); with other
+costs a column is the shortest compute block's duration.
+"""
+from __future__ import annotations
+
+from megazero.viz.timeline import Timeline
+
+FWD = "0123456789abcdefghijklmnopqrstuvwxyz"
+BWD = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+LEGEND = ("legend: 0-9a-z forward of micro-batch n, A-Z backward (input grad, or full) of micro-batch n, "
+          "w weight-grad pass (zero bubble), . idle")
+
+
+def cell(kind: str, mb: int) -> str:
+    """The character of a block: `kind` is F, B (full or input grad) or W."""
+    if kind == "F":
+        return FWD[mb % len(FWD)]
+    if kind == "B":
+        return BWD[mb % len(BWD)]
+    return "w"
+
+
+def column_time(timeline: Timeline) -> float:
+    """The time one column stands for: the shortest compute block (1 with unit costs)."""
+    return min((b.duration for b in timeline.blocks if b.duration > 0), default=1.0)
+
+
+def grid(timeline: Timeline) -> list[str]:
+    """One string per stage; `column_time` time per character."""
+    unit = column_time(timeline)
+    width = int(round(timeline.makespan / unit))
+    rows = [["."] * width for _ in range(timeline.num_stages)]
+    for b in timeline.blocks:
+        char = cell(b.short[0], b.mb)
+        for t in range(int(round(b.start / unit)), min(int(round(b.end / unit)), width)):
+            rows[b.stage][t] = char
+    return ["".join(r) for r in rows]
+
+
+def header(timeline: Timeline) -> str:
+    """Today's first line: makespan, bubble of the step, peak in-flight micro-batches per stage."""
+    return (f"{timeline.title}  makespan {timeline.makespan:g}  bubble {timeline.bubble:.1%} of the step  "
+            f"peak in-flight micro-batches per stage {[s.peak_inflight for s in timeline.stages]}")
+
+
+def render_text(timeline: Timeline) -> str:
+    """Header, one ``stage s`` row each, the legend (what `tools/visualize_schedule.py` prints)."""
+    lines = [header(timeline)] + [f"stage {s} {row}" for s, row in enumerate(grid(timeline))]
+    return "\n".join(lines + [LEGEND])
+
+
+__all__ = ["LEGEND", "cell", "column_time", "grid", "header", "render_text"]
