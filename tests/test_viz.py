@@ -7,6 +7,7 @@ line on stderr and exits 2 on bad input. Pure and fast (no torch, no processes, 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import xml.etree.ElementTree as ET
@@ -30,6 +31,13 @@ NS = "{http://www.w3.org/2000/svg}"
 CASES = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zb-h1") for p in (2, 4) for m in (4, 8)]
 CASES += [("interleaved", p, m, 2) for p in (2, 4) for m in (4, 8)] + [("interleaved", 2, 4, 3)]
 COSTS = [None, Costs(1.0, 2.0, 1.0, 0.25)]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("visualize_schedule", os.path.join(ROOT, "tools", "visualize_schedule.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _simulated(name, p, m, v, costs):
@@ -160,3 +168,57 @@ def test_text_grid_is_todays():
         "stage 2 ..01..AA2BB3CC4DD5EE6FF7GG.HH....",
         "stage 3 ...0AA1BB2CC3DD4EE5FF6GG7HH......",
     ]
+
+
+def test_cli_writes_svg_html_and_chrome_trace(tmp_path, capsys):
+    tool = _tool()
+    svg, page, trace = tmp_path / "s.svg", tmp_path / "s.html", tmp_path / "t.json"
+    assert tool.main(["--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--costs", "1,1,1,0.1",
+                      "--out", str(svg), "--chrome-trace", str(trace)]) == 0
+    assert tool.main(["--schedule", "interleaved", "-p", "2", "-m", "4", "--chunks", "2", "--out", str(page),
+                      "--format", "text"]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {svg}" in out and f"wrote {trace}" in out and "stage 1 " in out  # --format text with --out
+    result = simulate(get_schedule("zb-h1", 4, 8, 1, Costs(p2p=0.1)), Costs(p2p=0.1))
+    data = json.loads(ET.parse(svg).getroot().find(f".//{NS}script[@id='schedule-data']").text)
+    _check_data(data, result)
+    assert sum(e.get("cat") == "compute" for e in json.loads(trace.read_text())["traceEvents"]) == len(data["blocks"])
+    collect = _Collect()
+    collect.feed(page.read_text())
+    _check_data(collect.data, simulate(get_schedule("interleaved", 2, 4, 2)))
+
+
+def test_cli_keeps_the_positional_schedule(capsys):
+    assert _tool().main(["gpipe", "-p", "3", "-m", "5"]) == 0
+    assert capsys.readouterr().out.split("\n")[1] == "stage 0 01234......AABBCCDDEE"
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--schedule", "1f1bb"], "unknown pipeline schedule '1f1bb'"),
+    (["--schedule", "interleaved", "-p", "4", "-m", "2", "-v", "2"], "m=2 < p=4"),
+    (["--schedule", "interleaved", "-p", "4", "-m", "6", "-v", "2"], "multiple of num_stages"),
+    (["--schedule", "gpipe", "-v", "2"], "only applies to the 'interleaved' schedule"),
+    (["--costs", "1,x,1"], "expected numbers F,B,W[,P2P]"),
+    (["--costs", "1,1"], "expected 3 or 4 numbers"),
+    (["--costs", "0,1,1"], "F and B must be > 0"),
+    (["--costs", "1,1,1,-1"], "W and P2P >= 0"),
+    (["--out", "x.png"], "must be FILE.svg or FILE.html"),
+    (["1f1b", "--schedule", "gpipe"], "two schedules given"),
+    (["--schedule", "missing.csv", "-p", "2", "-m", "2"], "cannot read pipeline schedule file 'missing.csv'"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(argv, words, capsys):
+    assert _tool().main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("visualize_schedule: ") and words in lines[0], captured.err
+
+
+def test_cli_keeps_the_measured_grid(tmp_path, capsys):
+    for rank, events in enumerate([[("F0", 0, 10), ("B0", 30, 20)], [("F0", 10, 10), ("B0", 20, 10)]]):
+        trace = {"traceEvents": [{"name": n, "ph": "X", "ts": ts, "dur": dur, "args": {"step": 1, "mb": 0}}
+                                 for n, ts, dur in events], "metadata": {"rank": rank, "stage": rank}}
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(trace))
+    assert _tool().main(["--trace", str(tmp_path), "--width", "5"]) == 0
+    assert capsys.readouterr().out.split("\n")[:3] == ["measured step 1: 0.1 ms over 5 columns",
+                                                       "r0  s0 0..AA", "r1  s1 .0A.."]
