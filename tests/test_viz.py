@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
@@ -222,3 +224,11 @@ def test_cli_keeps_the_measured_grid(tmp_path, capsys):
     assert _tool().main(["--trace", str(tmp_path), "--width", "5"]) == 0
     assert capsys.readouterr().out.split("\n")[:3] == ["measured step 1: 0.1 ms over 5 columns",
                                                        "r0  s0 0..AA", "r1  s1 .0A.."]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def test_html_script_parses(tmp_path):
+    """A syntax check of the page's inline script (not a render: the headless-browser test is separate)."""
+    from megazero.viz.html import _JS
+    (tmp_path / "page.js").write_text(_JS)
+    subprocess.run(["node", "--check", str(tmp_path / "page.js")], check=True, timeout=30)
