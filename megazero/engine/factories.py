@@ -13,9 +13,9 @@ from megazero.activation_checkpoint import ActivationCheckpointer
 from megazero.core.config import Config, ConfigError
 from megazero.core.instructions import ScheduleError
 from megazero.core.schedules import get_schedule, splits_backward
-from megazero.core.spec import load_spec
 from megazero.models.pipeline_from_spec import build_pipeline_model
 from megazero.pipeline.pipeline_module import PipelineModule
+from megazero.planner.from_config import spec_of
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 from megazero.zero.loss_scaler import LossScaler
@@ -30,14 +30,6 @@ def compute_dtype(cfg: Config) -> torch.dtype:
     return DTYPES[cfg.precision]
 
 
-def model_spec(cfg: Config):
-    """The ModelSpec named by model.spec with the config's architecture overrides (and seq_len)."""
-    overrides = cfg.model.architecture()
-    if cfg.model.seq_len is not None:
-        overrides["seq_len"] = cfg.model.seq_len
-    return load_spec(cfg.model.spec, overrides)
-
-
 def check_model_and_schedule(cfg: Config) -> None:
     """What `build_model` and the engine will need, checked before any process group exists: the
     spec loads and splits over the TP group, and the schedule builds for (pp, micro-batches, chunks).
@@ -46,7 +38,7 @@ def check_model_and_schedule(cfg: Config) -> None:
         SpecError: naming the spec field; ConfigError: naming the config key of a schedule problem.
     """
     if cfg.model.spec is not None:
-        model_spec(cfg).validate_layout(cfg.parallel.tp, cfg.parallel.sequence_parallel)
+        spec_of(cfg).validate_layout(cfg.parallel.tp, cfg.parallel.sequence_parallel)
     try:
         get_schedule(cfg.pipeline.schedule, cfg.parallel.pp, cfg.train.gradient_accumulation_steps,
                      cfg.pipeline.chunks)
@@ -58,7 +50,7 @@ def build_model(cfg: Config, pctx: ParallelContext, device=None, wrap_block=None
     """This rank's PipelineModule of the configured model spec. Unless `wrap_block` is given, the
     blocks are checkpointed as ``activation_checkpointing`` says. When the schedule splits backward
     into B and W (zero bubble), the linear layers are built with a `WeightGradStore`."""
-    spec = model_spec(cfg)
+    spec = spec_of(cfg)
     checkpointer = None
     if wrap_block is None:
         checkpointer = ActivationCheckpointer.from_config(cfg.activation_checkpointing, pctx.tp_group)

@@ -14,8 +14,7 @@ first, and says for each rejected one why.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 from megazero.planner.layout import Layout
 
@@ -83,21 +82,3 @@ def _offloads(zero: int, offload: bool, fixed: dict):
         yield True, False
         if zero == 3:
             yield True, True
-
-
-@dataclass(frozen=True)
-class Ranked:
-    """The outcome of a search: `fits` fastest first, `rejected` as (layout, why) pairs."""
-
-    fits: list
-    rejected: list
-
-
-def rank(plans: list, fits: Callable[[object], str | None], throughput: Callable[[object], float]) -> Ranked:
-    """`plans` split by `fits(plan)` (None: it fits, else the reason) and sorted by `throughput`."""
-    good, bad = [], []
-    for plan in plans:
-        why = fits(plan)
-        (good if why is None else bad).append(plan if why is None else (plan, why))
-    good.sort(key=throughput, reverse=True)
-    return Ranked(good, bad)

@@ -413,7 +413,14 @@ def _p2p_time(spec, layout, mc: _Machine, impl, a: int, b: int) -> float:
 class _StageCosts:
     """Parts dicts of every compute instruction kind per (stage, chunk); the simulator's cost function."""
 
+    @classmethod
+    def of(cls, spec, layout, hardware, facts, efficiency, impl) -> "_StageCosts":
+        """The costs of `layout` (checked against `spec`) on `hardware`; backward split for ZB-H1."""
+        layout.check(spec)
+        return cls(spec, layout, _Machine(hardware, efficiency, layout), impl, facts, layout.schedule == "zb-h1")
+
     def __init__(self, spec, layout, mc: _Machine, impl, facts, split: bool):
+        self.mc, self.split = mc, split
         p, v = layout.pp, layout.chunks
         blk = _block(spec, layout, mc, impl)
         emb_f, emb_b, head_f, head_b, head_w = _embedding_head(spec, layout, mc)
@@ -500,10 +507,8 @@ def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DE
     `Hardware`); `facts`: a `ModelFacts` for the exact parameter counts (else counted from the spec).
     `schedule_cache`: a dict kept across calls, for the pipeline programs (`planner.programs`).
     Raises `PlanError` for a layout that cannot run the model."""
-    layout.check(spec)
-    mc = _Machine(hardware, efficiency, layout)
-    split = layout.schedule == "zb-h1"
-    costs = _StageCosts(spec, layout, mc, implementation, facts, split)
+    costs = _StageCosts.of(spec, layout, hardware, facts, efficiency, implementation)
+    mc = costs.mc
     tuning = _tuning(costs, layout) if layout.pp > 1 else None  # one stage: no transfers to order
     programs = schedule_programs(layout.schedule, layout.pp, layout.num_microbatches, layout.chunks, tuning,
                                  schedule_cache)
@@ -535,10 +540,8 @@ def estimate_step_time(spec, layout, hardware, facts=None, efficiency: Efficienc
     exactly: the slowest stage's m micro-batches of F + B + W, its gradient reduction and optimizer
     step, plus the closed-form bubble of the schedule on that stage's costs (docs/reference.md):
     (p - 1)(F + B + W)/v for 1F1B, GPipe and interleaved, (p - 1)(F + B - W) for ZB-H1."""
-    layout.check(spec)
-    mc = _Machine(hardware, efficiency, layout)
-    split = layout.schedule == "zb-h1"
-    costs = _StageCosts(spec, layout, mc, implementation, facts, split)
+    costs = _StageCosts.of(spec, layout, hardware, facts, efficiency, implementation)
+    split = costs.split
     p, m, v = layout.pp, layout.num_microbatches, layout.chunks
     worst = 0.0
     for s in range(p):

@@ -119,6 +119,7 @@ class FlatGroup:
 
     def _build_master(self) -> None:
         sizes = [e - s for s, e in self.owned]
+        self._owned_start = [sum(sizes[:b]) for b in range(len(sizes))]
         self.separate_master = self.dtype != torch.float32 or self.offload
         dev = "cpu" if self.offload else self.device
         pin = self.offload and torch.cuda.is_available()
@@ -169,7 +170,7 @@ class FlatGroup:
         if self._host_grad is None:
             self._host_grad = torch.empty(sum(t.numel() for t in self.grad_owned), dtype=torch.float32,
                                           pin_memory=torch.cuda.is_available())
-        start = sum(t.numel() for t in self.grad_owned[:b])
+        start = self._owned_start[b]  # bucket b's offset in the concatenated owned slices
         host = self._host_grad[start:start + self.grad_owned[b].numel()]
         host.copy_(self.grad_owned[b], non_blocking=True)
         return host

@@ -346,7 +346,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self.scaler.dynamic:
                 self.scaler.update(True)
             elif self.nonfinite == "error":
-                first = self._first_nonfinite()
+                first = views.first_nonfinite(self)
                 where = f"first on this rank: {first}" if first else "on another rank"
                 raise NonFiniteGradients(f"step {self.step_count + 1}: non-finite gradients ({where}); "
                                          f"nonfinite_gradients=skip skips such steps instead")
@@ -359,17 +359,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.zero_grad()
         self.scaler.update(False)
         return info | {"skipped": False, "grad_norm": norm, "skipped_steps": self.skipped_steps}
-
-    def _first_nonfinite(self) -> str | None:
-        """The logical name of the first parameter whose owned gradient slice is not finite, here."""
-        for group in self.groups:
-            for b, segs in enumerate(group.segments):
-                lo = group.owned[b][0]
-                for s in segs:
-                    if not torch.isfinite(group.grad_owned[b][s.buf_start - lo:s.buf_end - lo]).all():
-                        param = group.params[s.param]
-                        return getattr(param, "logical_name", None) or f"{group.name} group parameter {s.param}"
-        return None
 
     def _update_group(self, group: FlatGroup, runs, coef: float, buckets, grads=None, step: int | None = None) -> None:
         """The update of every run of `group`'s `buckets` with its parameter group's hyper-parameters,

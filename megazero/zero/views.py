@@ -1,7 +1,8 @@
 """Whole-model views of a `ZeroOptimizer`'s flat, sharded state, for code outside the training
 step: the full parameters inside a block (`megazero.zero.GatheredParameters`, checkpoints, parity
-checks) and the reduced gradients (inspection and parity). Each all-gathers over the flat groups' dp
-group; every dp rank must call.
+checks), the reduced gradients (inspection and parity), and the first parameter with a non-finite
+gradient (the error of ``nonfinite_gradients=error``). The first two all-gather over the
+flat groups' dp group (every dp rank must call); the last is local.
 """
 from __future__ import annotations
 
@@ -74,3 +75,15 @@ def reduced_gradients(opt) -> dict:
             bk = layout.buckets[layout.bucket_of(i)]
             out[p] = (full[bk.index][s - bk.start:e - bk.start] * inv).view(group.shapes[i])
     return out
+
+
+def first_nonfinite(opt) -> str | None:
+    """The logical name of the first parameter whose owned gradient slice is not finite, here."""
+    for group in opt.groups:
+        for b, segs in enumerate(group.segments):
+            lo = group.owned[b][0]
+            for s in segs:
+                if not torch.isfinite(group.grad_owned[b][s.buf_start - lo:s.buf_end - lo]).all():
+                    param = group.params[s.param]
+                    return getattr(param, "logical_name", None) or f"{group.name} group parameter {s.param}"
+    return None
