@@ -204,7 +204,7 @@ def test_cli_keeps_the_positional_schedule(capsys):
     (["--costs", "1,1"], "expected 3 or 4 numbers"),
     (["--costs", "0,1,1"], "F and B must be > 0"),
     (["--costs", "1,1,1,-1"], "W and P2P >= 0"),
-    (["--out", "x.png"], "must be FILE.svg or FILE.html"),
+    (["--out", "x.gif"], "must be FILE.svg, FILE.html, FILE.png or FILE.pdf"),
     (["1f1b", "--schedule", "gpipe"], "two schedules given"),
     (["--schedule", "missing.csv", "-p", "2", "-m", "2"], "cannot read pipeline schedule file 'missing.csv'"),
 ])

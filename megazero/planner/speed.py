@@ -501,18 +501,25 @@ def step_flops(spec, layout) -> tuple[float, float]:
     return model, model + tokens * spec.layers * extra
 
 
+def predicted_simulation(spec, layout, hardware, facts=None, efficiency: Efficiency = DEFAULT_EFFICIENCY,
+                         implementation: Implementation = MEGAZERO, schedule_cache: dict | None = None):
+    """(`SimResult`, its cost function): the step of `layout` simulated with the predicted duration (s)
+    of every instruction on every stage; what `predict_step` reads and the visualizer draws."""
+    costs = _StageCosts.of(spec, layout, hardware, facts, efficiency, implementation)
+    tuning = _tuning(costs, layout) if layout.pp > 1 else None  # one stage: no transfers to order
+    programs = schedule_programs(layout.schedule, layout.pp, layout.num_microbatches, layout.chunks, tuning,
+                                 schedule_cache)
+    return simulate(programs, costs, check=False), costs
+
+
 def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DEFAULT_EFFICIENCY,
                  implementation: Implementation = MEGAZERO, schedule_cache: dict | None = None) -> StepPlan:
     """The predicted step of `spec` (a `ModelSpec`) on `layout` (a `Layout`) and `hardware` (a
     `Hardware`); `facts`: a `ModelFacts` for the exact parameter counts (else counted from the spec).
     `schedule_cache`: a dict kept across calls, for the pipeline programs (`planner.programs`).
     Raises `PlanError` for a layout that cannot run the model."""
-    costs = _StageCosts.of(spec, layout, hardware, facts, efficiency, implementation)
+    sim, costs = predicted_simulation(spec, layout, hardware, facts, efficiency, implementation, schedule_cache)
     mc = costs.mc
-    tuning = _tuning(costs, layout) if layout.pp > 1 else None  # one stage: no transfers to order
-    programs = schedule_programs(layout.schedule, layout.pp, layout.num_microbatches, layout.chunks, tuning,
-                                 schedule_cache)
-    sim = simulate(programs, costs, check=False)
     step = sim.makespan
     ends = [st[-1].end if st else 0.0 for st in sim.timeline]
     crit = max((s for s in range(layout.pp) if math.isclose(ends[s], step, rel_tol=1e-9)),

@@ -3,7 +3,10 @@
 Each rank writes `<run_dir>/trace/rank<r>.json` in the Chrome trace-event format (Perfetto and
 chrome://tracing open it): one complete event ("ph": "X") per executed instruction, pid = pipeline
 stage, tid = global rank, name = the instruction's short repr ("F3", "SA3>1", ...), with the step
-number in args. The schedule visualizer reads the same files to draw measured timelines.
+number, micro-batch, chunk and peer stage in args. The metadata holds the rank's grid coordinates,
+the Unix time of the trace's origin (so that ranks, and hosts with synchronised clocks, share one
+time axis) and, once known, the activation bytes this rank kept at its peak in the first step.
+`python -m megazero.viz --run RUN_DIR` reads these files to draw the measured timeline.
 """
 from __future__ import annotations
 
@@ -19,15 +22,23 @@ class Tracer:
 
     def __init__(self, path: str, rank: int, stage: int, dp_rank: int, tp_rank: int):
         self.path, self.rank, self.stage = path, rank, stage
-        self.meta = {"rank": rank, "stage": stage, "dp_rank": dp_rank, "tp_rank": tp_rank}
+        self.t0, unix = time.perf_counter(), time.time()  # one origin on both clocks
+        self.meta = {"rank": rank, "stage": stage, "dp_rank": dp_rank, "tp_rank": tp_rank, "unix_origin_s": unix}
         self.events: list[dict] = []
         self.step = 0
-        self.t0 = time.perf_counter()
 
     def event(self, ins, start: float, end: float) -> None:
+        args = {"step": self.step, "mb": ins.mb if isinstance(ins, I.PER_MICROBATCH) else None,
+                "chunk": getattr(ins, "chunk", 0)}
+        if isinstance(ins, I.P2P):
+            args["peer"] = ins.peer
         self.events.append({"name": repr(ins), "cat": type(ins).__name__, "ph": "X", "pid": self.stage,
                             "tid": self.rank, "ts": (start - self.t0) * 1e6, "dur": (end - start) * 1e6,
-                            "args": {"step": self.step, "mb": ins.mb if isinstance(ins, I.PER_MICROBATCH) else None}})
+                            "args": args})
+
+    def note_peak_activations(self, nbytes: int) -> None:
+        """Record the activation bytes this rank kept at its peak (the trainer's first-step meter)."""
+        self.meta["peak_activation_bytes"] = int(nbytes)
 
     def next_step(self) -> None:
         self.step += 1

@@ -2,14 +2,16 @@
 
 All CSS and JS are inline. Hovering a block shows its stage, kind, micro-batch, chunk, start, end
 and duration (read from its data-* attributes; the SVG's <title>s are the fallback without JS).
-A table gives each stage's bubble and peak in-flight micro-batches. The `Timeline` is embedded as
+A table gives each stage's bubble and peak in-flight micro-batches (for a `Comparison`: both bubbles,
+their difference and where the two differ most). The `Timeline` (or the `Comparison`) is embedded as
 JSON in ``<script type="application/json" id="schedule-data">``.
 """
 from __future__ import annotations
 
 from xml.sax.saxutils import escape
 
-from megazero.viz.svg import svg_element
+from megazero.viz.compare import Comparison
+from megazero.viz.svg import svg_element, title
 from megazero.viz.timeline import Timeline
 
 _CSS = """
@@ -47,6 +49,18 @@ _JS = """
 """
 
 
+def _compare_table(c: Comparison) -> str:
+    a, b = c.plan.source, c.run.source
+    rows = "".join(f"<tr><td>{d.stage}</td><td>{d.plan_bubble:.1%}</td><td>{d.run_bubble:.1%}</td>"
+                   f"<td>{d.difference:+.1%}</td><td>{pa.peak_inflight}</td><td>{pb.peak_inflight}</td></tr>"
+                   for d, pa, pb in zip(c.stages, c.plan.stages, c.run.stages))
+    total = (f"<tr><th>all</th><td>{c.plan.bubble:.1%}</td><td>{c.run.bubble:.1%}</td>"
+             f"<td>{c.run.bubble - c.plan.bubble:+.1%}</td><td></td><td></td></tr>")
+    return (f"<table id='stages'><tr><th>stage</th><th>bubble {a}</th><th>bubble {b}</th><th>difference</th>"
+            f"<th>peak in flight {a}</th><th>peak in flight {b}</th></tr>" + rows + total + "</table>"
+            f"<p id='differs-most'>{escape(c.differs_most())}</p>")
+
+
 def _table(timeline: Timeline) -> str:
     rows = "".join(f"<tr><td>{s.stage}</td><td>{s.busy:g}</td><td>{s.idle:g}</td><td>{s.bubble:.1%}</td>"
                    f"<td>{s.peak_inflight}</td><td>{s.peak_unfinished}</td></tr>" for s in timeline.stages)
@@ -56,18 +70,20 @@ def _table(timeline: Timeline) -> str:
             "<th>peak in flight</th><th>peak unfinished</th></tr>" + rows + total + "</table>")
 
 
-def render_html(timeline: Timeline) -> str:
-    """The HTML file's text."""
+def render_html(picture) -> str:
+    """The HTML file's text, of a `Timeline` or a `Comparison`."""
+    compare = isinstance(picture, Comparison)
+    heading = title(picture) if compare else picture.summary()
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{escape(timeline.title)}</title>", f"<style>{_CSS}</style></head><body>",
-        f"<h1>{escape(timeline.summary())}</h1>",
+        f"<title>{escape(picture.title)}</title>", f"<style>{_CSS}</style></head><body>",
+        f"<h1>{escape(heading)}</h1>",
         '<div class="controls"><button id="zoom-out">-</button><button id="zoom-in">+</button>'
         '<button id="zoom-fit">fit width</button><button id="zoom-1">1:1</button> '
         "hover a block for details</div>",
-        f'<div id="scroll">{svg_element(timeline, embed_data=False)}</div>',
-        '<div id="tip"></div>', _table(timeline),
-        f'<script type="application/json" id="schedule-data">{timeline.to_json()}</script>',
+        f'<div id="scroll">{svg_element(picture, embed_data=False)}</div>',
+        '<div id="tip"></div>', _compare_table(picture) if compare else _table(picture),
+        f'<script type="application/json" id="schedule-data">{picture.to_json()}</script>',
         f"<script>{_JS}</script>", "</body></html>", ""])
 
 

@@ -24,32 +24,39 @@ def cell(kind: str, mb: int) -> str:
     return "w"
 
 
-def column_time(timeline: Timeline) -> float:
-    """The time one column stands for: the shortest compute block (1 with unit costs)."""
-    return min((b.duration for b in timeline.blocks if b.duration > 0), default=1.0)
+def column_time(timeline: Timeline, max_columns: int | None = None) -> float:
+    """The time one column stands for: the shortest compute block (1 with unit costs), or longer
+    when the grid would pass `max_columns`."""
+    shortest = min((b.duration for b in timeline.blocks if b.duration > 0), default=1.0)
+    return max(shortest, timeline.makespan / max_columns) if max_columns else shortest
 
 
-def grid(timeline: Timeline) -> list[str]:
-    """One string per stage; `column_time` time per character."""
-    unit = column_time(timeline)
+def grid(timeline: Timeline, max_columns: int | None = None) -> list[str]:
+    """One string per stage; `column_time` time per character. Blocks shorter than a column take one
+    column; the step-level ones (R, O) and loads are not drawn."""
+    unit = column_time(timeline, max_columns)
     width = int(round(timeline.makespan / unit))
     rows = [["."] * width for _ in range(timeline.num_stages)]
     for b in timeline.blocks:
+        if b.mb < 0 or b.kind == "LoadMicroBatch":
+            continue
         char = cell(b.short[0], b.mb)
-        for t in range(int(round(b.start / unit)), min(int(round(b.end / unit)), width)):
+        first = int(round(b.start / unit))
+        for t in range(first, min(max(int(round(b.end / unit)), first + 1), width)):
             rows[b.stage][t] = char
     return ["".join(r) for r in rows]
 
 
 def header(timeline: Timeline) -> str:
     """Today's first line: makespan, bubble of the step, peak in-flight micro-batches per stage."""
-    return (f"{timeline.title}  makespan {timeline.makespan:g}  bubble {timeline.bubble:.1%} of the step  "
+    unit = timeline.unit and " " + timeline.unit
+    return (f"{timeline.title}  makespan {timeline.makespan:.6g}{unit}  bubble {timeline.bubble:.1%} of the step  "
             f"peak in-flight micro-batches per stage {[s.peak_inflight for s in timeline.stages]}")
 
 
-def render_text(timeline: Timeline) -> str:
-    """Header, one ``stage s`` row each, the legend (what `tools/visualize_schedule.py` prints)."""
-    lines = [header(timeline)] + [f"stage {s} {row}" for s, row in enumerate(grid(timeline))]
+def render_text(timeline: Timeline, max_columns: int | None = None) -> str:
+    """Header, one ``stage s`` row each, the legend (what `python -m megazero.viz` prints)."""
+    lines = [header(timeline)] + [f"stage {s} {row}" for s, row in enumerate(grid(timeline, max_columns))]
     return "\n".join(lines + [LEGEND])
 
 
