@@ -24,7 +24,8 @@ setup(
     # An unpinned torch: a user's CUDA build already satisfies it and is never replaced.
     install_requires=["torch>=2.4", "einops>=0.7", "networkx>=3.0", "omegaconf>=2.3", "tqdm>=4.60", "safetensors>=0.4"],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6", "transformers>=4.40", "ninja"],
+        "test": ["pytest>=7", "hypothesis>=6", "transformers>=4.40", "ninja", "playwright>=1.40", "matplotlib>=3.7"],
+        "viz": ["matplotlib>=3.7"],  # PNG and PDF schedule pictures (SVG, HTML and text need nothing)
         "bench": ["ninja", "tokenizers>=0.15", "deepspeed==0.19.8"],
     },
     ext_modules=ext_modules,

@@ -40,8 +40,9 @@ class Tracer:
         """Record the activation bytes this rank kept at its peak (the trainer's first-step meter)."""
         self.meta["peak_activation_bytes"] = int(nbytes)
 
-    def next_step(self) -> None:
-        self.step += 1
+    def begin_step(self, step: int) -> None:
+        """The events that follow belong to training step `step` (1-based, as in the metrics)."""
+        self.step = step
 
     def save(self) -> str:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)

@@ -35,6 +35,11 @@ from megazero.run.memory import SavedActivationMeter, memory_report
 from megazero.run.metrics import MetricsWriter, StepClock, Timers, format_bytes, mfu, model_flops_per_step
 from megazero.run.trace import Tracer
 from megazero.runtime import comm
+from megazero.viz.compare import compare
+from megazero.viz.html import render_html
+from megazero.viz.measured import MeasuredStep
+from megazero.viz.sources import planned_for
+from megazero.viz.svg import render_svg
 
 
 def main(argv=None) -> int:
@@ -108,6 +113,8 @@ def run(cfg: Config, rank: int) -> int:
     checkpointer = engine.module.activation_checkpointer
     meter = SavedActivationMeter(engine.module, checkpointer=checkpointer) if cfg.log.memory_breakdown else None
     for step in range(start_step + 1, cfg.train.steps + 1):
+        if tracer is not None:
+            tracer.begin_step(step)
         first = step == start_step + 1  # measured always: the summary shows it next to the planner's
         step_meter = meter or (SavedActivationMeter(engine.module, checkpointer=checkpointer) if first else None)
         if step_meter is not None:  # saved-activation bytes of this step (peak in flight on this stage)
@@ -116,7 +123,10 @@ def run(cfg: Config, rank: int) -> int:
         else:
             loss = engine.train_batch(data)
         if first:
-            _memory_check(cfg, engine, memory_report(optimizer, step_meter, checkpointer), rank, bar)
+            report = memory_report(optimizer, step_meter, checkpointer)
+            if tracer is not None and "activations" in report:
+                tracer.note_peak_activations(report["activations"])
+            _memory_check(cfg, engine, report, rank, bar)
         dt = clock.lap()
         info = engine.last_info
         norm = info.get("grad_norm")  # a device tensor when the step did not need it on the host
@@ -135,8 +145,6 @@ def run(cfg: Config, rank: int) -> int:
                             scale=f"{record['loss_scale']:g}")
         if lead and cfg.log.interval and step % cfg.log.interval == 0:
             _log_line(cfg, rank, record, optimizer, bar, meter, checkpointer)
-        if tracer is not None:
-            tracer.next_step()
         if cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps):
             c = cfg.checkpoint
             path = engine.save_checkpoint(c.dir, keep_last=c.keep_last, config=to_dict(cfg), async_save=c.async_save)
@@ -149,6 +157,9 @@ def run(cfg: Config, rank: int) -> int:
     writer.close()
     if tracer is not None:
         tracer.save()
+        comm.barrier(pctx.world_group)  # every rank's trace is on disk before rank 0 draws them
+        if rank == 0:
+            _draw_schedule(cfg.run_dir)
     if rank == 0:
         print(f"done: {cfg.train.steps} steps; metrics {cfg.log.metrics_file}", flush=True)
     _finish()
@@ -177,6 +188,23 @@ def _memory_check(cfg: Config, engine, report: dict[str, int], rank: int, bar) -
     _say(bar, "memory   after step 1, predicted/measured MiB per pipeline stage (megazero.planner vs memory_report):")
     for line in memory_lines(plan, measured):
         _say(bar, f"         {line}")
+
+
+def _draw_schedule(run_dir: str) -> None:
+    """Rank 0, after every trace is saved: the last step's plan above its measurement, as
+    `<run_dir>/schedule.html` (hover, zoom) and `schedule.svg` (`python -m megazero.viz --run
+    RUN_DIR --compare`). A picture that cannot be drawn is reported, never fatal."""
+    try:
+        step = MeasuredStep.load(run_dir)
+        picture = compare(planned_for(step), step.timeline())
+        for name, text in (("schedule.html", render_html(picture)), ("schedule.svg", render_svg(picture))):
+            with open(os.path.join(run_dir, name), "w", encoding="utf-8") as handle:
+                handle.write(text)
+    except (ValueError, OSError) as err:
+        print(f"schedule picture not drawn: {err}", flush=True)
+        return
+    print(f"schedule {os.path.join(run_dir, 'schedule.html')}: step {step.step} planned vs measured, bubble "
+          f"{picture.plan.bubble:.1%} vs {picture.run.bubble:.1%}", flush=True)
 
 
 def _tracer(cfg: Config, rank: int) -> Tracer:

@@ -3,7 +3,8 @@
 `compare(plan, run)` pairs the blocks of the two by (stage, kind, micro-batch, chunk) and reports, per
 stage, each one's bubble and their difference; the stage whose bubble differs most; and the block whose
 end differs most between the two (where the run fell behind, or ran ahead of, its plan). The renderers
-draw a `Comparison` with two rows per stage.
+draw a `Comparison` with two rows per stage. Ties in the block difference go to the earliest planned
+block: when a delay carries over to every later block of a stage, the block named is where it began.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class Comparison:
 
     @property
     def title(self) -> str:
-        return f"{self.plan.source} vs {self.run.source}: {self.run.title}"
+        return f"{self.plan.source} vs {self.run.source}, {self.run.title}"
 
     def summary(self) -> str:
         """Lines: both makespans and bubbles, each stage's bubbles, and where they differ most."""
@@ -94,7 +95,9 @@ def compare(plan: Timeline, run: Timeline) -> Comparison:
     worst_stage = max(range(len(stages)), key=lambda s: abs(stages[s].difference))
     planned = {_key(b): b for b in plan.blocks}
     pairs = [(planned[_key(b)], b) for b in run.blocks if _key(b) in planned]
-    worst = max(pairs, key=lambda ab: abs(ab[1].end - ab[0].end), default=None)
+    scale = max(plan.makespan, run.makespan, 1e-12)
+    # the largest difference of ends; among equal ones (to 1e-9 of the step) the earliest planned: where it began
+    worst = max(pairs, key=lambda ab: (round(abs(ab[1].end - ab[0].end) / scale, 9), -ab[0].end), default=None)
     return Comparison(plan, run, stages, worst_stage, worst)
 
 

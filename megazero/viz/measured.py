@@ -143,7 +143,7 @@ class MeasuredStep:
             stages.append(StageSummary(s, busy, makespan - busy, (makespan - busy) / makespan, inflight, unfinished,
                                        self.peak_bytes[s]))
         bubble = sum(st.idle for st in stages) / (len(stages) * makespan)
-        title = title or f"measured: step {self.step}, ranks {list(self.ranks)}"
+        title = title or f"step {self.step} (ranks {', '.join(map(str, self.ranks))})"
         return Timeline(title, len(stages), makespan, bubble, tuple(blocks), tuple(transfers), tuple(stages),
                         "ms", "measured")
 

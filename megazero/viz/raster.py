@@ -78,7 +78,7 @@ def render_raster(picture, path: str) -> None:
     if any(b.duration > 0 for _, t in rows for b in t.transfers):
         handles.append(Patch(facecolor=TRANSFER_COLOUR, label="p2p send / receive"))
     handles.append(Patch(facecolor="#f4f4f4", hatch="///", edgecolor="#cfcfcf", label="idle (bubble)"))
-    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=len(handles), fontsize=7,
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=min(len(handles), 5), fontsize=7,
               frameon=False)
     heading = title(picture)
     if isinstance(picture, Comparison):

@@ -41,7 +41,7 @@ def predicted(cfg, hardware, device: str = "cuda") -> Timeline:
                         f"tools/plan.py --search finds layouts that fit")
     sim, _ = predicted_simulation(spec, layout, hardware)
     peak = [st.breakdown["activations"] for st in memory.stages]
-    title = (f"predicted: {cfg.pipeline.schedule} p={layout.pp} m={layout.num_microbatches} v={layout.chunks}, "
+    title = (f"{cfg.pipeline.schedule} p={layout.pp} m={layout.num_microbatches} v={layout.chunks}, "
              f"tp={layout.tp} dp={layout.dp}, {cfg.model.spec} on {hardware.name}")
     return from_simulation(sim, title, unit="ms", source="predicted", scale=1e3, peak_bytes=peak)
 
@@ -50,7 +50,7 @@ def planned_for(step: MeasuredStep) -> Timeline:
     """The plan of a measured step: its executed programs simulated with its measured costs (ms)."""
     result = simulate(step.programs, step.costs())
     known = all(b is not None for b in step.peak_bytes)
-    title = f"planned: the executed programs with step {step.step}'s mean costs"
+    title = f"step {step.step}'s programs at its mean measured costs"
     return from_simulation(result, title, unit="ms", source="planned",
                            peak_bytes=list(step.peak_bytes) if known else None)
 

@@ -166,7 +166,7 @@ def title(picture) -> str:
         return (f"{picture.title}  makespan {picture.plan.makespan:.4g}{unit} {picture.plan.source}, "
                 f"{picture.run.makespan:.4g}{unit} measured  bubble {picture.plan.bubble:.1%} / {picture.run.bubble:.1%}")
     unit = picture.unit and " " + picture.unit
-    return f"{picture.title}  makespan {picture.makespan:.6g}{unit}  bubble {picture.bubble:.1%} of the step"
+    return f"{picture.heading}  makespan {picture.makespan:.6g}{unit}  bubble {picture.bubble:.1%} of the step"
 
 
 def svg_element(picture, embed_data: bool = True) -> str:

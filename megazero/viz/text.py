@@ -50,7 +50,7 @@ def grid(timeline: Timeline, max_columns: int | None = None) -> list[str]:
 def header(timeline: Timeline) -> str:
     """Today's first line: makespan, bubble of the step, peak in-flight micro-batches per stage."""
     unit = timeline.unit and " " + timeline.unit
-    return (f"{timeline.title}  makespan {timeline.makespan:.6g}{unit}  bubble {timeline.bubble:.1%} of the step  "
+    return (f"{timeline.heading}  makespan {timeline.makespan:.6g}{unit}  bubble {timeline.bubble:.1%} of the step  "
             f"peak in-flight micro-batches per stage {[s.peak_inflight for s in timeline.stages]}")
 
 

@@ -115,11 +115,16 @@ class Timeline:
         text = json.dumps(self.to_dict(), separators=(",", ":"))
         return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
 
+    @property
+    def heading(self) -> str:
+        """The title, after the source unless the timeline is a plan in simulator units."""
+        return self.title if self.source == "planned" and not self.unit else f"{self.source}: {self.title}"
+
     def summary(self) -> str:
         """One line: makespan, total bubble, per-stage bubble and peak in-flight micro-batches."""
         per_stage = " ".join(f"{s.bubble:.1%}" for s in self.stages)
         peaks = [s.peak_inflight for s in self.stages]
-        line = (f"{self.title}  makespan {self.makespan:g}{self.unit and ' ' + self.unit}  bubble {self.bubble:.1%} "
+        line = (f"{self.heading}  makespan {self.makespan:g}{self.unit and ' ' + self.unit}  bubble {self.bubble:.1%} "
                 f"of the step (per stage {per_stage})  peak in-flight micro-batches per stage {peaks}")
         if all(s.peak_bytes is not None for s in self.stages):
             line += " (" + " ".join(format_bytes(s.peak_bytes) for s in self.stages) + ")"
