@@ -137,7 +137,7 @@ class MeasuredStep:
                     transfers.append(block)
                     continue
                 busy += end - start
-                if isinstance(ins, I.COMPUTE) or isinstance(ins, STEP_KINDS):
+                if isinstance(ins, I.COMPUTE) or (isinstance(ins, STEP_KINDS) and end > start):
                     blocks.append(block)
             inflight, unfinished = peaks([ins for ins, _, _ in spans])
             stages.append(StageSummary(s, busy, makespan - busy, (makespan - busy) / makespan, inflight, unfinished,

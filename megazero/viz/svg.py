@@ -30,11 +30,12 @@ CHAR_PX = 6.2  # width of one label character at font-size 10
 
 
 def scale(timeline: Timeline) -> float:
-    """Pixels per time unit: the shortest F, B or W block gets `MIN_BLOCK_PX`, unless the drawing
-    would pass `MAX_WIDTH_PX`."""
-    shortest = min((b.duration for b in timeline.blocks if b.duration > 0 and b.mb >= 0 and b.kind != "LoadMicroBatch"),
-                   default=1.0)
-    px = MIN_BLOCK_PX / shortest
+    """Pixels per time unit: the shortest F, B or W block gets `MIN_BLOCK_PX`, or room for the longest
+    label (``63c1``), unless the drawing would pass `MAX_WIDTH_PX`."""
+    compute = [b for b in timeline.blocks if b.duration > 0 and b.mb >= 0 and b.kind != "LoadMicroBatch"]
+    shortest = min((b.duration for b in compute), default=1.0)
+    longest = max((len(b.label) for b in compute), default=1)
+    px = max(MIN_BLOCK_PX, CHAR_PX * longest + 4) / shortest
     return min(px, MAX_WIDTH_PX / timeline.makespan) if timeline.makespan else px
 
 
