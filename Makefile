@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 DEMO_DATA := data/stdlib
 NPROC ?= 8
 
-.PHONY: test demo install clean
+.PHONY: test demo install clean pictures
 
 install: $(STAMP)
 
@@ -29,6 +29,15 @@ $(DEMO_DATA).idx: $(STAMP)
 
 demo: $(STAMP) $(DEMO_DATA).idx
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m megazero.run.train configs/demo.yaml $(ARGS)
+
+# The README's schedule pictures, drawn by the tool (the measured two from the last `make demo`).
+pictures: $(STAMP)
+	mkdir -p docs/images
+	$(PY) -m megazero.viz --schedule zb-h1 -p 4 -m 8 --costs 1,1,1,0.1 --out docs/images/planned-zb-h1.svg
+	$(PY) -m megazero.viz --config configs/gpt3_175b.yaml --world-size 1024 --hardware h100-80gb \
+		--out docs/images/predicted-gpt3-175b.png
+	$(PY) -m megazero.viz --run runs/demo --out docs/images/measured-demo.svg
+	$(PY) -m megazero.viz --run runs/demo --compare --out docs/images/compare-demo.svg
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

@@ -14,6 +14,9 @@ import sys
 import pytest
 import torch
 
+from megazero.core.schedules import get_schedule
+from megazero.viz.cli import main as viz_main
+from megazero.viz.measured import MeasuredStep
 from tests.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +60,16 @@ def test_short_run_writes_metrics_checkpoint_and_trace(corpus, tmp_path):
     assert traces == [f"rank{r}.json" for r in range(8)]
     events = json.load(open(run / "trace" / "rank0.json"))["traceEvents"]
     assert {"F0", "B0", "SA0>1", "Reduce", "Step"} <= {e["name"] for e in events}
+    # the schedule picture of the last step, planned above measured, and what it was drawn from
+    assert (run / "schedule.html").stat().st_size > 0 and (run / "schedule.svg").stat().st_size > 0
+    assert f"schedule {run / 'schedule.html'}: step 4 planned vs measured" in p.stdout
+    step = MeasuredStep.load(str(run))
+    assert step.step == 4 and step.ranks == (0, 4) and step.aligned  # dp rank 0, tp rank 0 of each stage
+    assert step.programs == [list(prog) for prog in get_schedule("1f1b", 2, 4, 1)]  # what the ranks executed
+    timeline = step.timeline()
+    assert sum(b.kind in ("Forward", "Backward") for b in timeline.blocks) == 2 * 2 * 4
+    assert all(s.peak_bytes > 0 for s in timeline.stages) and 0 < timeline.bubble < 1
+    assert viz_main(["--run", str(run), "--compare", "--out", str(tmp_path / "compare.png")]) == 0
 
 
 def test_same_seed_gives_bit_identical_metrics(corpus, tmp_path):

@@ -5,6 +5,7 @@ stage, each one's bubble and their difference; the stage whose bubble differs mo
 end differs most between the two (where the run fell behind, or ran ahead of, its plan). The renderers
 draw a `Comparison` with two rows per stage. Ties in the block difference go to the earliest planned
 block: when a delay carries over to every later block of a stage, the block named is where it began.
+Loads are left out of that search (a load's delay is its micro-batch's forward's).
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def compare(plan: Timeline, run: Timeline) -> Comparison:
     stages = tuple(StageDiff(s, a.bubble, b.bubble) for s, (a, b) in enumerate(zip(plan.stages, run.stages)))
     worst_stage = max(range(len(stages)), key=lambda s: abs(stages[s].difference))
     planned = {_key(b): b for b in plan.blocks}
-    pairs = [(planned[_key(b)], b) for b in run.blocks if _key(b) in planned]
+    pairs = [(planned[_key(b)], b) for b in run.blocks if _key(b) in planned and b.kind != "LoadMicroBatch"]
     scale = max(plan.makespan, run.makespan, 1e-12)
     # the largest difference of ends; among equal ones (to 1e-9 of the step) the earliest planned: where it began
     worst = max(pairs, key=lambda ab: (round(abs(ab[1].end - ab[0].end) / scale, 9), -ab[0].end), default=None)

@@ -118,7 +118,8 @@ def _transfer(b: Block, fr: _Frame, lane: int) -> str:
             f'{_data(b)}{tag}><title>{escape(hover(b))}</title></rect>')
 
 
-def _legend(fr: _Frame) -> list[str]:
+def _legend(fr: _Frame) -> tuple[list[str], float]:
+    """The legend's elements and the x where it ends."""
     blocks = [b for _, t in fr.lanes for b in t.blocks]
     items = [(COLOURS[k], NAMES[k]) for k in kinds_present(blocks)]
     if any(b.duration > 0 for _, t in fr.lanes for b in t.transfers):
@@ -130,11 +131,9 @@ def _legend(fr: _Frame) -> list[str]:
         out.append(f'<rect x="{x}" y="30" width="14" height="14" fill="{colour}" stroke="#999" stroke-width="0.5"/>'
                    f'<text x="{x + 19}" y="41">{escape(name)}</text>')
         x += 30 + CHAR_PX * len(name)
-    if fr.chunks > 1:
-        out.append(f'<text x="{x}" y="41">label: micro-batch, c = chunk (later chunks lighter)</text>')
-    else:
-        out.append(f'<text x="{x}" y="41">label: micro-batch</text>')
-    return out
+    note = "label: micro-batch, c = chunk (later chunks lighter)" if fr.chunks > 1 else "label: micro-batch"
+    out.append(f'<text x="{x}" y="41">{note}</text>')
+    return out, x + CHAR_PX * len(note)
 
 
 def _axis(fr: _Frame) -> list[str]:
@@ -174,7 +173,11 @@ def svg_element(picture, embed_data: bool = True) -> str:
     """The ``<svg>`` element (no XML declaration) of a `Timeline` or a `Comparison`; `embed_data`
     adds the JSON ``schedule-data`` script."""
     fr = _Frame(picture)
-    width = round(fr.x(fr.makespan) + RIGHT + (40 if any(s.peak_bytes for _, t in fr.lanes for s in t.stages) else 0))
+    legend, legend_end = _legend(fr)
+    heading = title(picture)
+    differs = picture.differs_most() if isinstance(picture, Comparison) else ""
+    width = round(max(fr.x(fr.makespan) + RIGHT + (40 if any(s.peak_bytes for _, t in fr.lanes for s in t.stages) else 0),
+                      legend_end + 10, LEFT + 7.8 * len(heading) + 10, LEFT + CHAR_PX * len(differs) + 10))
     height = round(fr.bottom + BOTTOM)
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="schedule" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">',
@@ -182,10 +185,10 @@ def svg_element(picture, embed_data: bool = True) -> str:
              'patternTransform="rotate(45)"><rect width="6" height="6" fill="#f4f4f4"/>'
              '<line x1="0" y1="0" x2="0" y2="6" stroke="#cfcfcf" stroke-width="2"/></pattern>'
              '<style>.label{fill:#fff;pointer-events:none}</style></defs>',
-             f'<text x="{LEFT}" y="18" font-size="13" font-weight="bold">{escape(title(picture))}</text>']
-    parts += _legend(fr)
-    if isinstance(picture, Comparison):
-        parts.append(f'<text class="differs-most" x="{LEFT}" y="62">{escape(picture.differs_most())}</text>')
+             f'<text x="{LEFT}" y="18" font-size="13" font-weight="bold">{escape(heading)}</text>']
+    parts += legend
+    if differs:
+        parts.append(f'<text class="differs-most" x="{LEFT}" y="62">{escape(differs)}</text>')
     for lane, (tag, tl) in enumerate(fr.lanes):
         for st in tl.stages:
             y = fr.y(st.stage, lane)
