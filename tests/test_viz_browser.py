@@ -117,8 +117,9 @@ def test_html_renders_in_a_headless_browser(browser, tmp_path):
         zoomed = page.evaluate("document.querySelector('svg.schedule').getBoundingClientRect().width")
         assert zoomed == pytest.approx(width * 1.25, rel=1e-3), name
         page.click("#zoom-fit")
-        fit = page.evaluate("document.querySelector('svg.schedule').getBoundingClientRect().width")
-        assert fit <= 1400
+        fit, room = page.evaluate("[document.querySelector('svg.schedule').getBoundingClientRect().width, "
+                                  "document.getElementById('scroll').clientWidth]")
+        assert fit == pytest.approx(room, abs=1.0), name
         assert problems == [], (name, problems)
         if shots:
             page.click("#zoom-1")

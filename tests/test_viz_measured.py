@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from megazero.core.config.loading import load_config
-from megazero.core.instructions import P2P, BackwardInput
+from megazero.core.instructions import P2P
 from megazero.core.schedules import get_schedule
 from megazero.core.simulate import Costs, simulate
 from megazero.planner.from_config import layout_of, spec_of
@@ -63,7 +63,7 @@ def write_traces(folder, result, step=3, origins=None, dp_ranks=(0,), shift=None
                     ts = ((1e6 + base + start) / 1e3 - origin) * 1e6  # µs since this rank's origin
                     events.append({"name": repr(ins), "cat": type(ins).__name__, "ph": "X", "pid": s, "tid": rank,
                                    "ts": ts, "dur": (end - start) * 1e3, "args": args})
-            meta = {"rank": rank, "stage": s, "dp_rank": d, "tp_rank": 0}
+            meta = {"rank": rank, "stage": s, "dp_rank": d, "tp_rank": 0, "world_size": p * len(dp_ranks)}
             if with_origin:
                 meta["unix_origin_s"] = origin
             with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
@@ -109,8 +109,7 @@ def test_plan_from_measured_costs_is_the_same_step(name, p, m, v, tmp_path):
     assert _blocks(plan) == _blocks(from_simulation(result))
     c = compare(plan, step.timeline())
     assert all(abs(d.difference) < 1e-9 for d in c.stages)
-    a, b = c.worst_block
-    assert abs(b.end - a.end) < 1e-6
+    assert c.worst_block is None and c.differs_most() == "planned and measured agree (within 1e-06 of the step)"
 
 
 def test_comparison_names_the_delayed_block(tmp_path):
@@ -135,7 +134,15 @@ def test_clock_origins_put_ranks_on_one_axis(tmp_path):
     assert _blocks(MeasuredStep.load(str(tmp_path / "a")).timeline()) == _blocks(from_simulation(result))
     write_traces(tmp_path / "b", result, origins={0: 1000.0, 1: 1003.5}, with_origin=False)
     step = MeasuredStep.load(str(tmp_path / "b"))
-    assert not step.aligned and _blocks(step.timeline()) != _blocks(from_simulation(result))
+    timeline = step.timeline()
+    assert not step.aligned and "clocks NOT aligned" in timeline.title
+    # without the origins, each rank sits on its own axis: rank 1 (origin 3.5 s later) is drawn 3500 ms early
+    want = from_simulation(result)
+    first_1 = result.timeline[1][0].start  # rank 1's first instruction is the earliest time on either clock
+    got_0 = [b for b in timeline.blocks if b.stage == 0]
+    got_1 = [b for b in timeline.blocks if b.stage == 1]
+    assert [b.start for b in got_0] == pytest.approx([b.start + 3500.0 - first_1 for b in want.blocks if b.stage == 0])
+    assert [b.start for b in got_1] == pytest.approx([b.start - first_1 for b in want.blocks if b.stage == 1])
 
 
 def test_measured_peak_bytes_come_from_the_traces(tmp_path):
@@ -199,7 +206,7 @@ def test_cli_run_compare_and_config_write_every_format(tmp_path, capsys):
     trace = json.loads((tmp_path / "c.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     out = capsys.readouterr().out
-    assert "differs most: stage" in out and "planned: step 3's programs" in out
+    assert "planned and measured agree" in out and "planned: step 3's programs" in out
     assert main(["--run", run]) == 0 and "measured: step 3 (ranks 0, 1, 2, 3)" in capsys.readouterr().out
     assert main(["--config", os.path.join(ROOT, "configs", "gpt3_175b.yaml"), "--world-size", "1024",
                  "--out", str(tmp_path / "p.svg")], hardware_dir=HARDWARE) == 0
@@ -215,6 +222,8 @@ CONFIG = os.path.join(ROOT, "configs", "gpt3_175b.yaml")
     (["--run", "/nonexistent/run"], "--run '/nonexistent/run': no such directory"),
     (["--run", "{empty}"], "no trace/rank*.json; run the trainer with trace.enabled=true"),
     (["--run", "{run}", "--step", "9"], "--step 9: the traces hold steps 2..3"),
+    (["--trace", "{empty}"], "--trace '{empty}': no trace/rank*.json"),
+    (["--trace", "{run}", "--step", "9"], "no events of step 9; steps 2..3"),
     (["--run", "{run}", "--dp-rank", "5"], "no rank at dp rank 5"),
     (["--compare"], "--compare needs --run RUN_DIR"),
     (["--run", "{run}", "--config", CONFIG], "--config with --run needs --compare"),
@@ -234,6 +243,7 @@ def test_cli_bad_input_is_one_line(argv, words, tmp_path, capsys):
     os.makedirs(tmp_path / "empty")
     write_traces(tmp_path / "run", _sim("1f1b", 2, 4, 1))
     argv = [a.format(empty=tmp_path / "empty", run=tmp_path / "run") for a in argv]
+    words = words.format(empty=tmp_path / "empty")
     assert main(argv, hardware_dir=HARDWARE) == 2
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
@@ -245,5 +255,46 @@ def test_zero_bubble_kinds_are_kept(tmp_path):
     result = _sim("zb-h1", 2, 4, 1)
     write_traces(tmp_path, result)
     timeline = MeasuredStep.load(str(tmp_path)).timeline()
-    assert sum(b.kind == "BackwardInput" for b in timeline.blocks) == 8
-    assert sum(isinstance(sp.instr, BackwardInput) for st in result.timeline for sp in st) == 8
+    for kind in ("BackwardInput", "BackwardWeight"):
+        assert sum(b.kind == kind for b in timeline.blocks) == 8
+        assert sum(type(sp.instr).__name__ == kind for st in result.timeline for sp in st) == 8
+
+
+def test_one_stage_run(tmp_path, capsys):
+    """pp = 1: one row, no transfers, the bubble is only the reduction and step's share (zero here)."""
+    write_traces(tmp_path, _sim("1f1b", 1, 4, 1, Costs(forward=2.0, backward_input=3.0, backward_weight=1.0)))
+    assert main(["--run", str(tmp_path), "--compare", "--out", str(tmp_path / "c.svg")]) == 0
+    out = capsys.readouterr().out
+    assert "planned and measured agree" in out and "bubble 0.0%" in out
+
+
+def test_mixed_or_incomplete_traces_are_refused(tmp_path):
+    result = _sim("1f1b", 2, 4, 1)
+    write_traces(tmp_path / "mixed", result)
+    trace = json.loads((tmp_path / "mixed" / "rank1.json").read_text())
+    (tmp_path / "mixed" / "rank7.json").write_text(json.dumps(trace))  # an earlier run's rank 7: stage 1 again
+    with pytest.raises(TraceError, match="both trace stage 1 at dp rank 0, tp rank 0: traces of two runs are mixed"):
+        MeasuredStep.load(str(tmp_path / "mixed"))
+    trace["metadata"].update(rank=7, dp_rank=3, world_size=8)
+    (tmp_path / "mixed" / "rank7.json").write_text(json.dumps(trace))
+    with pytest.raises(TraceError, match=r"world sizes \[2, 8\] are mixed"):
+        MeasuredStep.load(str(tmp_path / "mixed"))
+    write_traces(tmp_path / "gap", result)
+    trace = json.loads((tmp_path / "gap" / "rank1.json").read_text())
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e["args"]["step"] != 3]
+    (tmp_path / "gap" / "rank1.json").write_text(json.dumps(trace))
+    assert MeasuredStep.load(str(tmp_path / "gap")).step == 2  # the last step every stage ran
+    with pytest.raises(TraceError, match="--step 3: rank 1's trace does not hold it; every stage holds steps 2"):
+        MeasuredStep.load(str(tmp_path / "gap"), step=3)
+
+
+def test_text_comparison_shares_one_time_axis(tmp_path, capsys):
+    result = _sim("1f1b", 2, 4, 1)
+    write_traces(tmp_path, result, shift=(1, 3, 10.0))
+    assert main(["--run", str(tmp_path), "--compare", "--width", "60"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    columns = [line for line in lines if line.startswith("one column = ")]
+    assert len(columns) == 2 and columns[0] == columns[1]
+    rows = [line for line in lines if line.startswith("stage ")]
+    assert len(rows) == 4 and max(len(r) for r in rows) <= len("stage 0 ") + 60
+    assert "'=' gradient reduction" in lines[-1] and "=" in rows[0]

@@ -20,10 +20,11 @@ from megazero.core import instructions as I
 class Tracer:
     """Collects this rank's instruction events for one run; `save()` writes them as a Chrome trace."""
 
-    def __init__(self, path: str, rank: int, stage: int, dp_rank: int, tp_rank: int):
+    def __init__(self, path: str, rank: int, stage: int, dp_rank: int, tp_rank: int, world_size: int):
         self.path, self.rank, self.stage = path, rank, stage
         self.t0, unix = time.perf_counter(), time.time()  # one origin on both clocks
-        self.meta = {"rank": rank, "stage": stage, "dp_rank": dp_rank, "tp_rank": tp_rank, "unix_origin_s": unix}
+        self.meta = {"rank": rank, "stage": stage, "dp_rank": dp_rank, "tp_rank": tp_rank, "world_size": world_size,
+                     "unix_origin_s": unix}
         self.events: list[dict] = []
         self.step = 0
 

@@ -157,12 +157,11 @@ def run(cfg: Config, rank: int) -> int:
     writer.close()
     if tracer is not None:
         tracer.save()
-        comm.barrier(pctx.world_group)  # every rank's trace is on disk before rank 0 draws them
-        if rank == 0:
-            _draw_schedule(cfg.run_dir)
+    _finish()  # a barrier: every rank's trace is on disk
     if rank == 0:
+        if tracer is not None:
+            _draw_schedule(cfg.run_dir)
         print(f"done: {cfg.train.steps} steps; metrics {cfg.log.metrics_file}", flush=True)
-    _finish()
     return 0
 
 
@@ -191,7 +190,7 @@ def _memory_check(cfg: Config, engine, report: dict[str, int], rank: int, bar) -
 
 
 def _draw_schedule(run_dir: str) -> None:
-    """Rank 0, after every trace is saved: the last step's plan above its measurement, as
+    """Rank 0, after the process group is gone: the last step's plan above its measurement, as
     `<run_dir>/schedule.html` (hover, zoom) and `schedule.svg` (`python -m megazero.viz --run
     RUN_DIR --compare`). A picture that cannot be drawn is reported, never fatal."""
     try:
@@ -200,8 +199,8 @@ def _draw_schedule(run_dir: str) -> None:
         for name, text in (("schedule.html", render_html(picture)), ("schedule.svg", render_svg(picture))):
             with open(os.path.join(run_dir, name), "w", encoding="utf-8") as handle:
                 handle.write(text)
-    except (ValueError, OSError) as err:
-        print(f"schedule picture not drawn: {err}", flush=True)
+    except Exception as err:  # noqa: BLE001  (the run itself succeeded; a picture must never fail it)
+        print(f"schedule picture not drawn: {type(err).__name__}: {err}", flush=True)
         return
     print(f"schedule {os.path.join(run_dir, 'schedule.html')}: step {step.step} planned vs measured, bubble "
           f"{picture.plan.bubble:.1%} vs {picture.run.bubble:.1%}", flush=True)
@@ -211,7 +210,13 @@ def _tracer(cfg: Config, rank: int) -> Tracer:
     """This rank's tracer; its grid coordinates come from the topology (no process group needed)."""
     p = cfg.parallel
     coords = Topology(pp=p.pp, dp=p.dp, tp=p.tp, order=tuple(p.order)).coords(rank)
-    return Tracer(os.path.join(cfg.run_dir, "trace", f"rank{rank}.json"), rank, coords.pp, coords.dp, coords.tp)
+    folder = os.path.join(cfg.run_dir, "trace")
+    if rank == 0 and os.path.isdir(folder):  # an earlier run's traces (another world size) must not mix in;
+        for name in os.listdir(folder):      # no rank writes before the end, after every rank's collectives
+            if name.startswith("rank") and name.endswith(".json"):
+                os.remove(os.path.join(folder, name))
+    return Tracer(os.path.join(folder, f"rank{rank}.json"), rank, coords.pp, coords.dp, coords.tp,
+                  p.pp * p.dp * p.tp)
 
 
 def _log_line(cfg, rank, record, optimizer, bar, meter=None, checkpointer=None) -> None:

@@ -49,11 +49,11 @@ from megazero.planner.layout import PlanError
 from megazero.viz.chrome import chrome_trace
 from megazero.viz.compare import Comparison, compare
 from megazero.viz.html import render_html
-from megazero.viz.measured import MeasuredStep, TraceError
+from megazero.viz.measured import MeasuredStep, TraceError, trace_files
 from megazero.viz.raster import MissingExtra, render_raster
 from megazero.viz.sources import planned, planned_for, predicted
 from megazero.viz.svg import render_svg
-from megazero.viz.text import LEGEND, cell, render_text
+from megazero.viz.text import LEGEND, cell, column_time, render_text
 
 SUFFIXES = (".svg", ".html", ".png", ".pdf")
 
@@ -81,16 +81,23 @@ def parse_costs(text: str | None) -> Costs | None:
 
 def trace_grid(trace_dir: str, width: int, step: int | None) -> tuple[list[str], str]:
     """`--trace`: one text row per rank (every rank, not one per stage) of a step, `width` columns."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "rank*.json")), key=lambda f: int(f.rsplit("rank", 1)[1][:-5]))
-    if not files:
-        raise UsageError(f"--trace {trace_dir!r}: no rank*.json (run with trace.enabled=true)")
-    traces = [json.load(open(f)) for f in files]
-    events = [[e for e in t["traceEvents"] if e.get("ph") == "X"] for t in traces]
-    step = max(e["args"]["step"] for ev in events for e in ev) if step is None else step
+    try:
+        files = trace_files(trace_dir, "--trace")
+        traces = []
+        for f in files:
+            with open(f) as handle:
+                traces.append(json.load(handle))
+        events = [[e for e in t["traceEvents"] if e.get("ph") == "X"] for t in traces]
+        steps = sorted({e["args"]["step"] for ev in events for e in ev})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--trace {trace_dir!r}: not a folder of megazero traces ({type(exc).__name__}: {exc})") from None
+    step = steps[-1] if step is None and steps else step
     chosen = [[e for e in ev if e["args"]["step"] == step] for ev in events]
+    if not any(chosen):
+        raise UsageError(f"--trace {trace_dir!r}: no events of step {step}" + (f"; steps {steps[0]}..{steps[-1]}" if steps else ""))
     t0 = min(e["ts"] for ev in chosen for e in ev)
     t1 = max(e["ts"] + e["dur"] for ev in chosen for e in ev)
-    scale = width / (t1 - t0)
+    scale = width / max(t1 - t0, 1e-9)
     rows = []
     for t, ev in zip(traces, chosen):
         row = ["."] * width
@@ -106,10 +113,14 @@ def trace_grid(trace_dir: str, width: int, step: int | None) -> tuple[list[str],
     return rows, f"measured step {step}: {(t1 - t0) / 1000:.1f} ms over {width} columns"
 
 
+def drawn_in_time(timelines) -> bool:
+    """Timelines in ms (predicted, measured) get at most --width columns; planned unit grids do not."""
+    return any(t.unit for t in timelines)
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="visualize_schedule", description="Draw a pipeline schedule: planned, "
-                                 "predicted for a config, or measured in a run (text, SVG, HTML, PNG, PDF, "
-                                 "Chrome trace). See `python -m megazero.viz --help` and the README.")
+    ap = argparse.ArgumentParser(prog="visualize_schedule", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     names = " | ".join(SCHEDULES + ("FILE.csv",))
     ap.add_argument("schedule", nargs="?", default=None, help=f"{names} (default 1f1b; or --schedule)")
     ap.add_argument("--schedule", "-s", dest="schedule_opt", default=None, metavar="NAME", help=names)
@@ -117,7 +128,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--microbatches", "-m", type=int, default=8)
     ap.add_argument("--chunks", "-v", type=int, default=1)
     ap.add_argument("--costs", default=None, metavar="F,B,W[,P2P]", help="durations (default 1,1,1,0)")
-    ap.add_argument("--config", nargs="+", default=None, metavar="CONFIG [key=value]",
+    ap.add_argument("--config", nargs="+", default=None, metavar=("CONFIG", "KEY=VALUE"),
                     help="a training config (and overrides): draw the planner's prediction of its step")
     ap.add_argument("--world-size", type=int, default=None, help="with --config: ranks, when parallel.dp is unset")
     ap.add_argument("--hardware", default="h100-80gb", help="with --config: a preset of configs/hardware/ or a YAML "
@@ -216,7 +227,9 @@ def run(args: argparse.Namespace, hardware_dir: str = "configs/hardware") -> Non
     writes_nothing = not (args.out or args.chrome_trace)
     if args.format == "text" or writes_nothing:
         timelines = [drawn.plan, drawn.run] if isinstance(drawn, Comparison) else [drawn]
-        print("\n".join(render_text(t, max_columns=args.width if t.unit else None) for t in timelines))
+        width = args.width if drawn_in_time(timelines) else None
+        unit = max(column_time(t, width) for t in timelines)  # one time axis for a plan and its run
+        print("\n".join(render_text(t, unit=unit) for t in timelines))
     if args.out:
         if suffix in (".png", ".pdf"):
             _write(args.out, lambda path: render_raster(drawn, path))
@@ -232,10 +245,18 @@ def run(args: argparse.Namespace, hardware_dir: str = "configs/hardware") -> Non
 ERRORS = (UsageError, ScheduleError, ConfigError, PlanError, SpecError, TraceError, MissingExtra)
 
 
-def main(argv=None, hardware_dir: str = "configs/hardware") -> int:
+def default_hardware_dir() -> str:
+    """``configs/hardware`` of the working directory, else of the checkout megazero is installed from."""
+    if os.path.isdir(os.path.join("configs", "hardware")):
+        return os.path.join("configs", "hardware")
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "configs", "hardware")
+
+
+def main(argv=None, hardware_dir: str | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        run(args, hardware_dir)
+        run(args, hardware_dir or default_hardware_dir())
     except ERRORS as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"visualize_schedule: {first}", file=sys.stderr)

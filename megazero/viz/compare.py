@@ -60,6 +60,8 @@ class Comparison:
 
     def differs_most(self) -> str:
         d = self.stages[self.worst_stage]
+        if self.worst_block is None and abs(d.difference) <= AGREE:
+            return f"{self.plan.source} and {self.run.source} agree (within {AGREE:g} of the step)"
         line = f"differs most: stage {d.stage}'s bubble ({d.difference:+.1%})"
         if self.worst_block is not None:
             a, b = self.worst_block
@@ -84,6 +86,10 @@ class Comparison:
         return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
 
 
+AGREE = 1e-6
+"""Differences below this fraction of the step are agreement, not a difference."""
+
+
 def _key(b: Block) -> tuple:
     return (b.stage, SHORT.get(b.kind, b.kind), b.mb, b.chunk)
 
@@ -99,6 +105,8 @@ def compare(plan: Timeline, run: Timeline) -> Comparison:
     scale = max(plan.makespan, run.makespan, 1e-12)
     # the largest difference of ends; among equal ones (to 1e-9 of the step) the earliest planned: where it began
     worst = max(pairs, key=lambda ab: (round(abs(ab[1].end - ab[0].end) / scale, 9), -ab[0].end), default=None)
+    if worst is not None and abs(worst[1].end - worst[0].end) <= AGREE * scale:
+        worst = None
     return Comparison(plan, run, stages, worst_stage, worst)
 
 

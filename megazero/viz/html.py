@@ -12,7 +12,7 @@ from xml.sax.saxutils import escape
 
 from megazero.viz.compare import Comparison
 from megazero.viz.svg import svg_element, title
-from megazero.viz.timeline import Timeline
+from megazero.viz.timeline import Timeline, format_bytes
 
 _CSS = """
 body{font-family:sans-serif;margin:16px;color:#222}
@@ -49,6 +49,10 @@ _JS = """
 """
 
 
+def _bytes(nbytes: int | None) -> str:
+    return f" ({format_bytes(nbytes)})" if nbytes is not None else ""
+
+
 def _compare_table(c: Comparison) -> str:
     a, b = c.plan.source, c.run.source
     rows = "".join(f"<tr><td>{d.stage}</td><td>{d.plan_bubble:.1%}</td><td>{d.run_bubble:.1%}</td>"
@@ -62,10 +66,11 @@ def _compare_table(c: Comparison) -> str:
 
 
 def _table(timeline: Timeline) -> str:
-    rows = "".join(f"<tr><td>{s.stage}</td><td>{s.busy:g}</td><td>{s.idle:g}</td><td>{s.bubble:.1%}</td>"
-                   f"<td>{s.peak_inflight}</td><td>{s.peak_unfinished}</td></tr>" for s in timeline.stages)
-    total = (f"<tr><th>all</th><td>{sum(s.busy for s in timeline.stages):g}</td>"
-             f"<td>{sum(s.idle for s in timeline.stages):g}</td><td>{timeline.bubble:.1%}</td><td></td><td></td></tr>")
+    rows = "".join(f"<tr><td>{s.stage}</td><td>{s.busy:.6g}</td><td>{s.idle:.6g}</td><td>{s.bubble:.1%}</td>"
+                   f"<td>{s.peak_inflight}{_bytes(s.peak_bytes)}</td><td>{s.peak_unfinished}</td></tr>"
+                   for s in timeline.stages)
+    total = (f"<tr><th>all</th><td>{sum(s.busy for s in timeline.stages):.6g}</td>"
+             f"<td>{sum(s.idle for s in timeline.stages):.6g}</td><td>{timeline.bubble:.1%}</td><td></td><td></td></tr>")
     return ("<table id='stages'><tr><th>stage</th><th>busy</th><th>idle</th><th>bubble</th>"
             "<th>peak in flight</th><th>peak unfinished</th></tr>" + rows + total + "</table>")
 

@@ -35,19 +35,30 @@ from megazero.viz.timeline import STEP_KINDS, Block, StageSummary, Timeline, blo
 _NAME = re.compile(r"^[A-Z]+?(\d+)(?:c(\d+))?(?:[<>](\d+))?$")
 
 
+def _ranges(steps: list[int]) -> str:
+    """``1..4, 7`` for [1, 2, 3, 4, 7]."""
+    out, start = [], steps[0]
+    for a, b in zip(steps, steps[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}..{a}" if a != start else f"{a}")
+            start = b
+    return ", ".join(out)
+
+
 class TraceError(ValueError):
     """A run directory without usable traces; the message is one line that says what to do."""
 
 
-def trace_files(path: str) -> list[str]:
-    """The ``rank<r>.json`` files of a run directory (or of its ``trace/`` directory), by rank."""
+def trace_files(path: str, option: str = "--run") -> list[str]:
+    """The ``rank<r>.json`` files of a run directory (or of its ``trace/`` directory), by rank;
+    `option` names the command-line option in the error."""
     if not os.path.isdir(path):
-        raise TraceError(f"--run {path!r}: no such directory")
+        raise TraceError(f"{option} {path!r}: no such directory")
     folder = os.path.join(path, "trace") if os.path.isdir(os.path.join(path, "trace")) else path
     files = glob.glob(os.path.join(folder, "rank*.json"))
     files = [f for f in files if re.fullmatch(r"rank\d+\.json", os.path.basename(f))]
     if not files:
-        raise TraceError(f"--run {path!r}: no trace/rank*.json; run the trainer with trace.enabled=true")
+        raise TraceError(f"{option} {path!r}: no trace/rank*.json; run the trainer with trace.enabled=true")
     return sorted(files, key=lambda f: int(os.path.basename(f)[4:-5]))
 
 
@@ -86,15 +97,25 @@ class MeasuredStep:
         """Read `step` (default: the last one traced) of the ranks at (`dp_rank`, `tp_rank`) of every
         stage from the traces under run directory `path`."""
         chosen: dict[int, dict] = {}
+        names: dict[int, str] = {}
+        worlds: set = set()
         for f in trace_files(path):
             try:
                 with open(f) as handle:
                     trace = json.load(handle)
                 meta = trace["metadata"]
-            except (OSError, ValueError, KeyError) as exc:
-                raise TraceError(f"{f}: not a megazero trace ({exc})") from None
+                stage, events = int(meta["stage"]), trace["traceEvents"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise TraceError(f"{f}: not a megazero trace ({type(exc).__name__}: {exc})") from None
+            worlds.add(meta.get("world_size"))
             if meta.get("dp_rank") == dp_rank and meta.get("tp_rank") == tp_rank:
-                chosen[int(meta["stage"])] = trace
+                if stage in chosen:
+                    raise TraceError(f"{f} and {names[stage]} both trace stage {stage} at dp rank {dp_rank}, tp rank "
+                                     f"{tp_rank}: traces of two runs are mixed; keep one run's trace/ folder")
+                chosen[stage], names[stage] = trace, f
+        if len(worlds - {None}) > 1:
+            raise TraceError(f"--run {path!r}: traces of runs with world sizes {sorted(worlds - {None})} are mixed; "
+                             f"keep one run's trace/ folder")
         if not chosen:
             raise TraceError(f"--run {path!r}: no rank at dp rank {dp_rank}, tp rank {tp_rank}")
         stages = sorted(chosen)
@@ -103,12 +124,17 @@ class MeasuredStep:
                              f"{tp_rank}; every stage 0..{max(stages)} is needed")
         traces = [chosen[s] for s in stages]
         events = [[e for e in t["traceEvents"] if e.get("ph") == "X"] for t in traces]
-        steps = set.intersection(*({e["args"]["step"] for e in ev} for ev in events))
+        per_rank = [{e["args"]["step"] for e in ev} for ev in events]
+        steps = set.intersection(*per_rank)
         if not steps:
             raise TraceError(f"--run {path!r}: the traces hold no step that every stage ran")
         step = max(steps) if step is None else step
         if step not in steps:
-            raise TraceError(f"--step {step}: the traces hold steps {min(steps)}..{max(steps)}")
+            lacking = [t["metadata"]["rank"] for t, have in zip(traces, per_rank) if step not in have]
+            if len(lacking) < len(traces):
+                raise TraceError(f"--step {step}: rank {lacking[0]}'s trace does not hold it; every stage holds "
+                                 f"steps {_ranges(sorted(steps))}")
+            raise TraceError(f"--step {step}: the traces hold steps {_ranges(sorted(steps))}")
         aligned = all("unix_origin_s" in t["metadata"] for t in traces)
         origin = [t["metadata"].get("unix_origin_s", 0.0) * 1e3 if aligned else 0.0 for t in traces]  # ms
         picked = [[e for e in ev if e["args"]["step"] == step] for ev in events]
@@ -125,7 +151,9 @@ class MeasuredStep:
 
     def timeline(self, title: str | None = None) -> Timeline:
         """The step as a `Timeline` in ms (source "measured")."""
-        makespan = max(end for spans in self.spans for _, _, end in spans)
+        makespan = max((end for spans in self.spans for _, _, end in spans), default=0.0)
+        if makespan <= 0:
+            raise TraceError(f"step {self.step} took no time in the traces (ranks {list(self.ranks)})")
         blocks: list[Block] = []
         transfers: list[Block] = []
         stages = []
@@ -143,7 +171,8 @@ class MeasuredStep:
             stages.append(StageSummary(s, busy, makespan - busy, (makespan - busy) / makespan, inflight, unfinished,
                                        self.peak_bytes[s]))
         bubble = sum(st.idle for st in stages) / (len(stages) * makespan)
-        title = title or f"step {self.step} (ranks {', '.join(map(str, self.ranks))})"
+        title = title or f"step {self.step} (ranks {', '.join(map(str, self.ranks))})" + (
+            "" if self.aligned else "; clocks NOT aligned: traces without unix_origin_s, each rank on its own axis")
         return Timeline(title, len(stages), makespan, bubble, tuple(blocks), tuple(transfers), tuple(stages),
                         "ms", "measured")
 

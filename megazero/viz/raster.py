@@ -23,20 +23,18 @@ class MissingExtra(RuntimeError):
 
 def _matplotlib():
     try:
-        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
     except ImportError:
         raise MissingExtra("PNG and PDF need matplotlib: pip install 'megazero[viz]' "
                           "(or write FILE.svg / FILE.html, which need nothing)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    return plt, Patch
+    return Figure, FigureCanvasAgg, Patch
 
 
 def render_raster(picture, path: str) -> None:
     """Write `picture` (a `Timeline` or a `Comparison`) to `path` (.png or .pdf)."""
-    plt, Patch = _matplotlib()
+    Figure, FigureCanvasAgg, Patch = _matplotlib()  # no pyplot: no global backend or figure registry
     rows = lanes(picture)
     compare = len(rows) > 1
     stages = rows[0][1].num_stages
@@ -44,7 +42,9 @@ def render_raster(picture, path: str) -> None:
     px = min(scale(t) for _, t in rows)
     width = min(MAX_INCHES, max(8.0, makespan * px / DPI + 3.5))
     height = 1.6 + ROW * stages * len(rows) * 1.25
-    fig, ax = plt.subplots(figsize=(width, height), dpi=DPI)
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     chunks = 1 + max((b.chunk for _, t in rows for b in t.blocks), default=0)
     per_inch = makespan / max(width - 3.5, 1.0)  # time units per inch of plot
     ticks, names = [], []
@@ -86,7 +86,6 @@ def render_raster(picture, path: str) -> None:
     fig.suptitle(heading, fontsize=9, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 0.97, 1))
     fig.savefig(path)
-    plt.close(fig)
 
 
 __all__ = ["MissingExtra", "render_raster"]

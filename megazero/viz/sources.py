@@ -49,10 +49,8 @@ def predicted(cfg, hardware, device: str = "cuda") -> Timeline:
 def planned_for(step: MeasuredStep) -> Timeline:
     """The plan of a measured step: its executed programs simulated with its measured costs (ms)."""
     result = simulate(step.programs, step.costs())
-    known = all(b is not None for b in step.peak_bytes)
     title = f"step {step.step}'s programs at its mean measured costs"
-    return from_simulation(result, title, unit="ms", source="planned",
-                           peak_bytes=list(step.peak_bytes) if known else None)
+    return from_simulation(result, title, unit="ms", source="planned")
 
 
 __all__ = ["format_bytes", "planned", "planned_for", "predicted"]

@@ -13,6 +13,8 @@ FWD = "0123456789abcdefghijklmnopqrstuvwxyz"
 BWD = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 LEGEND = ("legend: 0-9a-z forward of micro-batch n, A-Z backward (input grad, or full) of micro-batch n, "
           "w weight-grad pass (zero bubble), . idle")
+STEP_CELLS = {"LoadMicroBatch": ",", "ReduceGrads": "=", "OptimizerStep": "+"}
+STEP_LEGEND = {"LoadMicroBatch": "',' load", "ReduceGrads": "'=' gradient reduction", "OptimizerStep": "'+' optimizer step"}
 
 
 def cell(kind: str, mb: int) -> str:
@@ -31,16 +33,14 @@ def column_time(timeline: Timeline, max_columns: int | None = None) -> float:
     return max(shortest, timeline.makespan / max_columns) if max_columns else shortest
 
 
-def grid(timeline: Timeline, max_columns: int | None = None) -> list[str]:
-    """One string per stage; `column_time` time per character. Blocks shorter than a column take one
-    column; the step-level ones (R, O) and loads are not drawn."""
-    unit = column_time(timeline, max_columns)
+def grid(timeline: Timeline, max_columns: int | None = None, unit: float | None = None) -> list[str]:
+    """One string per stage; `column_time` time per character (or `unit`). A block shorter than a column
+    takes one; loads, gradient reductions and optimizer steps that take time are ``,``, ``=``, ``+``."""
+    unit = unit or column_time(timeline, max_columns)
     width = int(round(timeline.makespan / unit))
     rows = [["."] * width for _ in range(timeline.num_stages)]
     for b in timeline.blocks:
-        if b.mb < 0 or b.kind == "LoadMicroBatch":
-            continue
-        char = cell(b.short[0], b.mb)
+        char = STEP_CELLS.get(b.kind) or cell(b.short[0], b.mb)
         first = int(round(b.start / unit))
         for t in range(first, min(max(int(round(b.end / unit)), first + 1), width)):
             rows[b.stage][t] = char
@@ -54,10 +54,21 @@ def header(timeline: Timeline) -> str:
             f"peak in-flight micro-batches per stage {[s.peak_inflight for s in timeline.stages]}")
 
 
-def render_text(timeline: Timeline, max_columns: int | None = None) -> str:
-    """Header, one ``stage s`` row each, the legend (what `python -m megazero.viz` prints)."""
-    lines = [header(timeline)] + [f"stage {s} {row}" for s, row in enumerate(grid(timeline, max_columns))]
-    return "\n".join(lines + [LEGEND])
+def legend(timeline: Timeline) -> str:
+    """`LEGEND`, with the characters of the step-level blocks the timeline has."""
+    extra = [STEP_LEGEND[k] for k in STEP_LEGEND if any(b.kind == k for b in timeline.blocks)]
+    return ", ".join([LEGEND] + extra)
 
 
-__all__ = ["LEGEND", "cell", "column_time", "grid", "header", "render_text"]
+def render_text(timeline: Timeline, max_columns: int | None = None, unit: float | None = None) -> str:
+    """Header, one ``stage s`` row each, the legend (what `python -m megazero.viz` prints). `unit`: the
+    time of one column (default `column_time`); two timelines drawn with one unit share a time axis."""
+    rows = grid(timeline, max_columns, unit)
+    col = unit or column_time(timeline, max_columns)
+    lines = [header(timeline)] + [f"stage {s} {row}" for s, row in enumerate(rows)]
+    if timeline.unit:
+        lines.append(f"one column = {col:.4g} {timeline.unit}")
+    return "\n".join(lines + [legend(timeline)])
+
+
+__all__ = ["LEGEND", "cell", "column_time", "grid", "header", "legend", "render_text"]
