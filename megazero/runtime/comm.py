@@ -12,6 +12,7 @@ Every function takes a `GroupHandle` (built by `ParallelContext`) and records, i
 | broadcast      | (n−1)/n · numel                               |
 | scatter/gather | (n−1)/n · numel(full)                         |
 | send, recv     | numel                                         |
+| all_to_all     | numel(input) − the rows a rank keeps          |
 
 These are the figures docs/reference.md states (plain DP 2Ψ, ZeRO-3 3Ψ, TP 8·b·s·h·(t−1)/t),
 so tests and benchmarks can check volumes exactly. Groups of one rank are no-ops and record nothing.
@@ -210,6 +211,22 @@ def gather(input: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, gr
     _record(group, "gather", (n - 1) * input.numel(), input)
     return dist.gather(input, outputs if group.rank == dst else None, dst=group.global_rank(dst),
                        group=group.pg)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: GroupHandle,
+                      output_splits: Sequence[int] | None = None, input_splits: Sequence[int] | None = None):
+    """Every rank sends rows ``input_splits[j]`` of `input` (dim 0, in rank order) to group rank j and
+    receives ``output_splits[j]`` rows from it into `output` (equal splits when None). Records the
+    elements this rank sends to the others (its own slice stays): numel(input) − its own rows."""
+    n = group.size
+    if n == 1:
+        output.copy_(input)
+        return None
+    rows = input.shape[0]
+    own = input_splits[group.rank] if input_splits is not None else rows // n
+    _record(group, "all_to_all", (rows - own) * (input.numel() // rows if rows else 0), input)
+    return dist.all_to_all_single(output, input, None if output_splits is None else list(output_splits),
+                                  None if input_splits is None else list(input_splits), group=group.pg)
 
 
 def send(tensor: torch.Tensor, dst: int, group: GroupHandle) -> None:

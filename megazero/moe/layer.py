@@ -1,0 +1,116 @@
+"""The Mixture-of-Experts MLP: route, dispatch over the expert-parallel group, run the local experts,
+bring the outputs back and combine them weighted; shared experts run on every token.
+
+One forward on x (s, b, h), E experts over an ep group of P ranks, k experts per token:
+
+1. router logits (b·s, E) = tokens · routerᵀ in fp32; `megazero.moe.routing.route` picks the top k,
+   their weights, the assignments within capacity, the aux and z losses;
+2. the kept assignments, sorted by expert, are gathered into rows (N, h) and sent to the rank of
+   their expert (`dispatch.exchange_counts`, then `dispatch.AllToAll` over `ep_group`);
+3. the received rows, regrouped by local expert, go through `experts.GroupedExperts`;
+4. the outputs go back (the reverse all-to-all), are scaled by their weights and summed per token;
+   the shared experts' output is added; the result is (s, b, h).
+
+The aux and z losses join the training loss through their gradient (`AttachLosses`): the layer's
+output carries them, and backward adds ``coef · aux_scale()`` times their gradient, so a pipeline
+stage needs no extra loss tensor (`aux_scale` gives the loss's scale: 1 / micro-batches, times the
+loss scale). Communication per forward, rank r sending n_j rows to rank j: Σ_{j≠r} n_j · h elements
+out and the same back, and E − E/P integers of counts; backward moves the rows' gradients the same way.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.core.moe_spec import MoESpec
+from megazero.moe.dispatch import AllToAll, exchange_counts
+from megazero.moe.experts import GroupedExperts
+from megazero.moe.routing import Routing, route
+from megazero.runtime.comm import GroupHandle
+from megazero.tensor_parallel.init import make_param
+
+
+class AttachLosses(torch.autograd.Function):
+    """Identity on `output`; backward also gives `aux` and `z` the gradients ``scale · coef``."""
+
+    @staticmethod
+    def forward(ctx, output, aux, z, aux_grad: float, z_grad: float):
+        ctx.grads = (aux_grad, z_grad)
+        ctx.like = (aux, z)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        aux, z = ctx.like
+        return grad, torch.full_like(aux, ctx.grads[0]), torch.full_like(z, ctx.grads[1]), None, None
+
+
+class MoELayer(nn.Module):
+    """An MoE MLP named `name` (parameters ``{name}.router`` (E, h), ``{name}.experts.*`` split over
+    `ep_group`, ``{name}.shared.*``). `aux_scale()`: the factor the losses' gradients take (default 1).
+    After each forward, `last_routing` holds that forward's `Routing` (statistics for the metrics)."""
+
+    def __init__(self, spec: MoESpec, hidden: int, ep_group: GroupHandle, name: str, seed: int,
+                 init_std: float = 0.02, out_std: float | None = None, device=None, dtype=torch.float32,
+                 aux_scale: Callable[[], float] | None = None):
+        super().__init__()
+        spec.check(ep_group.size)
+        self.spec, self.ep_group, self.aux_scale = spec, ep_group, aux_scale or (lambda: 1.0)
+        E, P = spec.num_experts, ep_group.size
+        out_std = init_std if out_std is None else out_std
+        self.router = make_param((E, hidden), logical_name=f"{name}.router", full_shape=(E, hidden), tp_dim=None,
+                                 tp_rank=0, tp_size=1, init="normal", seed=seed, std=init_std, device=device,
+                                 dtype=dtype)
+        self.experts = GroupedExperts(hidden, spec.ffn, spec.activation, E, E // P, ep_group.rank,
+                                      f"{name}.experts", seed, init_std, out_std, device, dtype)
+        self.shared = None
+        if spec.shared_experts:
+            width = (spec.shared_ffn or spec.ffn) * spec.shared_experts  # DeepSeek: the shared experts as one MLP
+            self.shared = GroupedExperts(hidden, width, spec.activation, 1, 1, 0, f"{name}.shared", seed, init_std,
+                                         out_std, device, dtype, routed=False)
+        self.last_routing: Routing | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        tokens = x.transpose(0, 1).reshape(b * s, h)  # (b·s, h): sequence j in rows j·s .. j·s+s−1
+        logits = F.linear(tokens.float(), self.router.float())  # (b·s, E), fp32
+        r = route(logits, s, self.spec)
+        self.last_routing = r
+        token, slot = r.keep.nonzero(as_tuple=True)  # kept assignments, token-major
+        experts = r.indices[token, slot]
+        order = torch.argsort(experts, stable=True)
+        token, slot, experts = token[order], slot[order], experts[order]
+        counts = torch.bincount(experts, minlength=self.spec.num_experts)  # (E,)
+        y = self._run_experts(tokens[token], counts)  # (N, h), in the same order
+        weighted = y * r.weights[token, slot].unsqueeze(-1).to(y.dtype)
+        out = torch.zeros_like(tokens).index_add(0, token, weighted)  # (b·s, h)
+        if self.shared is not None:
+            out = out + self.shared(tokens, [b * s])
+        out = out.view(b, s, h).transpose(0, 1)  # (s, b, h)
+        scale = self.aux_scale()
+        return AttachLosses.apply(out, r.aux_loss, r.z_loss, self.spec.aux_loss_coef * scale,
+                                  self.spec.z_loss_coef * scale)
+
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`rows` (N, h) sorted by expert, `counts` (E,): send each to its expert's ep rank, run the local
+        experts, return their outputs in `rows`' order."""
+        group = self.ep_group
+        if group.size == 1:
+            return self.experts(rows, counts.tolist())
+        received = exchange_counts(counts, group)  # (P, E/P): rows from each source for each local expert
+        sends = counts.view(group.size, -1).sum(1).tolist()
+        recvs = received.sum(1).tolist()
+        arrived = AllToAll.apply(rows, recvs, sends, group)  # (M, h), by (source rank, local expert)
+        local = torch.arange(received.shape[1], device=rows.device).repeat(group.size)  # expert of each block
+        expert_of_row = local.repeat_interleave(received.flatten())
+        regroup = torch.argsort(expert_of_row, stable=True)  # by (local expert, source rank)
+        out = self.experts(arrived[regroup], received.sum(0).tolist())
+        inverse = torch.empty_like(regroup)
+        inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
+        return AllToAll.apply(out[inverse], sends, recvs, group)  # back in arrival order, then home
+
+
+__all__ = ["AttachLosses", "MoELayer"]
