@@ -25,6 +25,15 @@ def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn_hidden: int, 
 FLAVORS = {
     # 8 CPU ranks run a step of this in well under a second; kv_heads=4 allows tp up to 4.
     "debug": llama(layers=2, hidden=64, heads=8, kv_heads=4, ffn_hidden=176, vocab=512, seq_len=32),
+    # Mixture of Experts, debug size. Mixtral-style: every MLP 8 SwiGLU experts, top-2, softmax router.
+    "debug-moe": llama(layers=2, hidden=64, heads=8, kv_heads=4, ffn_hidden=176, vocab=512, seq_len=32,
+                       moe_num_experts=8, moe_top_k=2, moe_ffn=64),
+    # DeepSeek-style: fine-grained routed experts (16 narrow ones, top-4, sigmoid scores renormalised
+    # over the 4) plus one shared expert every token goes through.
+    "debug-deepseek": llama(layers=2, hidden=64, heads=8, kv_heads=4, ffn_hidden=176, vocab=512, seq_len=32,
+                            moe_num_experts=16, moe_top_k=4, moe_ffn=32, moe_score="sigmoid",
+                            moe_shared_experts=1, moe_shared_ffn=64),
+    "mixtral-8x7b": llama(32, 4096, 32, 8, 14336, seq_len=32768, rope_theta=1e6, moe_num_experts=8, moe_top_k=2),
     "llama2-7b": llama(32, 4096, 32, 32, 11008),
     "llama2-13b": llama(40, 5120, 40, 40, 13824),
     "llama2-70b": llama(80, 8192, 64, 8, 28672),

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 SCORES = ("softmax", "sigmoid")
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
 
 
 class MoESpecError(ValueError):

@@ -22,6 +22,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 
+from megazero.core.moe_spec import MoESpec, MoESpecError
 from megazero.core.suggest import closest, did_you_mean
 
 FAMILIES = ("gpt", "llama")
@@ -67,6 +68,18 @@ class ModelSpec:
     init_std: float = 0.02
     scaled_init: bool = True  # output projections use init_std / sqrt(2·layers), as GPT-2
     vocab_align: int = 128  # the padded vocabulary is a multiple of tp·vocab_align
+    # Mixture of Experts (megazero.core.moe_spec.MoESpec): moe_num_experts > 0 makes every MLP an MoE
+    # layer; the config keys are model.moe.<name without moe_>.
+    moe_num_experts: int = 0
+    moe_top_k: int = 2
+    moe_ffn: typing.Optional[int] = None  # each routed expert's hidden size; None = ffn_hidden
+    moe_score: str = "softmax"
+    moe_normalize_topk: bool = True
+    moe_capacity_factor: typing.Optional[float] = None  # None: no token dropping
+    moe_aux_loss_coef: float = 0.01
+    moe_z_loss_coef: float = 0.001
+    moe_shared_experts: int = 0
+    moe_shared_ffn: typing.Optional[int] = None
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -80,6 +93,17 @@ class ModelSpec:
     @property
     def ffn(self) -> int:
         return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
+
+    @property
+    def moe(self) -> MoESpec | None:
+        """The MoE MLP of every block, or None for a dense model."""
+        if not self.moe_num_experts:
+            return None
+        return MoESpec(num_experts=self.moe_num_experts, ffn=self.moe_ffn or self.ffn, top_k=self.moe_top_k,
+                       activation=self.activation, score=self.moe_score, normalize_topk=self.moe_normalize_topk,
+                       capacity_factor=self.moe_capacity_factor, aux_loss_coef=self.moe_aux_loss_coef,
+                       z_loss_coef=self.moe_z_loss_coef, shared_experts=self.moe_shared_experts,
+                       shared_ffn=self.moe_shared_ffn)
 
     @property
     def head_dim(self) -> int:
@@ -119,6 +143,13 @@ class ModelSpec:
                 raise SpecError(f"{f}={getattr(self, f)} must be in [0, 1)")
         if self.eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
             raise SpecError("eps, init_std and rope_theta must be positive")
+        if self.moe_num_experts < 0:
+            raise SpecError(f"moe_num_experts={self.moe_num_experts} must be >= 0 (0: a dense MLP)")
+        if self.moe is not None:
+            try:
+                self.moe.check(1)
+            except MoESpecError as err:
+                raise SpecError(str(err).replace("model.moe.", "moe_")) from None
 
     def validate_layout(self, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
         """Check that this model splits over a TP group of `tp` ranks; raise SpecError before any compute."""

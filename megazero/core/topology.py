@@ -166,6 +166,22 @@ class Topology:
         """Groups spanning pp x tp (x ep x cp): the ranks that together hold one model replica."""
         return self.axis_groups(*[a for a in self._order if a != "dp"])
 
+    def expert_groups(self, ep: int) -> list[list[int]]:
+        """Expert-parallel groups carved out of the data axis: each dp group (in dp order) split into
+        runs of `ep` consecutive dp ranks; the ranks of one run hold different experts and exchange
+        tokens. ``Topology(dp=4).expert_groups(2) == [[0, 1], [2, 3]]``."""
+        return [g[i:i + ep] for g in self._dp_runs(ep) for i in range(0, len(g), ep)]
+
+    def expert_data_groups(self, ep: int) -> list[list[int]]:
+        """Expert-data-parallel groups: the dp ranks that hold the same experts (dp rank ≡ j mod ep),
+        over which expert gradients are reduced. ``Topology(dp=4).expert_data_groups(2) == [[0, 2], [1, 3]]``."""
+        return [g[j::ep] for g in self._dp_runs(ep) for j in range(ep)]
+
+    def _dp_runs(self, ep: int) -> list[list[int]]:
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or self.dp % ep:
+            raise ValueError(f"parallel.ep={ep!r} must be a positive integer dividing dp={self.dp}")
+        return [sorted(g, key=lambda r: self.coords(r).dp) for g in self.axis_groups("dp")]
+
     def embedding_groups(self) -> list[list[int]]:
         """For tied input/output embeddings: the first and last pipeline stage's ranks that share
         every other coordinate. With pp=1 each group is a single rank."""

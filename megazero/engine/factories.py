@@ -12,6 +12,7 @@ from torch import nn
 from megazero.activation_checkpoint import ActivationCheckpointer
 from megazero.core.config import Config, ConfigError
 from megazero.core.instructions import ScheduleError
+from megazero.core.moe_spec import MoESpecError
 from megazero.core.schedules import get_schedule, splits_backward
 from megazero.models.pipeline_from_spec import build_pipeline_model
 from megazero.pipeline.pipeline_module import PipelineModule
@@ -38,12 +39,32 @@ def check_model_and_schedule(cfg: Config) -> None:
         SpecError: naming the spec field; ConfigError: naming the config key of a schedule problem.
     """
     if cfg.model.spec is not None:
-        spec_of(cfg).validate_layout(cfg.parallel.tp, cfg.parallel.sequence_parallel)
+        spec = spec_of(cfg)
+        spec.validate_layout(cfg.parallel.tp, cfg.parallel.sequence_parallel)
+        _check_experts(spec.moe, cfg)
     try:
         get_schedule(cfg.pipeline.schedule, cfg.parallel.pp, cfg.train.gradient_accumulation_steps,
                      cfg.pipeline.chunks)
     except ScheduleError as err:
         raise ConfigError(f"{err.key}: {err}") from None
+
+
+def _check_experts(moe, cfg: Config) -> None:
+    """The MoE rules of a layout: ep > 1 needs experts, the experts split over ep, no sequence parallelism
+    (the router counts capacity per whole sequence)."""
+    ep = cfg.parallel.ep
+    if moe is None:
+        if ep > 1:
+            raise ConfigError(f"parallel.ep={ep}: expert parallelism needs a Mixture-of-Experts model; set "
+                              f"model.moe.num_experts (a multiple of {ep})")
+        return
+    try:
+        moe.check(ep)
+    except MoESpecError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel: not supported with model.moe yet (routing and capacity are "
+                          "per whole sequence); set parallel.sequence_parallel=false")
 
 
 def build_model(cfg: Config, pctx: ParallelContext, device=None, wrap_block=None) -> PipelineModule:

@@ -72,6 +72,9 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         pairs, from `data_iter` or else the training data's loader); the mean loss on every rank."""
         data_iter = self._data(data_iter)
         self.module.train()
+        aux = getattr(self.module, "aux_loss_scale", None)  # a user's PipelineModule may predate it
+        if aux is not None:  # MoE aux losses are scaled as the LM loss is: loss scale / micro-batches
+            aux.set(self.optimizer.scaler.scale / self.num_microbatches)
         st = self.executor.run(self.program, data_iter, self.num_microbatches)
         self.last_info = dict(st.info)
         if self.lr_scheduler is not None and not st.info.get("skipped", False):

@@ -16,6 +16,8 @@ from torch import nn
 
 from megazero.models.attention import SelfAttention
 from megazero.models.common import LayerContext, Norm
+from megazero.moe.layer import MoELayer
+from megazero.runtime.comm import single_rank_group
 from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear, column_parallel_region
 
 _ACTIVATIONS = {
@@ -61,6 +63,14 @@ class MLP(nn.Module):
         return self.dropout(y)
 
 
+def moe_mlp(lctx: LayerContext, index: int) -> MoELayer:
+    """The MoE MLP of block `index` (``layers.i.mlp.router``, ``.experts.*``, ``.shared.*``): experts split
+    over `lctx.ep_group`, replicated over TP (every TP rank routes the same tokens the same way)."""
+    spec = lctx.spec
+    return MoELayer(spec.moe, spec.hidden, lctx.ep_group or single_rank_group("ep"), f"layers.{index}.mlp",
+                    lctx.seed, spec.init_std, lctx.output_std, lctx.device, lctx.dtype, lctx.aux_loss_scale)
+
+
 class TransformerBlock(nn.Module):
     """One pre-norm decoder block, global index `index`: hidden (s, b, h) -> hidden (same shape;
     (s/t, b, h) under sequence parallelism). TP communication per micro-batch: 2 all-reduces of
@@ -73,7 +83,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = Norm(lctx, f"layers.{index}.attn_norm")
         self.attn = SelfAttention(lctx, index)
         self.mlp_norm = Norm(lctx, f"layers.{index}.mlp_norm")
-        self.mlp = MLP(lctx, index)
+        self.mlp = MLP(lctx, index) if lctx.spec.moe is None else moe_mlp(lctx, index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))

@@ -1,6 +1,6 @@
 """The routed experts of one MoE layer held by one expert-parallel rank, run as a group.
 
-Parameters are stacked over this rank's E/P experts: GeLU ``fc1`` (E/P, f, h) and ``fc2`` (E/P, h, f);
+Parameters are stacked over this rank's E/P experts: GeLU / ReLU ``fc1`` (E/P, f, h) and ``fc2`` (E/P, h, f);
 SwiGLU ``gate`` and ``up`` (E/P, f, h) and ``down`` (E/P, h, f). Their logical tensors are (E, ...),
 split over the ep group on dim 0 (``ep_dim = 0``); each expert's initial values depend only on the
 seed and its global index, so every ep layout starts from the same model. Not tensor-parallel: every
@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.tensor_parallel.init import make_param
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
 
 def expert_param(local: int, num_experts: int, ep_rank: int, shape: tuple[int, int], name: str, seed: int,
@@ -58,9 +61,27 @@ class GroupedExperts(nn.Module):
             if self.activation == "swiglu":
                 y = F.linear(F.silu(F.linear(part, self.gate[e])) * F.linear(part, self.up[e]), self.down[e])
             else:
-                y = F.linear(F.gelu(F.linear(part, self.fc1[e])), self.fc2[e])
+                y = F.linear(_ACTIVATIONS[self.activation](F.linear(part, self.fc1[e])), self.fc2[e])
             outs.append(y)
         return torch.cat(outs) if outs else rows
 
 
-__all__ = ["GroupedExperts", "expert_param"]
+__all__ = ["GroupedExperts", "expert_param", "gather_expert_tensors"]
+
+
+def gather_expert_tensors(tensors: dict, module: nn.Module, ep_group) -> dict:
+    """`tensors` ({logical name: this rank's tensor}) with every routed-expert entry of `module`
+    replaced by the whole (E, ...) tensor, all-gathered over `ep_group` along the expert dim (every
+    ep rank must call; the order is the module's). For checkpoints' and parity checks' whole views."""
+    from megazero.runtime import comm
+
+    out = dict(tensors)
+    for p in module.parameters():
+        name = getattr(p, "logical_name", None)
+        if getattr(p, "ep_dim", None) is None or name not in out or ep_group.size == 1:
+            continue
+        local = out[name].contiguous()
+        whole = local.new_empty((ep_group.size * local.shape[0],) + tuple(local.shape[1:]))
+        comm.all_gather(whole, local, ep_group)
+        out[name] = whole
+    return out

@@ -33,6 +33,21 @@ from megazero.runtime.comm import GroupHandle
 from megazero.tensor_parallel.init import make_param
 
 
+class AuxLossScale:
+    """The factor the aux losses' gradients take in one step: 1 / micro-batches times the loss scale,
+    as the language-model loss is scaled. The engine that runs the steps sets it (`set`); the MoE
+    layers of its model read it (they hold this object, given at construction)."""
+
+    def __init__(self, value: float = 1.0):
+        self.value = value
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def __call__(self) -> float:
+        return self.value
+
+
 class AttachLosses(torch.autograd.Function):
     """Identity on `output`; backward also gives `aux` and `z` the gradients ``scale · coef``."""
 
@@ -113,4 +128,4 @@ class MoELayer(nn.Module):
         return AllToAll.apply(out[inverse], sends, recvs, group)  # back in arrival order, then home
 
 
-__all__ = ["AttachLosses", "MoELayer"]
+__all__ = ["AttachLosses", "AuxLossScale", "MoELayer"]

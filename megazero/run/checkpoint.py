@@ -51,35 +51,51 @@ class CheckpointError(RuntimeError):
 
 # -- the slices a rank owns ------------------------------------------------------------------------
 
-def _named(module) -> dict[int, tuple[str, tuple, object]]:
-    """{id(param): (logical name, full shape, tp_dim)}: megazero's parameter metadata, or for a plain
-    nn.Module (tp = 1) its `named_parameters` names and shapes."""
+def _rows(shape) -> tuple[int, ...]:
+    """`shape`, or for 3 or more dims (MoE experts (E, f, h)) (dim 0, the rest flattened): the same
+    elements in the same order, as the 2-D boxes of `megazero.core.shard_boxes` need (dim 0 is the only
+    split dim of such a tensor)."""
+    shape = tuple(int(n) for n in shape)
+    return shape if len(shape) <= 2 else (shape[0], int(torch.Size(shape[1:]).numel()))
+
+
+def _named(module, pctx) -> dict[int, tuple[str, tuple, tuple]]:
+    """{id(param): (logical name, full shape, (split dim, this rank's index, ranks))}: megazero's
+    parameter metadata (split over TP along tp_dim, or, for MoE routed experts, over the expert-parallel
+    group along ep_dim; (None, 0, 1) whole), or for a plain nn.Module (tp = 1) its `named_parameters`."""
     out = {}
     for name, p in module.named_parameters():
-        if id(p) not in out:
-            logical = getattr(p, "logical_name", None)
-            out[id(p)] = ((logical, tuple(p.full_shape), p.tp_dim) if logical is not None
-                          else (name, tuple(p.shape), None))
+        if id(p) in out:
+            continue
+        logical = getattr(p, "logical_name", None)
+        if logical is None:
+            out[id(p)] = (name, tuple(p.shape), (None, 0, 1))
+        elif getattr(p, "ep_dim", None) is not None:
+            out[id(p)] = (logical, _rows(p.full_shape), (p.ep_dim, p.ep_rank, p.ep_size))
+        elif p.tp_dim is not None:
+            out[id(p)] = (logical, _rows(p.full_shape), (p.tp_dim, pctx.tp_rank, pctx.tp_size))
+        else:
+            out[id(p)] = (logical, _rows(p.full_shape), (None, 0, 1))
     return out
 
 
 def _pieces(module, optimizer, pctx, writing: bool):
     """(logical name, full shape, source index (group, bucket), offset in the owned slice, Piece) of
-    every box this rank holds. Writing skips copies another rank writes too (dp replicas at stage 0,
-    TP replicas of replicated parameters)."""
-    named = _named(module)
+    every box this rank holds. Writing skips copies another rank writes too (replicas over the group's
+    dp at stage 0, TP replicas of parameters not split over TP)."""
+    named = _named(module, pctx)
     for g, group in enumerate(optimizer.groups):
-        if writing and group.stage == 0 and pctx.dp_rank != 0:
+        if writing and group.stage == 0 and group.dp.rank != 0:  # experts: their expert-data-parallel group
             continue
         for b, segs in enumerate(group.segments):
             lo = group.owned[b][0]
             for seg in segs:
-                name, full_shape, tp_dim = named[id(group.params[seg.param])]
-                if writing and tp_dim is None and pctx.tp_rank != 0:
+                param = group.params[seg.param]
+                name, full_shape, split = named[id(param)]
+                if writing and getattr(param, "tp_dim", None) is None and pctx.tp_rank != 0:
                     continue
-                shard = tuple(group.shapes[seg.param])
-                tp = (tp_dim, pctx.tp_rank, pctx.tp_size) if tp_dim is not None else (None, 0, 1)
-                for piece in slice_boxes(full_shape, *tp, shard, seg.param_start, seg.param_start + seg.numel):
+                shard = _rows(group.shapes[seg.param])
+                for piece in slice_boxes(full_shape, *split, shard, seg.param_start, seg.param_start + seg.numel):
                     yield name, full_shape, (g, b), seg.buf_start - lo + piece.flat_start, piece
 
 
@@ -292,7 +308,7 @@ def load(path: str, module, optimizer, pctx, lr_scheduler=None, load_optimizer_s
     error, manifest = None, None
     try:
         manifest = read_manifest(path)
-        _check_model(manifest, module, path)
+        _check_model(manifest, module, path, pctx)
         saved = (manifest["optimizer"] or {}).get("param_groups")
         if saved is not None and not load_module_only and len(saved) != len(optimizer.param_groups):
             raise CheckpointError(f"{path}/manifest.json: saved with {len(saved)} optimizer parameter groups, this "
@@ -345,9 +361,9 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def _check_model(manifest: dict, module, path: str) -> None:
+def _check_model(manifest: dict, module, path: str, pctx) -> None:
     saved = manifest["tensors"]
-    for name, shape, _ in _named(module).values():
+    for name, shape, _ in _named(module, pctx).values():
         record = saved.get(name)
         if record is None:
             raise CheckpointError(f"{path}/manifest.json has no tensor {name!r}: it was saved from another "

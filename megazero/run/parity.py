@@ -65,7 +65,7 @@ TOLERANCES = {"fp32": (1e-5, 1e-5, 1e-5, 1e-5),
 
 def serial_overrides(global_batch: int) -> list[str]:
     """Overrides (applied after the user's) that make any config its serial reference."""
-    return ["parallel.pp=1", "parallel.tp=1", "parallel.dp=1", "parallel.sequence_parallel=false",
+    return ["parallel.pp=1", "parallel.tp=1", "parallel.dp=1", "parallel.ep=1", "parallel.sequence_parallel=false",
             "parallel.order=[pp,dp,tp]", "pipeline.schedule=1f1b", "pipeline.chunks=1", "pipeline.partition=uniform",
             "activation_checkpointing.policy=none", "activation_checkpointing.every_k_layers=1",
             "activation_checkpointing.number_checkpoints=null", "activation_checkpointing.partition_activations=false",
@@ -109,6 +109,7 @@ def _first_step_gradients(optimizer, tp_group, out: dict):
 def run_layout(config, overrides=(), steps: int = 2) -> dict:
     """Train `steps` steps in this process group's layout; this rank's report (module docstring)."""
     import megazero
+    from megazero.moe.experts import gather_expert_tensors
     from megazero.tensor_parallel import Dropout, LogicalMaskFn, gather_full_params, set_dropout_mask_fn
 
     engine, optimizer, data, _ = megazero.initialize(config=config, overrides=list(overrides))
@@ -124,6 +125,8 @@ def run_layout(config, overrides=(), steps: int = 2) -> dict:
             norms.append(engine.get_global_grad_norm())
     with optimizer.full_parameters():
         params = {k: v.float() for k, v in gather_full_params(engine.module, pctx.tp_group).items()}
+    grads = gather_expert_tensors(grads, engine.module, pctx.ep_group)  # MoE: every expert, not this rank's
+    params = gather_expert_tensors(params, engine.module, pctx.ep_group)
     reporter = pctx.dp_rank == 0 and pctx.tp_rank == 0
     return {"losses": losses, "norms": norms, "grads": grads if reporter else {},
             "params": params if reporter else {}, "lr": optimizer.param_groups[0]["lr"],

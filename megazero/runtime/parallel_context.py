@@ -24,13 +24,15 @@ class ParallelContext:
 
     Attributes: ``tp_group/tp_rank/tp_size`` and the same for ``dp`` and ``pp``;
     ``mp_group`` (model parallel: pp x tp), ``embedding_group`` (first + last pipeline stage),
+    ``ep_group`` (expert parallel: `ep` consecutive dp ranks, which hold different experts) and
+    ``edp_group`` (expert data parallel: the dp ranks holding the same experts; dp / ep of them),
     ``world_group`` (every rank, for global norms and agreement), ``background_group`` (every rank
     again, a gloo group of its own: an asynchronous checkpoint agrees and commits over it from a
     background thread, so its collectives never interleave with training's), ``stats`` (CommStats shared by all
     of this context's groups), and ``pp_prev_rank/pp_next_rank`` (global ranks or None).
     """
 
-    def __init__(self, topology: Topology, timeout_s: float = 300.0, stats: CommStats | None = None):
+    def __init__(self, topology: Topology, timeout_s: float = 300.0, stats: CommStats | None = None, ep: int = 1):
         initialized = dist.is_available() and dist.is_initialized()
         if not initialized and topology.world_size != 1:
             raise RuntimeError(f"the layout {topology} needs torch.distributed to be initialized first "
@@ -50,6 +52,8 @@ class ParallelContext:
         self.pp_group = self._build("pp", topology.axis_groups("pp"))
         self.mp_group = self._build("mp", topology.model_parallel_groups())
         self.embedding_group = self._build("embedding", topology.embedding_groups())
+        self.ep_group = self._build("ep", topology.expert_groups(ep))
+        self.edp_group = self._build("edp", topology.expert_data_groups(ep))
         self.world_group = self._build("world", [list(range(world))])
         self.background_group = self._build_background(world)
         self.pp_prev_rank, self.pp_next_rank = topology.pipeline_peers(self.global_rank)

@@ -40,8 +40,11 @@ class FlatGroup:
 
     def __init__(self, name: str, params: list[torch.nn.Parameter], dp_group: GroupHandle, stage: int,
                  bucket_size: int, boundaries=(), shard_params: bool = False, offload: bool = False,
-                 on_reduced=None):
+                 on_reduced=None, grad_divisor: int | None = None):
         self.name, self.params, self.dp, self.stage = name, params, dp_group, stage
+        # the reduction averages over the data-parallel replicas: dp_group's size, or (experts, reduced
+        # over the expert-data-parallel group) the whole dp size, their gradients holding ep ranks' tokens
+        self.grad_divisor = grad_divisor or dp_group.size
         self.shard_params = shard_params
         self.full_grads = stage <= 1
         self.offload = offload
@@ -213,7 +216,7 @@ class FlatGroup:
             self._finish(*self._inflight.pop(0))
         if self.full_grads:
             full = self.grad_flat[bk.start:bk.end]
-            full.div_(n)
+            full.div_(self.grad_divisor)
             if self.stage == 0:
                 work = comm.all_reduce(full, self.dp, async_op=async_op)
                 self._inflight.append((work, b, None))
@@ -223,7 +226,7 @@ class FlatGroup:
                 self._inflight.append((work, b, tmp))
         else:
             full = self._bucket_grad.pop(b)
-            full.div_(n)
+            full.div_(self.grad_divisor)
             tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
             work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
             self._inflight.append((work, b, tmp))

@@ -150,11 +150,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # -- set-up ---------------------------------------------------------------------------------
     def _make_groups(self, params, units, bucket, offload_opt, offload_param, persist):
         tied_across_stages = self.pctx.pp_size > 1
+        experts = [p for p in params if getattr(p, "expert", False)]  # MoE routed experts: split over ep
+        params = [p for p in params if not getattr(p, "expert", False)]
         is_tied = [tied_across_stages and getattr(p, "tied_name", None) is not None for p in params]
         tied = [p for p, t in zip(params, is_tied) if t]
         rest = [p for p, t in zip(params, is_tied) if not t]
         dp = self.pctx.dp_group
         groups = []
+        if experts:  # reduced over the expert-data-parallel group, averaged over all of dp (see FlatGroup)
+            edp = getattr(self.pctx, "edp_group", dp)
+            groups.append(FlatGroup("experts", experts[::-1], edp, min(self.stage, 2), bucket, (), False,
+                                    offload_opt, self._bucket_reduced, grad_divisor=dp.size))
         if self.stage == 3:
             unit_of = {}
             for u, mod in enumerate(units or []):
@@ -180,10 +186,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _counted_ranges(self, group: FlatGroup) -> list[list[tuple[int, int]]]:
         """Per bucket, local ranges of the owned slice that count in the global gradient norm:
-        each parameter exactly once over dp (stage 0: dp rank 0), tp (replicated: tp rank 0) and pp
-        (tied copies: first stage)."""
+        each parameter exactly once over its group's dp (stage 0: its rank 0; experts: the expert-data-
+        parallel group, each ep rank counting its own experts), tp (replicated: tp rank 0) and pp (tied
+        copies: first stage)."""
         pctx = self.pctx
-        if (group.stage == 0 and pctx.dp_rank != 0) or (group.name == "tied" and not pctx.is_first_stage):
+        if (group.stage == 0 and group.dp.rank != 0) or (group.name == "tied" and not pctx.is_first_stage):
             return [[] for _ in group.layout.buckets]
         return group.owned_ranges(lambda p: getattr(p, "tp_dim", None) is not None or pctx.tp_rank == 0)
 

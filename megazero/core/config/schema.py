@@ -45,6 +45,7 @@ class ParallelConfig:
     pp: int = 1
     tp: int = 1
     dp: Optional[int] = None
+    ep: int = 1  # expert parallel: experts split over ep of the dp ranks (ep divides dp)
     sequence_parallel: bool = False
     order: List[str] = field(default_factory=lambda: ["pp", "dp", "tp"])  # outermost first
 
@@ -67,6 +68,23 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-Experts overrides of the spec (`megazero.core.moe_spec.MoESpec`); unset keys keep
+    the spec's. num_experts > 0 makes every block's MLP an MoE layer."""
+
+    num_experts: Optional[int] = None
+    top_k: Optional[int] = None
+    ffn: Optional[int] = None  # each routed expert's hidden size (default: model.ffn_hidden)
+    score: Optional[str] = None  # softmax | sigmoid
+    normalize_topk: Optional[bool] = None
+    capacity_factor: Optional[float] = None  # per-sequence capacity; unset in the spec: no dropping
+    aux_loss_coef: Optional[float] = None
+    z_loss_coef: Optional[float] = None
+    shared_experts: Optional[int] = None
+    shared_ffn: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Which model to build and the architecture fields that override the spec's values."""
 
@@ -80,13 +98,17 @@ class ModelConfig:
     vocab: Optional[int] = None
     dropout: Optional[float] = None
     tie_embeddings: Optional[bool] = None
+    moe: MoEConfig = field(default_factory=MoEConfig)
     overrides: Dict[str, Any] = field(default_factory=dict)  # any other spec field, by name
 
     def architecture(self) -> dict[str, Any]:
-        """Every architecture override: the typed fields that are set, then ``overrides``."""
+        """Every architecture override: the typed fields that are set (model.moe.<key> as the spec's
+        moe_<key>), then ``overrides``."""
         typed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                 if f.name not in ("spec", "overrides") and getattr(self, f.name) is not None}
-        return {**typed, **dict(self.overrides)}
+                 if f.name not in ("spec", "overrides", "moe") and getattr(self, f.name) is not None}
+        moe = {f"moe_{f.name}": getattr(self.moe, f.name) for f in dataclasses.fields(self.moe)
+               if getattr(self.moe, f.name) is not None}
+        return {**typed, **moe, **dict(self.overrides)}
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,9 @@ def _derived_checks(cfg: Config, world_size: Optional[int]) -> tuple[list[str], 
         return [str(e)], None
     if dp is None or dp < 1:
         return [], None
+    if isinstance(par.ep, int) and par.ep >= 1 and dp % par.ep:
+        return [f"parallel.ep={par.ep} does not divide the data-parallel size dp={dp}: experts are split over ep "
+                f"of the dp ranks; use an ep that divides {dp}"], dp
     try:
         _, gas, _ = derive_batch(t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size, dp)
     except ConfigError as e:

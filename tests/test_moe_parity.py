@@ -1,0 +1,131 @@
+"""MoE models trained in 3D layouts with expert parallelism equal the serial run (fp32).
+
+Layouts: an all-pairs covering set (megazero.core.pairwise) of ep ∈ {1, 2, 4} × tp ∈ {1, 2} ×
+pp ∈ {1, 2} × ZeRO 0-3 × model (Mixtral-style debug-moe, top-2 softmax, no dropping; DeepSeek-style
+debug-deepseek, 16 fine-grained experts top-4 with sigmoid scores, a shared expert and capacity 1.25,
+so tokens are dropped), on at most 8 ranks; dp is the smallest multiple of ep (at least 2) that fits.
+Each runs 3 steps of the engine (megazero.run.parity.run_layout: aux and z losses in the gradient, the
+experts' gradients reduced over the expert-data-parallel group) and is compared with one process
+training the same global batch: losses, grad norms, first-step gradients and final parameters, at the
+fp32 tolerances of megazero.run.parity (1e-5).
+"""
+from __future__ import annotations
+
+import pytest
+
+from megazero.core import pairwise
+from megazero.core.config import ConfigError
+from megazero.engine import load_run_config
+from megazero.run.parity import compare, format_rows, merge_reports, run_layout, serial_overrides
+from tests.harness import run_ranks
+
+FACTORS = {"ep": (1, 2, 4), "tp": (1, 2), "pp": (1, 2), "zero": (0, 1, 2, 3), "model": ("debug-moe", "debug-deepseek")}
+STEPS = 3
+
+
+def _dp(case):
+    ep, rest = case["ep"], case["pp"] * case["tp"]
+    return next((dp for dp in (max(ep, 2), ep) if rest * dp <= 8), None)
+
+
+def _allowed(case) -> bool:
+    dp = _dp(case)
+    return dp is not None and case["pp"] * case["tp"] * dp <= 8
+
+
+def config(case) -> dict:
+    dp = _dp(case)
+    model = {"spec": f"model_specs/llama.py:{case['model']}", "layers": 4}
+    if case["model"] == "debug-deepseek":
+        model["moe"] = {"capacity_factor": 1.25}
+    return {"precision": "fp32", "gradient_clipping": 1.0,
+            "parallel": {"pp": case["pp"], "tp": case["tp"], "dp": dp, "ep": case["ep"]},
+            "model": model,
+            "train": {"micro_batch_size": 1, "global_batch_size": 2 * case["pp"] * dp, "seed": 1234},
+            "optimizer": {"type": "adamw", "lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01},
+            "zero": {"stage": case["zero"], "reduce_bucket_size": 5000, "allgather_bucket_size": 5000,
+                     "prefetch_bucket_size": 5000, "param_persistence_threshold": 0},
+            "log": {"interval": 1000}}
+
+
+CASES = pairwise.covering_set(FACTORS, _allowed, seed=0)
+
+
+def _id(case):
+    return f"ep{case['ep']}-tp{case['tp']}-pp{case['pp']}-dp{_dp(case)}-zero{case['zero']}-{case['model']}"
+
+
+def test_the_covering_set_covers_every_pair():
+    covered = set().union(*(pairwise.pairs_in(c, FACTORS) for c in CASES))
+    possible = {p for p in pairwise.all_pairs(FACTORS)
+                if any(_allowed(c) and pairwise.pairs_in(c, FACTORS) >= {p} for c in pairwise.full_product(FACTORS))}
+    assert possible <= covered and len(CASES) <= 16, len(CASES)
+
+
+_SERIAL: dict = {}
+
+
+def _serial(case):
+    cfg = config(case)
+    key = (case["model"], cfg["train"]["global_batch_size"])
+    if key not in _SERIAL:
+        _SERIAL[key] = run_ranks(run_layout, 1, cfg, serial_overrides(cfg["train"]["global_batch_size"]), STEPS,
+                                 timeout=300)[0]
+    return _SERIAL[key]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_moe_layout_equals_serial(case):
+    cfg = config(case)
+    world = case["pp"] * case["tp"] * _dp(case)
+    result = merge_reports(run_ranks(run_layout, world, cfg, (), STEPS, timeout=300))
+    rows = compare(result, _serial(case), STEPS)
+    assert all(r["ok"] for r in rows), f"{_id(case)}\n{format_rows(rows)}"
+    assert any(".experts." in name for name in result["params"])
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["parallel.ep=3"], "parallel.ep=3 does not divide the data-parallel size dp=4"),
+    (["parallel.ep=4", "model.moe.num_experts=6"], "model.moe.num_experts=6 does not split over parallel.ep=4"),
+    (["parallel.ep=2", "model.spec=model_specs/llama.py:debug"], "parallel.ep=2: expert parallelism needs a Mixture"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], "not supported with model.moe"),
+    (["model.moe.top_k=9"], "moe_top_k=9 must be between 1 and num_experts=8"),
+])
+def test_bad_moe_layouts_are_refused_before_any_process_group(overrides, words):
+    base = config({"ep": 1, "tp": 1, "pp": 1, "zero": 1, "model": "debug-moe"})
+    del base["parallel"]["dp"]  # derived from the 4 ranks
+    with pytest.raises((ConfigError, ValueError)) as err:
+        load_run_config(base, overrides, world_size=4)
+    assert words in str(err.value).splitlines()[0] or words in str(err.value), str(err.value)
+
+
+def _ckpt_config(corpus, ep, zero=1, pp=1):
+    from tests.test_checkpoint import BASE
+
+    return dict(BASE, parallel={"pp": pp, "tp": 1, "ep": ep}, data={"path": corpus},
+                model={"spec": "model_specs/llama.py:debug-deepseek", "layers": 4, "vocab": 257, "seq_len": 32,
+                       "moe": {"capacity_factor": 1.25}},
+                zero=dict(BASE["zero"], stage=zero))
+
+
+@pytest.fixture(scope="module")
+def saved_at_ep2(corpus, tmp_path_factory):
+    """4 ranks (dp 4, ep 2, ZeRO-1): 2 x 3 steps with a checkpoint after 3."""
+    from tests.test_checkpoint import train
+
+    path = tmp_path_factory.mktemp("moe-ckpt")
+    whole = run_ranks(train, 4, _ckpt_config(corpus, 2), 6, str(path), None, 3, timeout=300)[0]
+    return str(path), whole, corpus
+
+
+@pytest.mark.parametrize("world,ep,zero,pp", [(4, 4, 2, 1), (4, 1, 0, 1), (2, 1, 3, 1), (4, 2, 1, 2)])
+def test_checkpoint_at_ep2_continues_at_another_ep(saved_at_ep2, world, ep, zero, pp):
+    """The experts' slices (and their Adam states) are saved by logical expert index: any ep, dp,
+    ZeRO stage or pipeline split reads its own experts back and continues the run."""
+    from tests.test_checkpoint import train
+
+    path, whole, corpus = saved_at_ep2
+    losses, norms = run_ranks(train, world, _ckpt_config(corpus, ep, zero, pp), 3, None, path, timeout=300)[0]
+    for got, want in ((losses, whole[0][3:]), (norms, whole[1][3:])):
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+        assert worst <= 1e-5, (worst, got, want)
