@@ -129,3 +129,32 @@ def test_checkpoint_at_ep2_continues_at_another_ep(saved_at_ep2, world, ep, zero
     for got, want in ((losses, whole[0][3:]), (norms, whole[1][3:])):
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
         assert worst <= 1e-5, (worst, got, want)
+
+
+@pytest.mark.parametrize("flavor,extra", [("debug-moe", []), ("debug-deepseek", ["model.moe.capacity_factor=1.25"])])
+def test_moe_flavors_train_with_falling_loss(corpus, tmp_path, flavor, extra):
+    """The trainer as a user runs it (torchrun, 4 ranks: pp 2 x dp 2, experts over ep 2) for 30 steps:
+    the loss falls, and every step's metrics carry the load balance (aux and z losses, dropped share,
+    imbalance, tokens per expert), which the log line prints."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_trainer import ROOT
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m",
+           "megazero.run.train", "configs/debug_moe.yaml", f"model.spec=model_specs/llama.py:{flavor}",
+           f"data.path={corpus}", f"run_dir={run}", "train.steps=30", *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    losses = [r["loss"] for r in rows]
+    assert sum(losses[-5:]) / 5 < 0.7 * losses[0], losses
+    for r in rows:
+        m = r["moe"]
+        assert 0.9 < m["aux_loss"] < 4 and m["z_loss"] > 0 and m["imbalance"] >= 1.0
+        assert (m["dropped"] > 0) == bool(extra) and sum(m["tokens_per_expert"]) > 0
+    experts = 8 if flavor == "debug-moe" else 16
+    assert len(rows[0]["moe"]["tokens_per_expert"]) == experts
+    assert "moe aux" in p.stdout and "imbalance" in p.stdout

@@ -17,6 +17,7 @@ from megazero.core.simulate import peaks
 from megazero.engine.checkpointing import CheckpointMethods
 from megazero.data.repeating import RepeatingLoader
 from megazero.engine.surface import EngineSurface
+from megazero.moe.stats import step_stats
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipeP2P
 from megazero.pipeline.pipeline_module import PipelineModule
@@ -77,6 +78,9 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
             aux.set(self.optimizer.scaler.scale / self.num_microbatches)
         st = self.executor.run(self.program, data_iter, self.num_microbatches)
         self.last_info = dict(st.info)
+        spec = getattr(self.module, "model_spec", None)
+        if spec is not None and spec.moe is not None:  # load balance of the step, agreed over the world
+            self.last_info["moe"] = step_stats(self.module, self.pctx.world_group, self.pctx.tp_size, spec.layers)
         if self.lr_scheduler is not None and not st.info.get("skipped", False):
             step_lr_scheduler(self.lr_scheduler)
         self.global_steps += 1

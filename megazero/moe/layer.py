@@ -49,18 +49,50 @@ class AuxLossScale:
 
 
 class AttachLosses(torch.autograd.Function):
-    """Identity on `output`; backward also gives `aux` and `z` the gradients ``scale · coef``."""
+    """Identity on `output`; backward also gives `aux` and `z` the gradients ``scale · coef`` and calls
+    `on_backward()` (once per micro-batch even under activation recompute: only the graph that is
+    backpropagated calls it)."""
 
     @staticmethod
-    def forward(ctx, output, aux, z, aux_grad: float, z_grad: float):
-        ctx.grads = (aux_grad, z_grad)
+    def forward(ctx, output, aux, z, aux_grad: float, z_grad: float, on_backward):
+        ctx.grads, ctx.on_backward = (aux_grad, z_grad), on_backward
         ctx.like = (aux, z)
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad):
         aux, z = ctx.like
-        return grad, torch.full_like(aux, ctx.grads[0]), torch.full_like(z, ctx.grads[1]), None, None
+        ctx.on_backward()
+        return grad, torch.full_like(aux, ctx.grads[0]), torch.full_like(z, ctx.grads[1]), None, None, None
+
+
+class RoutingStats:
+    """Sums over the micro-batches trained since the last `pop`: aux and z losses, kept assignments per
+    expert, dropped assignments, micro-batches."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.pop()
+
+    def add(self, r: Routing) -> None:
+        self.aux += r.aux_loss.detach().double()
+        self.z += r.z_loss.detach().double()
+        self.tokens += r.tokens_per_expert.detach().double()
+        self.dropped += r.dropped
+        self.micro_batches += 1
+
+    def pop(self) -> torch.Tensor:
+        """[aux, z, dropped, micro-batches, tokens per expert...] (fp64) since the last pop; resets."""
+        out = None
+        if hasattr(self, "tokens"):
+            out = torch.cat([torch.stack([self.aux.cpu(), self.z.cpu()]),
+                             torch.tensor([float(self.dropped), float(self.micro_batches)], dtype=torch.float64),
+                             self.tokens.cpu()])
+        self.aux = torch.zeros((), dtype=torch.float64)
+        self.z = torch.zeros((), dtype=torch.float64)
+        self.tokens = torch.zeros(self.num_experts, dtype=torch.float64)
+        self.dropped, self.micro_batches = 0, 0
+        return out
 
 
 class MoELayer(nn.Module):
@@ -74,6 +106,7 @@ class MoELayer(nn.Module):
         super().__init__()
         spec.check(ep_group.size)
         self.spec, self.ep_group, self.aux_scale = spec, ep_group, aux_scale or (lambda: 1.0)
+        self.name = name  # layers.<i>.mlp
         E, P = spec.num_experts, ep_group.size
         out_std = init_std if out_std is None else out_std
         self.router = make_param((E, hidden), logical_name=f"{name}.router", full_shape=(E, hidden), tp_dim=None,
@@ -87,6 +120,7 @@ class MoELayer(nn.Module):
             self.shared = GroupedExperts(hidden, width, spec.activation, 1, 1, 0, f"{name}.shared", seed, init_std,
                                          out_std, device, dtype, routed=False)
         self.last_routing: Routing | None = None
+        self.stats = RoutingStats(spec.num_experts)  # the trained micro-batches' routing, until popped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
@@ -107,7 +141,7 @@ class MoELayer(nn.Module):
         out = out.view(b, s, h).transpose(0, 1)  # (s, b, h)
         scale = self.aux_scale()
         return AttachLosses.apply(out, r.aux_loss, r.z_loss, self.spec.aux_loss_coef * scale,
-                                  self.spec.z_loss_coef * scale)
+                                  self.spec.z_loss_coef * scale, lambda: self.stats.add(r))
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`rows` (N, h) sorted by expert, `counts` (E,): send each to its expert's ep rank, run the local

@@ -135,14 +135,18 @@ def run(cfg: Config, rank: int) -> int:
                   "skipped_steps": info.get("skipped_steps", 0),
                   "tokens_per_s": tokens / dt, "step_time_s": dt,
                   "mfu": mfu(flops, dt, pctx.topology.world_size, cfg.log.peak_tflops)}
+        if info.get("moe") is not None:  # MoE load balance of the step (megazero.moe.stats)
+            record["moe"] = info["moe"]
         if cfg.log.wall_clock_breakdown:
             record["time_ms"] = timers.pop()
         writer.write(record)
         if bar is not None:
             bar.update(1)
+            moe = {"aux": f"{record['moe']['aux_loss']:.3f}", "imb": f"{record['moe']['imbalance']:.2f}"} \
+                if "moe" in record else {}
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             mfu="-" if record["mfu"] is None else f"{record['mfu']:.1%}",
-                            scale=f"{record['loss_scale']:g}")
+                            scale=f"{record['loss_scale']:g}", **moe)
         if lead and cfg.log.interval and step % cfg.log.interval == 0:
             _log_line(cfg, rank, record, optimizer, bar, meter, checkpointer)
         if cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps):
@@ -224,6 +228,10 @@ def _log_line(cfg, rank, record, optimizer, bar, meter=None, checkpointer=None) 
     if record["grad_norm"] is not None:
         parts.append(f"grad_norm {record['grad_norm']:.3f}")
     parts.append(f"lr {record['lr']:.2e}")
+    if "moe" in record:
+        m = record["moe"]
+        parts.append(f"moe aux {m['aux_loss']:.4f} z {m['z_loss']:.3f} dropped {m['dropped']:.1%} "
+                     f"imbalance {m['imbalance']:.2f} tokens/expert {m['tokens_per_expert']}")
     if "time_ms" in record:
         parts.append("time_ms " + " ".join(f"{k}={v:.1f}" for k, v in record["time_ms"].items()))
     if cfg.log.memory_breakdown:
