@@ -158,3 +158,17 @@ def test_moe_flavors_train_with_falling_loss(corpus, tmp_path, flavor, extra):
     experts = 8 if flavor == "debug-moe" else 16
     assert len(rows[0]["moe"]["tokens_per_expert"]) == experts
     assert "moe aux" in p.stdout and "imbalance" in p.stdout
+
+
+def test_config_explain_flags_the_per_node_rule(capsys):
+    from megazero.core.config.__main__ import main
+
+    assert main(["explain", "configs/debug_moe.yaml", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "8 experts per MoE layer, top-2, over parallel.ep=2: 4 per rank" in out and "WARNING" not in out
+    assert main(["explain", "configs/debug_moe.yaml", "model.moe.num_experts=12", "--world-size", "4",
+                 "--gpus-per-node", "8"]) == 0
+    assert "WARNING: model.moe.num_experts=12 is not a multiple of the 8 GPUs per node" in capsys.readouterr().out
+    assert main(["explain", "configs/debug_moe.yaml", "model.moe.num_experts=12", "--world-size", "4",
+                 "--gpus-per-node", "4"]) == 0
+    assert "WARNING" not in capsys.readouterr().out

@@ -30,6 +30,11 @@ IMPOSSIBLE = {
     (("schedule", "interleaved"), ("micro_batches", "1")): "train.gradient_accumulation_steps",
     (("checkpointing", "partitioned"), ("sequence_parallel", True)): "partition_activations: with parallel.seq",
     (("checkpointing", "partitioned+cpu"), ("sequence_parallel", True)): "partition_activations: with parallel.seq",
+    (("dp", 1), ("ep", 2)): "parallel.ep=2 does not divide the data-parallel size dp=1",
+    (("ep", 2), ("model", "gpt")): "parallel.ep=2: expert parallelism needs a Mixture-of-Experts model",
+    (("ep", 2), ("model", "llama")): "parallel.ep=2: expert parallelism needs a Mixture-of-Experts model",
+    (("ep", 2), ("sequence_parallel", True)): "parallel.ep=2: expert parallelism needs a Mixture-of-Experts model",
+    (("sequence_parallel", True), ("model", "moe")): "parallel.sequence_parallel: not supported with model.moe",
 }
 
 
@@ -57,6 +62,10 @@ def test_impossible_pairs_are_the_listed_ones_and_refused_by_user_validation(wit
         case = dict(defaults, **dict(pair))
         if case["schedule"] == "interleaved" and case["pp"] == 1 and pair[0][0] != "pp":
             case["pp"] = 2  # so that the pair itself, not interleaving at pp=1, is what is refused
+        if case["ep"] > 1 and "dp" not in dict(pair):
+            case["dp"] = 2  # likewise: not ep failing to divide dp=1
+        if case["sequence_parallel"] and case["tp"] == 1 and "tp" not in dict(pair):
+            case["tp"] = 2  # and not sequence parallelism at tp=1
         error = pm.case_error(case)
         assert error is not None and words in error, (pair, error)
 

@@ -23,11 +23,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ex.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.pp=2 model.layers=6")
     ex.add_argument("--world-size", type=int, default=None,
                     help="number of ranks (default: pp x tp x dp when parallel.dp is set)")
+    ex.add_argument("--gpus-per-node", type=int, default=8,
+                    help="GPUs per node, for the Mixture-of-Experts per-node rule (default 8)")
     args = parser.parse_args(argv)
     path = None if args.config == "none" else args.config
     try:
         cfg = load_config(path, args.overrides, world_size=args.world_size)
-        sys.stdout.write(explain(cfg, args.world_size, deepspeed_defaults_of(path)))
+        sys.stdout.write(explain(cfg, args.world_size, deepspeed_defaults_of(path), args.gpus_per_node))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from megazero.planner.from_config import memory_lines, predicted_memory
+from megazero.planner.from_config import memory_lines, predicted_memory, spec_of
 from megazero.planner.layout import PlanError
 
 from ..instructions import ScheduleError
@@ -49,7 +49,33 @@ def memory_prediction(cfg: Config) -> list[str]:
     return head + [f"#   {line}" for line in memory_lines(plan)]
 
 
-def explain(cfg: Config, world_size: Optional[int] = None, deepspeed_defaults: Sequence[str] = ()) -> str:
+def experts_lines(cfg: Config, gpus_per_node: int = 8) -> list[str]:
+    """For a Mixture-of-Experts model: how its experts split, and a warning when the layout breaks the
+    per-node rule (the experts should spread evenly over a node's GPUs: num_experts a multiple of the
+    GPUs per node), which unbalances the load."""
+    if cfg.model.spec is None:
+        return []
+    try:
+        moe = spec_of(cfg).moe
+    except SpecError:
+        return []
+    if moe is None:
+        return []
+    ep = cfg.parallel.ep
+    lines = ["", "# mixture of experts",
+             f"#   {moe.num_experts} experts per MoE layer, top-{moe.top_k}, over parallel.ep={ep}: "
+             f"{moe.num_experts // max(ep, 1)} per rank, replicated over dp / ep = {cfg.parallel.dp // max(ep, 1)} "
+             f"expert-data-parallel ranks; capacity "
+             + ("none (no dropping)" if moe.capacity_factor is None else f"{moe.capacity_factor} per sequence")]
+    if moe.num_experts % gpus_per_node:
+        lines.append(f"#   WARNING: model.moe.num_experts={moe.num_experts} is not a multiple of the {gpus_per_node} GPUs "
+                     f"per node: a node's GPUs cannot hold equal shares of the experts, which unbalances the load; "
+                     f"use a multiple of {gpus_per_node} experts")
+    return lines
+
+
+def explain(cfg: Config, world_size: Optional[int] = None, deepspeed_defaults: Sequence[str] = (),
+            gpus_per_node: int = 8) -> str:
     """The resolved config as YAML, then the DeepSpeed defaults a DeepSpeed file got (lines from
     `deepspeed.defaults_applied`), the derived values and any not-supported-yet keys."""
     cfg = resolve(cfg, world_size)
@@ -65,6 +91,7 @@ def explain(cfg: Config, world_size: Optional[int] = None, deepspeed_defaults: S
               f"micro_batches_per_flush: {m}  # = train.gradient_accumulation_steps",
               f"bubble_fraction: {d['bubble_fraction']}  # {cfg.pipeline.schedule}, p={p}, m={m}, v={v}"]
     lines += memory_prediction(cfg)
+    lines += experts_lines(cfg, gpus_per_node)
     missing = unsupported(cfg)
     if missing:
         lines += ["", "# not supported yet (the trainer refuses these)"] + [f"#   {line}" for line in missing]
