@@ -172,3 +172,30 @@ def test_config_explain_flags_the_per_node_rule(capsys):
     assert main(["explain", "configs/debug_moe.yaml", "model.moe.num_experts=12", "--world-size", "4",
                  "--gpus-per-node", "4"]) == 0
     assert "WARNING" not in capsys.readouterr().out
+
+
+def _zero3_expert_worker(cfg):
+    import megazero
+
+    engine, optimizer, data, _ = megazero.initialize(config=cfg)
+    engine.train_batch(data)
+    groups = {g.name: (g.shard_params, g.dp.size, g.stage) for g in optimizer.groups}
+    experts = [p for p in engine.module.parameters() if getattr(p, "expert", False)]
+    held = sum(p.untyped_storage().nbytes() for p in experts)  # between steps: released
+    owned = sum(t.numel() for t in optimizer.groups[[g.name for g in optimizer.groups].index("experts")].master)
+    local = sum(p.full_shape[0] // p.ep_size * p.full_shape[1] * p.full_shape[2] for p in experts)
+    return groups, held, owned, local
+
+
+def test_zero3_shards_the_experts_over_their_group():
+    """At ZeRO-3 the experts' parameters are sharded over the expert-data-parallel group and gathered
+    per layer like the others: between steps a rank holds none of them whole, and 1 / (dp / ep) of its
+    experts' fp32 master."""
+    case = {"ep": 2, "tp": 1, "pp": 1, "zero": 3, "model": "debug-moe"}
+    cfg = config(case)
+    cfg["parallel"]["dp"] = 4  # dp 4, ep 2: each expert on 2 ranks
+    cfg["train"]["global_batch_size"] = 8
+    for groups, held, owned, local in run_ranks(_zero3_expert_worker, 4, cfg, timeout=300):
+        assert groups["experts"] == (True, 2, 3), groups
+        assert held == 0
+        assert owned == local // 2

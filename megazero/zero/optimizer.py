@@ -157,15 +157,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         rest = [p for p, t in zip(params, is_tied) if not t]
         dp = self.pctx.dp_group
         groups = []
+        unit_of = {}
+        for u, mod in enumerate(units or []):
+            for p in mod.parameters():
+                unit_of.setdefault(id(p), u)
         if experts:  # reduced over the expert-data-parallel group, averaged over all of dp (see FlatGroup)
             edp = getattr(self.pctx, "edp_group", dp)
-            groups.append(FlatGroup("experts", experts[::-1], edp, min(self.stage, 2), bucket, (), False,
-                                    offload_opt, self._bucket_reduced, grad_divisor=dp.size))
+            if self.stage == 3 and all(id(p) in unit_of for p in experts):  # sharded and gathered per unit too
+                experts.sort(key=lambda p: -unit_of[id(p)])
+                cuts = [i for i in range(1, len(experts)) if unit_of[id(experts[i])] != unit_of[id(experts[i - 1])]]
+                groups.append(FlatGroup("experts", experts, edp, 3, bucket, cuts, True, offload_param or offload_opt,
+                                        self._bucket_reduced, grad_divisor=dp.size))
+            else:
+                groups.append(FlatGroup("experts", experts[::-1], edp, min(self.stage, 2), bucket, (), False,
+                                        offload_opt, self._bucket_reduced, grad_divisor=dp.size))
         if self.stage == 3:
-            unit_of = {}
-            for u, mod in enumerate(units or []):
-                for p in mod.parameters():
-                    unit_of.setdefault(id(p), u)
             big = {id(p) for p in rest if id(p) in unit_of and full_shape(p).numel() >= persist}
             sharded = [p for p in rest if id(p) in big]
             persistent = [p for p in rest if id(p) not in big]
