@@ -199,3 +199,15 @@ def test_zero3_shards_the_experts_over_their_group():
         assert groups["experts"] == (True, 2, 3), groups
         assert held == 0
         assert owned == local // 2
+
+
+def test_the_planner_says_it_does_not_model_moe():
+    import subprocess
+    import sys
+
+    from tests.test_trainer import ROOT
+
+    p = subprocess.run([sys.executable, "tools/plan.py", "llama:mixtral-8x7b", "--hardware", "h100-80gb", "--gpus",
+                        "64", "--global-batch", "64", "--tp", "8"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: llama.py:mixtral-8x7b: Mixture-of-Experts layers (moe_num_experts=8) are not modelled by the planner yet"]

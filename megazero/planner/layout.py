@@ -119,7 +119,11 @@ class Layout:
         return errs
 
     def check(self, spec) -> None:
-        """Raise `PlanError` with every problem of `problems(spec)`, one per line."""
+        """Raise `PlanError` with every problem of `problems(spec)`, one per line (or for a Mixture-of-
+        Experts model, which the planner does not model yet, that)."""
+        if getattr(spec, "moe", None) is not None:
+            raise PlanError(f"{spec.name or 'the model'}: Mixture-of-Experts layers (moe_num_experts="
+                            f"{spec.moe_num_experts}) are not modelled by the planner yet")
         errs = self.problems(spec)
         if errs:
             raise PlanError(f"layout {self.describe()}: " + "; ".join(errs))
