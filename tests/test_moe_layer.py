@@ -47,7 +47,7 @@ def reference_route(logits, s, spec):
     for j in range(b):
         seq = probs[j * s:(j + 1) * s]
         top, ind = seq.topk(k, -1)
-        w = top / top.sum(-1, keepdim=True) if spec.normalize_topk else top
+        w = top / top.sum(-1, keepdim=True) if spec.normalize_topk and k > 1 else top
         used, kept = [0] * E, torch.ones(s, k, dtype=torch.bool)
         for c in range(k):  # first choices first
             for t in range(s):
@@ -248,3 +248,30 @@ def test_bad_settings_name_the_key(kw, ep, words):
 def test_capacity_per_sequence():
     assert _spec(capacity_factor=1.0).capacity(8) == 2 and _spec(capacity_factor=1.25).capacity(8) == math.ceil(2.5)
     assert _spec().capacity(8) is None
+
+
+def _skewed_worker(seed):
+    """Every token prefers experts 0 and 1 (on ep rank 0): ep rank 1 receives no rows at all."""
+    import torch.distributed as dist
+
+    spec = _spec(capacity_factor=None)
+    P, r = dist.get_world_size(), dist.get_rank()
+    x, g = _inputs(seed)
+    layer = MoELayer(spec, H, world_group(), "layers.0.mlp", seed=3, aux_scale=None)
+    with torch.no_grad():
+        layer.router[0] += 40.0 * x.mean((0, 1)) / x.mean((0, 1)).norm()
+        layer.router[1] += 30.0 * x.mean((0, 1)) / x.mean((0, 1)).norm()
+    xs = (x[:, r * B // P:(r + 1) * B // P] + 4 * x.mean((0, 1))).clone().requires_grad_()
+    out = layer(xs)
+    (out * g[:, r * B // P:(r + 1) * B // P]).mean().backward()
+    tokens = layer.last_routing.tokens_per_expert
+    return tokens, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def test_an_ep_rank_that_receives_no_rows():
+    ranks = run_ranks(_skewed_worker, 2, 0, timeout=120)
+    total = sum(t for t, _ in ranks)
+    assert total[4:].sum() == 0 and total[:2].sum() > 0  # experts 4-7 (ep rank 1) got nothing
+    for _, grads in ranks:
+        assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert torch.count_nonzero(ranks[1][1]["experts.gate"]) == 0  # its experts: zero gradient, no hang

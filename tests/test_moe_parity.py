@@ -3,7 +3,8 @@
 Layouts: an all-pairs covering set (megazero.core.pairwise) of ep ∈ {1, 2, 4} × tp ∈ {1, 2} ×
 pp ∈ {1, 2} × ZeRO 0-3 × model (Mixtral-style debug-moe, top-2 softmax, no dropping; DeepSeek-style
 debug-deepseek, 16 fine-grained experts top-4 with sigmoid scores, a shared expert and capacity 1.25,
-so tokens are dropped), on at most 8 ranks; dp is the smallest multiple of ep (at least 2) that fits.
+so tokens are dropped), on at most 8 ranks; dp is 2·ep where that fits (every expert on 2 ranks, its
+gradient reduced over them), else ep.
 Each runs 3 steps of the engine (megazero.run.parity.run_layout: aux and z losses in the gradient, the
 experts' gradients reduced over the expert-data-parallel group) and is compared with one process
 training the same global batch: losses, grad norms, first-step gradients and final parameters, at the
@@ -24,8 +25,9 @@ STEPS = 3
 
 
 def _dp(case):
+    """2·ep where it fits in 8 ranks (so each expert is held by 2 ranks and reduced over them), else ep."""
     ep, rest = case["ep"], case["pp"] * case["tp"]
-    return next((dp for dp in (max(ep, 2), ep) if rest * dp <= 8), None)
+    return next((dp for dp in (2 * ep, ep) if rest * dp <= 8), None)
 
 
 def _allowed(case) -> bool:
@@ -211,3 +213,30 @@ def test_the_planner_says_it_does_not_model_moe():
                         "64", "--global-batch", "64", "--tp", "8"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "error: llama.py:mixtral-8x7b: Mixture-of-Experts layers (moe_num_experts=8) are not modelled by the planner yet"]
+
+
+def test_moe_checkpoint_consolidates_by_logical_shape_and_refuses_hf_export(saved_at_ep2, tmp_path):
+    """The manifest and `consolidate` (what save_16bit_model writes) keep the experts' logical (E, f, h)
+    shape; the Hugging Face export, which maps dense models only, says so."""
+    from safetensors import safe_open
+
+    from megazero.run.checkpoint import CheckpointError
+    from megazero.run.checkpoint_convert import consolidate, export_hf
+
+    path = saved_at_ep2[0]
+    step = sorted(d for d in __import__("os").listdir(path) if d.startswith("step"))[0]
+    out = tmp_path / "model.safetensors"
+    consolidate(f"{path}/{step}", str(out))
+    with safe_open(str(out), "pt") as f:
+        assert tuple(f.get_tensor("layers.0.mlp.experts.gate").shape) == (16, 32, 64)
+        assert tuple(f.get_tensor("layers.0.mlp.shared.down").shape) == (1, 64, 64)
+        assert tuple(f.get_tensor("layers.0.mlp.router").shape) == (16, 64)
+    with pytest.raises(CheckpointError, match="Mixture-of-Experts model .16 experts per layer.; the Hugging Face"):
+        export_hf(f"{path}/{step}", str(tmp_path / "hf"))
+
+
+def test_sequence_parallel_is_refused_by_the_spec_too():
+    from megazero.core.spec import SpecError, load_spec
+
+    with pytest.raises(SpecError, match="sequence_parallel is not supported with Mixture-of-Experts"):
+        load_spec("model_specs/llama.py:debug-moe").validate_layout(2, True)

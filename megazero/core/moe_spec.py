@@ -2,7 +2,8 @@
 
 Routing is per token over `num_experts` experts: scores are the softmax (or sigmoid) of the router's
 logits, each token goes to its `top_k` best experts, weighted by their scores (renormalised over the
-k when `normalize_topk`). With `capacity_factor` set, each expert takes at most
+k when `normalize_topk` and k > 1; with k = 1 the score itself, so that the router learns from the
+loss). With `capacity_factor` set, each expert takes at most
 ``ceil(capacity_factor · seq_len · top_k / num_experts)`` assignments *per sequence* (first choices
 before second choices, earlier positions first) and drops the rest; None drops nothing. Counting
 capacity per sequence (GShard's groups, one group a sequence) makes the same tokens drop in every

@@ -167,6 +167,9 @@ class ModelSpec:
         if self.ffn % tp:
             raise SpecError(f"ffn_hidden={self.ffn} is not divisible by tp={tp}")
         s = seq_len if seq_len is not None else self.seq_len
+        if sequence_parallel and tp > 1 and self.moe is not None:
+            raise SpecError("sequence_parallel is not supported with Mixture-of-Experts layers yet (the router counts "
+                            "capacity and losses per whole sequence)")
         if sequence_parallel and s % tp:
             raise SpecError(f"sequence_parallel needs seq_len={s} divisible by tp={tp}")
 

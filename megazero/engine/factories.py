@@ -40,8 +40,8 @@ def check_model_and_schedule(cfg: Config) -> None:
     """
     if cfg.model.spec is not None:
         spec = spec_of(cfg)
+        _check_experts(spec.moe, cfg)  # first: its messages name the config keys
         spec.validate_layout(cfg.parallel.tp, cfg.parallel.sequence_parallel)
-        _check_experts(spec.moe, cfg)
     try:
         get_schedule(cfg.pipeline.schedule, cfg.parallel.pp, cfg.train.gradient_accumulation_steps,
                      cfg.pipeline.chunks)

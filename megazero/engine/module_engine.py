@@ -14,6 +14,7 @@ import torch
 
 from megazero.engine.checkpointing import CheckpointMethods
 from megazero.engine.surface import EngineSurface
+from megazero.moe.layer import set_aux_loss_scale
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.zero.lr_schedule import step_lr_scheduler
@@ -60,6 +61,7 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (scaled by 1/gas and the loss scale)."""
         self.optimizer.set_last_microbatch(self.is_gradient_accumulation_boundary())
+        set_aux_loss_scale(self.module, self.optimizer.scaler.scale / self.gas)  # MoE layers' aux losses, as the loss
         self.optimizer.scale_loss(loss / self.gas).backward()
         self.optimizer.after_backward()
 

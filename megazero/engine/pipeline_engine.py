@@ -17,6 +17,7 @@ from megazero.core.simulate import peaks
 from megazero.engine.checkpointing import CheckpointMethods
 from megazero.data.repeating import RepeatingLoader
 from megazero.engine.surface import EngineSurface
+from megazero.moe.layer import set_aux_loss_scale
 from megazero.moe.stats import step_stats
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipeP2P
@@ -73,14 +74,14 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         pairs, from `data_iter` or else the training data's loader); the mean loss on every rank."""
         data_iter = self._data(data_iter)
         self.module.train()
-        aux = getattr(self.module, "aux_loss_scale", None)  # a user's PipelineModule may predate it
-        if aux is not None:  # MoE aux losses are scaled as the LM loss is: loss scale / micro-batches
-            aux.set(self.optimizer.scaler.scale / self.num_microbatches)
+        # MoE aux losses are scaled as the LM loss is: loss scale / micro-batches (every MoE layer, a user's too)
+        set_aux_loss_scale(self.module, self.optimizer.scaler.scale / self.num_microbatches)
         st = self.executor.run(self.program, data_iter, self.num_microbatches)
         self.last_info = dict(st.info)
         spec = getattr(self.module, "model_spec", None)
         if spec is not None and spec.moe is not None:  # load balance of the step, agreed over the world
-            self.last_info["moe"] = step_stats(self.module, self.pctx.world_group, self.pctx.tp_size, spec.layers)
+            self.last_info["moe"] = step_stats(self.module, self.pctx.world_group, self.pctx.tp_size, spec.layers,
+                                               self.device)
         if self.lr_scheduler is not None and not st.info.get("skipped", False):
             step_lr_scheduler(self.lr_scheduler)
         self.global_steps += 1

@@ -63,12 +63,15 @@ class MLP(nn.Module):
         return self.dropout(y)
 
 
-def moe_mlp(lctx: LayerContext, index: int) -> MoELayer:
+def moe_mlp(lctx: LayerContext, index: int) -> nn.Module:
     """The MoE MLP of block `index` (``layers.i.mlp.router``, ``.experts.*``, ``.shared.*``): experts split
-    over `lctx.ep_group`, replicated over TP (every TP rank routes the same tokens the same way)."""
+    over `lctx.ep_group`, replicated over TP (every TP rank routes the same tokens the same way), then
+    the hidden dropout the dense MLP applies (site ``layers.i.mlp.dropout``)."""
     spec = lctx.spec
-    return MoELayer(spec.moe, spec.hidden, lctx.ep_group or single_rank_group("ep"), f"layers.{index}.mlp",
-                    lctx.seed, spec.init_std, lctx.output_std, lctx.device, lctx.dtype, lctx.aux_loss_scale)
+    return nn.Sequential(MoELayer(spec.moe, spec.hidden, lctx.ep_group or single_rank_group("ep"),
+                                  f"layers.{index}.mlp", lctx.seed, spec.init_std, lctx.output_std, lctx.device,
+                                  lctx.dtype, lctx.aux_loss_scale),
+                         lctx.hidden_dropout(f"layers.{index}.mlp.dropout", spec.dropout))
 
 
 class TransformerBlock(nn.Module):

@@ -49,13 +49,13 @@ class AuxLossScale:
 
 
 class AttachLosses(torch.autograd.Function):
-    """Identity on `output`; backward also gives `aux` and `z` the gradients ``scale · coef`` and calls
-    `on_backward()` (once per micro-batch even under activation recompute: only the graph that is
-    backpropagated calls it)."""
+    """Identity on `output`; backward also gives `aux` and `z` the gradients ``coef · scale()`` (the
+    scale read when backward runs) and calls `on_backward()` (once per micro-batch even under
+    activation recompute: only the graph that is backpropagated calls it)."""
 
     @staticmethod
-    def forward(ctx, output, aux, z, aux_grad: float, z_grad: float, on_backward):
-        ctx.grads, ctx.on_backward = (aux_grad, z_grad), on_backward
+    def forward(ctx, output, aux, z, coefs: tuple[float, float], scale, on_backward):
+        ctx.coefs, ctx.scale, ctx.on_backward = coefs, scale, on_backward
         ctx.like = (aux, z)
         return output.view_as(output)
 
@@ -63,7 +63,19 @@ class AttachLosses(torch.autograd.Function):
     def backward(ctx, grad):
         aux, z = ctx.like
         ctx.on_backward()
-        return grad, torch.full_like(aux, ctx.grads[0]), torch.full_like(z, ctx.grads[1]), None, None, None
+        s = ctx.scale()
+        return (grad, torch.full_like(aux, ctx.coefs[0] * s), torch.full_like(z, ctx.coefs[1] * s), None, None,
+                None)
+
+
+def set_aux_loss_scale(module: nn.Module, value: float) -> int:
+    """Set the aux-loss gradient factor of every `MoELayer` in `module` (their shared `AuxLossScale` or
+    their own) to `value`; returns how many layers there are."""
+    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+    for m in layers:
+        if isinstance(m.aux_scale, AuxLossScale):
+            m.aux_scale.set(value)
+    return len(layers)
 
 
 class RoutingStats:
@@ -75,19 +87,21 @@ class RoutingStats:
         self.pop()
 
     def add(self, r: Routing) -> None:
-        self.aux += r.aux_loss.detach().double()
-        self.z += r.z_loss.detach().double()
-        self.tokens += r.tokens_per_expert.detach().double()
+        device = r.aux_loss.device
+        self.aux = self.aux.to(device) + r.aux_loss.detach().double()  # on the device: no host sync per layer
+        self.z = self.z.to(device) + r.z_loss.detach().double()
+        self.tokens = self.tokens.to(device) + r.tokens_per_expert.detach().double()
         self.dropped += r.dropped
         self.micro_batches += 1
 
     def pop(self) -> torch.Tensor:
-        """[aux, z, dropped, micro-batches, tokens per expert...] (fp64) since the last pop; resets."""
+        """[aux, z, dropped, micro-batches, tokens per expert...] (fp64, on the layer's device) since the
+        last pop; resets."""
         out = None
         if hasattr(self, "tokens"):
-            out = torch.cat([torch.stack([self.aux.cpu(), self.z.cpu()]),
-                             torch.tensor([float(self.dropped), float(self.micro_batches)], dtype=torch.float64),
-                             self.tokens.cpu()])
+            counts = torch.tensor([float(self.dropped), float(self.micro_batches)], dtype=torch.float64,
+                                  device=self.tokens.device)
+            out = torch.cat([torch.stack([self.aux, self.z]), counts, self.tokens])
         self.aux = torch.zeros((), dtype=torch.float64)
         self.z = torch.zeros((), dtype=torch.float64)
         self.tokens = torch.zeros(self.num_experts, dtype=torch.float64)
@@ -97,7 +111,8 @@ class RoutingStats:
 
 class MoELayer(nn.Module):
     """An MoE MLP named `name` (parameters ``{name}.router`` (E, h), ``{name}.experts.*`` split over
-    `ep_group`, ``{name}.shared.*``). `aux_scale()`: the factor the losses' gradients take (default 1).
+    `ep_group`, ``{name}.shared.*``). `aux_scale`: the `AuxLossScale` the losses' gradients take (its
+    own, 1.0, when not given; an engine sets every MoE layer's per step: `set_aux_loss_scale`).
     After each forward, `last_routing` holds that forward's `Routing` (statistics for the metrics)."""
 
     def __init__(self, spec: MoESpec, hidden: int, ep_group: GroupHandle, name: str, seed: int,
@@ -105,7 +120,8 @@ class MoELayer(nn.Module):
                  aux_scale: Callable[[], float] | None = None):
         super().__init__()
         spec.check(ep_group.size)
-        self.spec, self.ep_group, self.aux_scale = spec, ep_group, aux_scale or (lambda: 1.0)
+        self.spec, self.ep_group = spec, ep_group
+        self.aux_scale = aux_scale if aux_scale is not None else AuxLossScale()  # the engine sets it per step
         self.name = name  # layers.<i>.mlp
         E, P = spec.num_experts, ep_group.size
         out_std = init_std if out_std is None else out_std
@@ -139,9 +155,8 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens, [b * s])
         out = out.view(b, s, h).transpose(0, 1)  # (s, b, h)
-        scale = self.aux_scale()
-        return AttachLosses.apply(out, r.aux_loss, r.z_loss, self.spec.aux_loss_coef * scale,
-                                  self.spec.z_loss_coef * scale, lambda: self.stats.add(r))
+        return AttachLosses.apply(out, r.aux_loss, r.z_loss, (self.spec.aux_loss_coef, self.spec.z_loss_coef),
+                                  self.aux_scale, lambda: self.stats.add(r))
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`rows` (N, h) sorted by expert, `counts` (E,): send each to its expert's ep rank, run the local
@@ -162,4 +177,4 @@ class MoELayer(nn.Module):
         return AllToAll.apply(out[inverse], sends, recvs, group)  # back in arrival order, then home
 
 
-__all__ = ["AttachLosses", "AuxLossScale", "MoELayer"]
+__all__ = ["AttachLosses", "AuxLossScale", "MoELayer", "set_aux_loss_scale"]

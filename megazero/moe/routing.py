@@ -37,7 +37,9 @@ def route(logits: torch.Tensor, seq_len: int, spec: MoESpec) -> Routing:
     b = rows // seq_len
     probs = torch.softmax(logits, dim=-1) if spec.score == "softmax" else torch.sigmoid(logits)  # (b·s, E)
     top, indices = probs.topk(k, dim=-1)  # (b·s, k)
-    weights = top / top.sum(-1, keepdim=True) if spec.normalize_topk else top
+    # renormalised over the k (with k = 1 the score itself, as Switch: else the weight is always 1 and the
+    # language-model loss would give the router no gradient)
+    weights = top / top.sum(-1, keepdim=True) if spec.normalize_topk and k > 1 else top
     # per-sequence load balancing: f_e (share of the k·s assignments, before dropping) · P_e (mean probability)
     chose = torch.zeros(b, seq_len * k, E, dtype=torch.float32, device=logits.device)
     by_choice = indices.view(b, seq_len, k).transpose(1, 2).reshape(b, k * seq_len)  # (b, k·s): first choices first

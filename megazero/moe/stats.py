@@ -19,21 +19,22 @@ from megazero.moe.layer import MoELayer
 from megazero.runtime import comm
 
 
-def step_stats(module, world_group, tp_size: int, num_layers: int) -> dict | None:
+def step_stats(module, world_group, tp_size: int, num_layers: int, device=None) -> dict | None:
     """The step's statistics (module docstring), or None for a model without MoE layers. Collective
-    over `world_group` (every rank calls, MoE or not, when any rank's model is MoE)."""
+    over `world_group` (every rank calls, MoE or not, when any rank's model is MoE), on `device` (the
+    accelerator under NCCL; default CPU)."""
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     E = next((m.spec.num_experts for m in layers), None)
-    sizes = torch.tensor([float(E or 0)], dtype=torch.float64)
+    sizes = torch.tensor([float(E or 0)], dtype=torch.float64, device=device)
     comm.all_reduce(sizes, world_group, op="max")
     E = int(sizes.item())
     if E == 0:
         return None
-    table = torch.zeros(num_layers, 4 + E, dtype=torch.float64)
+    table = torch.zeros(num_layers, 4 + E, dtype=torch.float64, device=device)
     for m in layers:
-        table[int(m.name.split(".")[1])] += m.stats.pop()  # layers.<i>.mlp
+        table[int(m.name.split(".")[1])] += m.stats.pop().to(device)  # layers.<i>.mlp
     comm.all_reduce(table, world_group)
-    table /= tp_size
+    table = table.cpu() / tp_size
     used = table[:, 3] > 0
     if not used.any():
         return None

@@ -51,7 +51,7 @@ class CheckpointError(RuntimeError):
 
 # -- the slices a rank owns ------------------------------------------------------------------------
 
-def _rows(shape) -> tuple[int, ...]:
+def rows_shape(shape) -> tuple[int, ...]:
     """`shape`, or for 3 or more dims (MoE experts (E, f, h)) (dim 0, the rest flattened): the same
     elements in the same order, as the 2-D boxes of `megazero.core.shard_boxes` need (dim 0 is the only
     split dim of such a tensor)."""
@@ -62,7 +62,8 @@ def _rows(shape) -> tuple[int, ...]:
 def _named(module, pctx) -> dict[int, tuple[str, tuple, tuple]]:
     """{id(param): (logical name, full shape, (split dim, this rank's index, ranks))}: megazero's
     parameter metadata (split over TP along tp_dim, or, for MoE routed experts, over the expert-parallel
-    group along ep_dim; (None, 0, 1) whole), or for a plain nn.Module (tp = 1) its `named_parameters`."""
+    group along ep_dim; (None, 0, 1) whole), or for a plain nn.Module (tp = 1) its `named_parameters`.
+    The full shape is the logical one; boxes use `_rows` of it."""
     out = {}
     for name, p in module.named_parameters():
         if id(p) in out:
@@ -71,11 +72,11 @@ def _named(module, pctx) -> dict[int, tuple[str, tuple, tuple]]:
         if logical is None:
             out[id(p)] = (name, tuple(p.shape), (None, 0, 1))
         elif getattr(p, "ep_dim", None) is not None:
-            out[id(p)] = (logical, _rows(p.full_shape), (p.ep_dim, p.ep_rank, p.ep_size))
+            out[id(p)] = (logical, tuple(p.full_shape), (p.ep_dim, p.ep_rank, p.ep_size))
         elif p.tp_dim is not None:
-            out[id(p)] = (logical, _rows(p.full_shape), (p.tp_dim, pctx.tp_rank, pctx.tp_size))
+            out[id(p)] = (logical, tuple(p.full_shape), (p.tp_dim, pctx.tp_rank, pctx.tp_size))
         else:
-            out[id(p)] = (logical, _rows(p.full_shape), (None, 0, 1))
+            out[id(p)] = (logical, tuple(p.full_shape), (None, 0, 1))
     return out
 
 
@@ -94,8 +95,9 @@ def _pieces(module, optimizer, pctx, writing: bool):
                 name, full_shape, split = named[id(param)]
                 if writing and getattr(param, "tp_dim", None) is None and pctx.tp_rank != 0:
                     continue
-                shard = _rows(group.shapes[seg.param])
-                for piece in slice_boxes(full_shape, *split, shard, seg.param_start, seg.param_start + seg.numel):
+                shard = rows_shape(group.shapes[seg.param])
+                for piece in slice_boxes(rows_shape(full_shape), *split, shard, seg.param_start,
+                                         seg.param_start + seg.numel):
                     yield name, full_shape, (g, b), seg.buf_start - lo + piece.flat_start, piece
 
 
@@ -368,7 +370,7 @@ def _check_model(manifest: dict, module, path: str, pctx) -> None:
         if record is None:
             raise CheckpointError(f"{path}/manifest.json has no tensor {name!r}: it was saved from another "
                                   f"model ({len(saved)} tensors, e.g. {sorted(saved)[:2]})")
-        if tuple(record["shape"]) != shape:
+        if tuple(record["shape"]) != tuple(shape):
             raise CheckpointError(f"{path}/manifest.json: {name} has shape {tuple(record['shape'])}, the model's "
                                   f"is {shape}: it was saved from another model")
 

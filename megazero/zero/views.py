@@ -34,9 +34,11 @@ def full_parameters(opt, writeback: bool = False, params=None, modifier_rank: in
         yield
         if modifier_rank is not None:
             for group in opt.groups:
+                # dp rank d is index d // ep of its expert-data-parallel group (MoE experts; ep = 1 otherwise)
+                src = modifier_rank // (opt.pctx.dp_size // group.dp.size)
                 for p in group.params:
                     if wanted is None or id(p) in wanted:
-                        comm.broadcast(p.data, modifier_rank, group.dp)
+                        comm.broadcast(p.data, src, group.dp)
             writeback = True
         if writeback:
             for group, b, full in held:
