@@ -70,7 +70,7 @@ def moe_mlp(lctx: LayerContext, index: int) -> nn.Module:
     spec = lctx.spec
     return nn.Sequential(MoELayer(spec.moe, spec.hidden, lctx.ep_group or single_rank_group("ep"),
                                   f"layers.{index}.mlp", lctx.seed, spec.init_std, lctx.output_std, lctx.device,
-                                  lctx.dtype, lctx.aux_loss_scale),
+                                  lctx.dtype),
                          lctx.hidden_dropout(f"layers.{index}.mlp.dropout", spec.dropout))
 
 

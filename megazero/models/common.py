@@ -35,7 +35,6 @@ class LayerContext:
     attention_core: Callable[[str], Callable | None] | None = None  # name -> selective-checkpoint wrapper
     rope_tables: RopeTables | None = None  # position='rope': the model's cos/sin tables, shared by its layers
     ep_group: GroupHandle | None = None  # MoE: the expert-parallel group (None: every expert here)
-    aux_loss_scale: Callable[[], float] | None = None  # MoE: the factor of the aux losses' gradients
 
     @property
     def tp_size(self) -> int:

@@ -56,16 +56,15 @@ def layer_builders(spec: ModelSpec, tp_group: GroupHandle, *, seed: int = 0, seq
                    tracker: RNGStatesTracker | None = None, dtype: torch.dtype = torch.float32,
                    pp_rank: int = 0, wgrad_store: WeightGradStore | None = None,
                    attention_core: Callable[[str], Callable | None] | None = None,
-                   ep_group: GroupHandle | None = None,
-                   aux_loss_scale: Callable[[], float] | None = None) -> list[LayerBuilder]:
+                   ep_group: GroupHandle | None = None) -> list[LayerBuilder]:
     """The model's layers as lazy factories (see the module docstring). Validates the layout first.
 
     `tracker` holds the dropout streams; by default one seeded with (seed, tp rank, `pp_rank`) shared
     by the returned layers. `wgrad_store` goes to every linear layer (zero bubble);
     `attention_core(name)` gives each attention its selective-checkpoint wrapper (see
     `ActivationCheckpointer.attention_core`). MoE models (``spec.moe``): `ep_group` splits the experts
-    (None: all of them on every rank), `aux_loss_scale()` scales the aux losses' gradients (see
-    `megazero.moe.layer.AuxLossScale`).
+    (None: all of them on every rank); each MoE layer's aux-loss scale is set by the engine that runs
+    it (`megazero.moe.layer.set_aux_loss_scale`).
     """
     spec.validate_layout(tp_group.size, sequence_parallel)
     tracker = tracker or RNGStatesTracker(seed, tp_group.rank, pp_rank)
@@ -74,7 +73,7 @@ def layer_builders(spec: ModelSpec, tp_group: GroupHandle, *, seed: int = 0, seq
     def make_lctx(device) -> LayerContext:
         device = torch.device(device) if device is not None else torch.device("cpu")
         return LayerContext(spec, tp_group, seed, sequence_parallel and tp_group.size > 1, tracker, device, dtype,
-                            wgrad_store, attention_core, rope, ep_group, aux_loss_scale)
+                            wgrad_store, attention_core, rope, ep_group)
 
     def block(i):
         return LayerBuilder(f"layers.{i}", "block", i, lambda device: TransformerBlock(make_lctx(device), i))

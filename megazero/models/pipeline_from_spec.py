@@ -17,7 +17,6 @@ from megazero.core.spec import ModelSpec
 from megazero.models.embedding import EmbeddingLayer, HeadLayer
 from megazero.models.lm import causal_lm_loss, layer_builders
 from megazero.pipeline.pipeline_module import LayerSpec, PipelineModule
-from megazero.moe.layer import AuxLossScale
 from megazero.runtime.comm import single_rank_group
 from megazero.tensor_parallel import RNGStatesTracker
 
@@ -46,11 +45,9 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
         wrap_block = activation_checkpointer.wrap_block
         attention_core = activation_checkpointer.attention_core
     tracker = RNGStatesTracker(seed, pctx.tp_rank, pctx.pp_rank)
-    aux_loss_scale = AuxLossScale() if spec.moe is not None else None
     builders = layer_builders(spec, pctx.tp_group, seed=seed, sequence_parallel=sequence_parallel,
                               tracker=tracker, dtype=dtype, pp_rank=pctx.pp_rank, wgrad_store=wgrad_store,
-                              attention_core=attention_core, ep_group=getattr(pctx, "ep_group", None),
-                              aux_loss_scale=aux_loss_scale)
+                              attention_core=attention_core, ep_group=getattr(pctx, "ep_group", None))
     layers = [LayerSpec(_wrap, b, device, wrap_block if b.kind == "block" else None) for b in builders]
     if isinstance(partition, (list, tuple)):
         partition = block_counts_to_layer_counts(partition, [b.kind for b in builders])
@@ -66,8 +63,7 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
 
     model = PipelineModule(layers, pctx.pp_size, pctx.pp_rank, loss_fn, partition, chunks=chunks,
                            layer_infos=infos, activation_shape=activation_shape, model_spec=spec,
-                           activation_checkpointer=activation_checkpointer, wgrad_store=wgrad_store,
-                           aux_loss_scale=aux_loss_scale)
+                           activation_checkpointer=activation_checkpointer, wgrad_store=wgrad_store)
     if spec.tie_embeddings:
         mods = [m for chunk in model.local_chunks for m in chunk]
         emb = [m for m in mods if isinstance(m, EmbeddingLayer)]

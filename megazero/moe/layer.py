@@ -35,8 +35,9 @@ from megazero.tensor_parallel.init import make_param
 
 class AuxLossScale:
     """The factor the aux losses' gradients take in one step: 1 / micro-batches times the loss scale,
-    as the language-model loss is scaled. The engine that runs the steps sets it (`set`); the MoE
-    layers of its model read it (they hold this object, given at construction)."""
+    as the language-model loss is scaled. Each MoE layer holds one (its own, or one given at
+    construction); the engine that runs the steps sets them all (`set_aux_loss_scale`), and backward
+    reads it."""
 
     def __init__(self, value: float = 1.0):
         self.value = value

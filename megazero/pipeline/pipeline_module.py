@@ -113,8 +113,7 @@ class PipelineModule(nn.Module):
     def __init__(self, layers, num_stages: int, stage: int | None = None, loss_fn=None,
                  partition_method="parameters", chunks: int = 1, input_key: str = "input_ids",
                  label_key: str = "labels", *, activation_checkpoint_interval: int = 0, layer_infos=None,
-                 activation_shape=None, model_spec=None, activation_checkpointer=None, wgrad_store=None,
-                 aux_loss_scale=None):
+                 activation_shape=None, model_spec=None, activation_checkpointer=None, wgrad_store=None):
         super().__init__()
         layers = list(layers)
         if stage is None:
@@ -126,7 +125,6 @@ class PipelineModule(nn.Module):
         self.loss_fn, self.input_key, self.label_key = loss_fn, input_key, label_key
         self.activation_shape, self.model_spec = activation_shape, model_spec
         self.activation_checkpointer, self.wgrad_store = activation_checkpointer, wgrad_store
-        self.aux_loss_scale = aux_loss_scale  # MoE: the engine sets the aux losses' gradient factor per step
         infos = list(layer_infos) if layer_infos is not None else describe_layers(layers)
         if len(infos) != len(layers):
             raise ValueError(f"layer_infos has {len(infos)} entries for {len(layers)} layers")

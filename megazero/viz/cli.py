@@ -33,7 +33,6 @@ config whose layout does not fit, ...) prints one line on stderr and exits with 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
