@@ -81,7 +81,7 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         spec = getattr(self.module, "model_spec", None)
         if spec is not None and spec.moe is not None:  # load balance of the step, agreed over the world
             self.last_info["moe"] = step_stats(self.module, self.pctx.world_group, self.pctx.tp_size, spec.layers,
-                                               self.device)
+                                               spec.moe.num_experts, self.device)
         if self.lr_scheduler is not None and not st.info.get("skipped", False):
             step_lr_scheduler(self.lr_scheduler)
         self.global_steps += 1

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.runtime import comm
 from megazero.tensor_parallel.init import make_param
 
 
@@ -66,15 +67,10 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else rows
 
 
-__all__ = ["GroupedExperts", "expert_param", "gather_expert_tensors"]
-
-
 def gather_expert_tensors(tensors: dict, module: nn.Module, ep_group) -> dict:
     """`tensors` ({logical name: this rank's tensor}) with every routed-expert entry of `module`
     replaced by the whole (E, ...) tensor, all-gathered over `ep_group` along the expert dim (every
     ep rank must call; the order is the module's). For checkpoints' and parity checks' whole views."""
-    from megazero.runtime import comm
-
     out = dict(tensors)
     for p in module.parameters():
         name = getattr(p, "logical_name", None)
@@ -85,3 +81,6 @@ def gather_expert_tensors(tensors: dict, module: nn.Module, ep_group) -> dict:
         comm.all_gather(whole, local, ep_group)
         out[name] = whole
     return out
+
+
+__all__ = ["GroupedExperts", "expert_param", "gather_expert_tensors"]

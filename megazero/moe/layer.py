@@ -85,28 +85,25 @@ class RoutingStats:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
-        self.pop()
+        self.sums: torch.Tensor | None = None  # [aux, z, tokens per expert...] fp64 on the device: no host sync
+        self.dropped, self.micro_batches = 0, 0
 
     def add(self, r: Routing) -> None:
-        device = r.aux_loss.device
-        self.aux = self.aux.to(device) + r.aux_loss.detach().double()  # on the device: no host sync per layer
-        self.z = self.z.to(device) + r.z_loss.detach().double()
-        self.tokens = self.tokens.to(device) + r.tokens_per_expert.detach().double()
+        row = torch.cat([torch.stack([r.aux_loss.detach(), r.z_loss.detach()]).double(),
+                         r.tokens_per_expert.double()])
+        self.sums = row if self.sums is None else self.sums + row
         self.dropped += r.dropped
         self.micro_batches += 1
 
     def pop(self) -> torch.Tensor:
-        """[aux, z, dropped, micro-batches, tokens per expert...] (fp64, on the layer's device) since the
-        last pop; resets."""
-        out = None
-        if hasattr(self, "tokens"):
-            counts = torch.tensor([float(self.dropped), float(self.micro_batches)], dtype=torch.float64,
-                                  device=self.tokens.device)
-            out = torch.cat([torch.stack([self.aux, self.z]), counts, self.tokens])
-        self.aux = torch.zeros((), dtype=torch.float64)
-        self.z = torch.zeros((), dtype=torch.float64)
-        self.tokens = torch.zeros(self.num_experts, dtype=torch.float64)
-        self.dropped, self.micro_batches = 0, 0
+        """[aux, z, dropped, micro-batches, tokens per expert...] (fp64; zeros when nothing was added)
+        since the last pop; resets."""
+        if self.sums is None:
+            return torch.zeros(4 + self.num_experts, dtype=torch.float64)
+        counts = torch.tensor([float(self.dropped), float(self.micro_batches)], dtype=torch.float64,
+                              device=self.sums.device)
+        out = torch.cat([self.sums[:2], counts, self.sums[2:]])
+        self.sums, self.dropped, self.micro_batches = None, 0, 0
         return out
 
 

@@ -1,6 +1,6 @@
 """One step's load-balance statistics of a model's MoE layers, agreed over the world group.
 
-`step_stats(module, world_group, tp_size, num_layers)` pops every local `MoELayer`'s sums (the
+`step_stats(module, world_group, tp_size, num_layers, num_experts)` pops every local `MoELayer`'s sums (the
 micro-batches trained since the last call), adds them per global layer over all ranks (one all-reduce
 of a (layers, 4 + E) fp64 tensor) and returns, over the step's trained tokens:
 
@@ -19,19 +19,12 @@ from megazero.moe.layer import MoELayer
 from megazero.runtime import comm
 
 
-def step_stats(module, world_group, tp_size: int, num_layers: int, device=None) -> dict | None:
-    """The step's statistics (module docstring), or None for a model without MoE layers. Collective
-    over `world_group` (every rank calls, MoE or not, when any rank's model is MoE), on `device` (the
-    accelerator under NCCL; default CPU)."""
-    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
-    E = next((m.spec.num_experts for m in layers), None)
-    sizes = torch.tensor([float(E or 0)], dtype=torch.float64, device=device)
-    comm.all_reduce(sizes, world_group, op="max")
-    E = int(sizes.item())
-    if E == 0:
-        return None
-    table = torch.zeros(num_layers, 4 + E, dtype=torch.float64, device=device)
-    for m in layers:
+def step_stats(module, world_group, tp_size: int, num_layers: int, num_experts: int, device=None) -> dict | None:
+    """The step's statistics (module docstring) of a model whose MoE layers have `num_experts` experts,
+    or None when no layer trained. Collective over `world_group`: every rank calls (a stage without MoE
+    layers too), on `device` (the accelerator under NCCL; default CPU)."""
+    table = torch.zeros(num_layers, 4 + num_experts, dtype=torch.float64, device=device)
+    for m in (m for m in module.modules() if isinstance(m, MoELayer)):
         table[int(m.name.split(".")[1])] += m.stats.pop().to(device)  # layers.<i>.mlp
     comm.all_reduce(table, world_group)
     table = table.cpu() / tp_size

@@ -25,8 +25,6 @@ def spec_of(cfg):
 def layout_of(cfg) -> tuple[Layout | None, str]:
     """(the Layout of resolved config `cfg`, "") or (None, why the planner cannot model it)."""
     pl, ac, z, t = cfg.pipeline, cfg.activation_checkpointing, cfg.zero, cfg.train
-    if cfg.model.spec is not None and spec_of(cfg).moe is not None:
-        return None, "model.moe: the planner does not model Mixture-of-Experts layers yet"
     if pl.schedule not in SCHEDULES:
         return None, f"pipeline.schedule={pl.schedule!r}: the planner models {', '.join(SCHEDULES)}"
     if pl.partition != "uniform":

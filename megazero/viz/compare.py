@@ -9,10 +9,9 @@ Loads are left out of that search (a load's delay is its micro-batch's forward's
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from megazero.viz.timeline import SHORT, Block, Timeline
+from megazero.viz.timeline import SHORT, Block, Timeline, embeddable_json
 
 
 @dataclass(frozen=True)
@@ -81,9 +80,8 @@ class Comparison:
                 "worst_stage": self.worst_stage, "worst_block": worst}
 
     def to_json(self) -> str:
-        """`to_dict` as JSON safe inside HTML <script> and XML (see `Timeline.to_json`)."""
-        text = json.dumps(self.to_dict(), separators=(",", ":"))
-        return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+        """`to_dict` as JSON safe inside HTML <script> and XML (`timeline.embeddable_json`)."""
+        return embeddable_json(self.to_dict())
 
 
 AGREE = 1e-6

@@ -110,10 +110,8 @@ class Timeline:
         return asdict(self)
 
     def to_json(self) -> str:
-        """`to_dict` as JSON safe to embed in HTML ``<script>`` and in XML: ``<``, ``>`` and ``&``
-        are written as \\u escapes, which JSON readers decode back."""
-        text = json.dumps(self.to_dict(), separators=(",", ":"))
-        return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+        """`to_dict` as JSON safe to embed in HTML and XML (`embeddable_json`)."""
+        return embeddable_json(self.to_dict())
 
     @property
     def heading(self) -> str:
@@ -129,6 +127,13 @@ class Timeline:
         if all(s.peak_bytes is not None for s in self.stages):
             line += " (" + " ".join(format_bytes(s.peak_bytes) for s in self.stages) + ")"
         return line
+
+
+def embeddable_json(data) -> str:
+    """`data` as compact JSON safe inside an HTML ``<script>`` and in XML: ``<``, ``>`` and ``&`` are
+    written as \\u escapes, which JSON readers decode back."""
+    text = json.dumps(data, separators=(",", ":"))
+    return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
 
 
 def format_bytes(n: int) -> str:
@@ -174,5 +179,5 @@ def kinds_present(blocks: Sequence[Block]) -> tuple[str, ...]:
     return tuple(k for k in KINDS if k in seen)
 
 
-__all__ = ["Block", "KINDS", "SHORT", "StageSummary", "TRANSFER_KINDS", "Timeline", "block_of", "format_bytes",
-           "from_simulation", "kinds_present"]
+__all__ = ["Block", "KINDS", "SHORT", "StageSummary", "TRANSFER_KINDS", "Timeline", "block_of", "embeddable_json",
+           "format_bytes", "from_simulation", "kinds_present"]

@@ -40,10 +40,10 @@ from megazero.core.config.schema import NONFINITE_CHOICES
 from megazero.runtime import comm, kernels
 from megazero.runtime.kernels.reference import sgd_step
 from megazero.zero.flat_group import FlatGroup
+from megazero.zero.grouping import make_groups
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.offload_overlap import EarlyUpdates
 from megazero.zero.param_groups import checked_group, group_runs, hyperparameters, load_hyperparameters
-from megazero.zero.partitioned_init import full_shape
 from megazero.zero import views
 from megazero.zero.stage3 import Stage3Gatherer
 
@@ -114,8 +114,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     unique.append(p)
-        self.groups = self._make_groups(unique, units, reduce_bucket_size, offload_optimizer, offload_param,
-                                        param_persistence_threshold)
+        self.groups = make_groups(unique, pctx, stage, units, reduce_bucket_size, offload_optimizer, offload_param,
+                                  param_persistence_threshold, self._bucket_reduced)
         self._where = {id(p): (group, i) for group in self.groups for i, p in enumerate(group.params)}
         for group in self.groups:  # megazero.zero.GatheredParameters finds the optimizer of a parameter
             for p in group.params:
@@ -148,48 +148,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups.append(checked_group(param_group, self.param_groups, self.defaults))
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _make_groups(self, params, units, bucket, offload_opt, offload_param, persist):
-        tied_across_stages = self.pctx.pp_size > 1
-        experts = [p for p in params if getattr(p, "expert", False)]  # MoE routed experts: split over ep
-        params = [p for p in params if not getattr(p, "expert", False)]
-        is_tied = [tied_across_stages and getattr(p, "tied_name", None) is not None for p in params]
-        tied = [p for p, t in zip(params, is_tied) if t]
-        rest = [p for p, t in zip(params, is_tied) if not t]
-        dp = self.pctx.dp_group
-        groups = []
-        unit_of = {}
-        for u, mod in enumerate(units or []):
-            for p in mod.parameters():
-                unit_of.setdefault(id(p), u)
-        if experts:  # reduced over the expert-data-parallel group, averaged over all of dp (see FlatGroup)
-            edp = getattr(self.pctx, "edp_group", dp)
-            if self.stage == 3 and all(id(p) in unit_of for p in experts):  # sharded and gathered per unit too
-                experts.sort(key=lambda p: -unit_of[id(p)])
-                cuts = [i for i in range(1, len(experts)) if unit_of[id(experts[i])] != unit_of[id(experts[i - 1])]]
-                groups.append(FlatGroup("experts", experts, edp, 3, bucket, cuts, True, offload_param or offload_opt,
-                                        self._bucket_reduced, grad_divisor=dp.size))
-            else:
-                groups.append(FlatGroup("experts", experts[::-1], edp, min(self.stage, 2), bucket, (), False,
-                                        offload_opt, self._bucket_reduced, grad_divisor=dp.size))
-        if self.stage == 3:
-            big = {id(p) for p in rest if id(p) in unit_of and full_shape(p).numel() >= persist}
-            sharded = [p for p in rest if id(p) in big]
-            persistent = [p for p in rest if id(p) not in big]
-            sharded.sort(key=lambda p: -unit_of[id(p)])  # reverse forward order: fills first in backward
-            cuts = [i for i in range(1, len(sharded)) if unit_of[id(sharded[i])] != unit_of[id(sharded[i - 1])]]
-            if sharded:
-                groups.append(FlatGroup("sharded", sharded, dp, 3, bucket, cuts, True, offload_param or offload_opt, self._bucket_reduced))
-            if persistent:
-                groups.append(FlatGroup("persistent", persistent[::-1], dp, 2, bucket, (), False, offload_opt, self._bucket_reduced))
-        elif rest:
-            groups.append(FlatGroup("main", rest[::-1], dp, self.stage, bucket, (), False, offload_opt, self._bucket_reduced))
-        if tied:
-            tied.sort(key=lambda p: p.tied_name)  # the same layout on first and last stage
-            shard = self.stage == 3
-            groups.append(FlatGroup("tied", tied, dp, self.stage, bucket, (), shard,
-                                    offload_opt or (shard and offload_param), self._bucket_reduced))
-        return groups
-
     def _counted_ranges(self, group: FlatGroup) -> list[list[tuple[int, int]]]:
         """Per bucket, local ranges of the owned slice that count in the global gradient norm:
         each parameter exactly once over its group's dp (stage 0: its rank 0; experts: the expert-data-

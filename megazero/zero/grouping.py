@@ -1,0 +1,63 @@
+"""Which flat group each parameter of a `ZeroOptimizer` goes in, and over which group it is reduced."""
+from __future__ import annotations
+
+from megazero.zero.flat_group import FlatGroup
+from megazero.zero.partitioned_init import full_shape
+
+
+def make_groups(params, pctx, stage: int, units, bucket: int, offload_opt: bool, offload_param: bool, persist: int,
+                on_reduced) -> list[FlatGroup]:
+    """The flat groups a `ZeroOptimizer` of `stage` lays `params` out in, each with the group its gradients
+    are reduced over: routed MoE experts (the expert-data-parallel group, averaged over all of dp; at
+    stage 3 sharded and gathered per unit), the rest ("main"; at stage 3 "sharded" per unit and small
+    "persistent" ones), and weights tied across pipeline stages ("tied"). `units`: the modules stage 3
+    gathers one at a time; `on_reduced(group, b)`: a bucket's reduction landed."""
+    tied_across_stages = pctx.pp_size > 1
+    experts = [p for p in params if getattr(p, "expert", False)]  # MoE routed experts: split over ep
+    params = [p for p in params if not getattr(p, "expert", False)]
+    is_tied = [tied_across_stages and getattr(p, "tied_name", None) is not None for p in params]
+    tied = [p for p, t in zip(params, is_tied) if t]
+    rest = [p for p, t in zip(params, is_tied) if not t]
+    dp = pctx.dp_group
+    groups = []
+    unit_of = {}
+    for u, mod in enumerate(units or []):
+        for p in mod.parameters():
+            unit_of.setdefault(id(p), u)
+    if experts:  # reduced over the expert-data-parallel group, averaged over all of dp (see FlatGroup)
+        edp = getattr(pctx, "edp_group", dp)
+        if stage == 3 and all(id(p) in unit_of for p in experts):  # sharded and gathered per unit too
+            experts, cuts = _by_unit(experts, unit_of)
+            groups.append(FlatGroup("experts", experts, edp, 3, bucket, cuts, True, offload_param or offload_opt,
+                                    on_reduced, grad_divisor=dp.size))
+        else:
+            groups.append(FlatGroup("experts", experts[::-1], edp, min(stage, 2), bucket, (), False,
+                                    offload_opt, on_reduced, grad_divisor=dp.size))
+    if stage == 3:
+        big = {id(p) for p in rest if id(p) in unit_of and full_shape(p).numel() >= persist}
+        sharded = [p for p in rest if id(p) in big]
+        persistent = [p for p in rest if id(p) not in big]
+        sharded, cuts = _by_unit(sharded, unit_of)
+        if sharded:
+            groups.append(FlatGroup("sharded", sharded, dp, 3, bucket, cuts, True, offload_param or offload_opt, on_reduced))
+        if persistent:
+            groups.append(FlatGroup("persistent", persistent[::-1], dp, 2, bucket, (), False, offload_opt, on_reduced))
+    elif rest:
+        groups.append(FlatGroup("main", rest[::-1], dp, stage, bucket, (), False, offload_opt, on_reduced))
+    if tied:
+        tied.sort(key=lambda p: p.tied_name)  # the same layout on first and last stage
+        shard = stage == 3
+        groups.append(FlatGroup("tied", tied, dp, stage, bucket, (), shard,
+                                offload_opt or (shard and offload_param), on_reduced))
+    return groups
+
+
+def _by_unit(params, unit_of: dict) -> tuple[list, list[int]]:
+    """`params` in reverse unit order (the order backward fills them) and the indices where a unit
+    starts (bucket boundaries, so that stage 3 gathers and releases whole units)."""
+    ordered = sorted(params, key=lambda p: -unit_of[id(p)])
+    cuts = [i for i in range(1, len(ordered)) if unit_of[id(ordered[i])] != unit_of[id(ordered[i - 1])]]
+    return ordered, cuts
+
+
+__all__ = ["make_groups"]
