@@ -17,6 +17,14 @@ Every function takes a `GroupHandle` (built by `ParallelContext`) and records, i
 These are the figures docs/reference.md states (plain DP 2Ψ, ZeRO-3 3Ψ, TP 8·b·s·h·(t−1)/t),
 so tests and benchmarks can check volumes exactly. Groups of one rank are no-ops and record nothing.
 
+A group that knows which node each member is on (`GroupHandle.nodes`) also counts what leaves the
+node: in a ring, a rank sends to the next group rank, so its figure crosses nodes when that rank is
+on another node (a ring of n ranks over N nodes, node-major, has N such edges); point-to-point
+crosses when the peer is elsewhere; an all-to-all sends its rows for other nodes' ranks across.
+A group with a `hierarchy` (`megazero.runtime.hierarchical`) runs all_reduce, reduce_scatter and
+all_gather in two levels, inside each node and then between nodes; the steps are counted on the
+hierarchy's own groups (axes ``<axis>.intra`` and ``<axis>.inter``).
+
 Point-to-point uses blocking `send`/`recv` (or single `isend`/`irecv`) on gloo, never
 `batch_isend_irecv`, which can hang there (pytorch#132644). `batch_isend_irecv` is for NCCL
 (`backend` tells a group's backend): it counts each of its sends and receives as `send` and `recv`
@@ -52,24 +60,31 @@ class OpCount:
 
 @dataclass
 class CommStats:
-    """Per (axis, op) counters of this rank's communication. Thread-safe (backward hooks
-    may record from autograd threads)."""
+    """Per (axis, op) counters of this rank's communication, and of the part of it that leaves the
+    rank's node (`inter_node`). Thread-safe (backward hooks may record from autograd threads)."""
 
     counts: dict = field(default_factory=dict)
+    inter_node: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, axis: str, op: str, elements: float, element_size: int) -> None:
+    def record(self, axis: str, op: str, elements: float, element_size: int, inter_elements: float = 0.0) -> None:
+        """One call moving `elements` of `element_size` bytes, `inter_elements` of them to other nodes."""
         with self._lock:
             c = self.counts.setdefault((axis, op), OpCount())
             c.calls += 1
             c.elements += elements
             c.bytes += elements * element_size
+            x = self.inter_node.setdefault((axis, op), OpCount())
+            x.calls += 1 if inter_elements else 0
+            x.elements += inter_elements
+            x.bytes += inter_elements * element_size
 
-    def total(self, axis: str | None = None, op: str | None = None) -> OpCount:
-        """Sum over entries matching `axis` and `op` (None matches all)."""
+    def total(self, axis: str | None = None, op: str | None = None, inter_node: bool = False) -> OpCount:
+        """Sum over entries matching `axis` and `op` (None matches all); with `inter_node`, only what
+        left the node."""
         out = OpCount()
         with self._lock:
-            for (a, o), c in self.counts.items():
+            for (a, o), c in (self.inter_node if inter_node else self.counts).items():
                 if (axis is None or a == axis) and (op is None or o == op):
                     out += c
         return out
@@ -77,11 +92,13 @@ class CommStats:
     def reset(self) -> None:
         with self._lock:
             self.counts.clear()
+            self.inter_node.clear()
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """A JSON-ready copy: {"axis/op": {"calls", "elements", "bytes"}}."""
+        """A JSON-ready copy: {"axis/op": {"calls", "elements", "bytes", "inter_node_bytes"}}."""
         with self._lock:
-            return {f"{a}/{o}": {"calls": c.calls, "elements": c.elements, "bytes": c.bytes}
+            return {f"{a}/{o}": {"calls": c.calls, "elements": c.elements, "bytes": c.bytes,
+                                 "inter_node_bytes": self.inter_node.get((a, o), OpCount()).bytes}
                     for (a, o), c in sorted(self.counts.items())}
 
 
@@ -89,7 +106,9 @@ class CommStats:
 class GroupHandle:
     """A process group with its facts: axis name, member global ranks, this rank's index.
 
-    `pg` is None when the group has one member (or this rank is not a member).
+    `pg` is None when the group has one member (or this rank is not a member). `nodes`: the node of
+    each member (None: unknown, counted as one node); `hierarchy`: the two-level form of this group's
+    all_reduce, reduce_scatter and all_gather (`megazero.runtime.hierarchical.Hierarchy`), or None.
     """
 
     axis: str
@@ -98,6 +117,12 @@ class GroupHandle:
     pg: object | None
     stats: CommStats
     timeout_s: float = 300.0
+    nodes: tuple[int, ...] | None = None
+    hierarchy: object | None = None
+
+    def crosses(self, group_rank: int) -> bool:
+        """Whether traffic from this rank to member `group_rank` leaves the node."""
+        return self.nodes is not None and self.nodes[group_rank] != self.nodes[self.rank]
 
     @property
     def size(self) -> int:
@@ -131,15 +156,20 @@ def _op(name: str):
     return op
 
 
-def _record(group: GroupHandle, op: str, elements: float, t: torch.Tensor) -> None:
-    group.stats.record(group.axis, op, elements, t.element_size())
+def _record(group: GroupHandle, op: str, elements: float, t: torch.Tensor, peer: int | None = None) -> None:
+    """Count one call; its elements cross nodes when `peer` (default: the next rank of the ring) is
+    on another node."""
+    peer = (group.rank + 1) % group.size if peer is None else peer
+    group.stats.record(group.axis, op, elements, t.element_size(), elements if group.crosses(peer) else 0.0)
 
 
 def all_reduce(tensor: torch.Tensor, group: GroupHandle, op: str = "sum", async_op: bool = False):
-    """All-reduce `tensor` in place over `group`."""
+    """All-reduce `tensor` in place over `group` (in two levels when the group has a hierarchy)."""
     n = group.size
     if n == 1:
         return None
+    if group.hierarchy is not None and op == "sum":
+        return group.hierarchy.all_reduce(tensor)
     _record(group, "all_reduce", 2 * (n - 1) / n * tensor.numel(), tensor)
     return dist.all_reduce(tensor, op=_op(op), group=group.pg, async_op=async_op)
 
@@ -154,6 +184,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: GroupHandle
     if n == 1:
         output.copy_(input.view_as(output))
         return None
+    if group.hierarchy is not None and op == "sum":
+        return group.hierarchy.reduce_scatter(output, input)
     _record(group, "reduce_scatter", (n - 1) * output.numel(), output)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, op=_op(op), group=group.pg, async_op=async_op)
@@ -168,6 +200,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, as
     if n == 1:
         output.view_as(input).copy_(input)
         return None
+    if group.hierarchy is not None:
+        return group.hierarchy.all_gather(output, input)
     _record(group, "all_gather", (n - 1) * input.numel(), input)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group.pg, async_op=async_op)
@@ -223,33 +257,36 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: GroupHan
         output.copy_(input)
         return None
     rows = input.shape[0]
-    own = input_splits[group.rank] if input_splits is not None else rows // n
-    _record(group, "all_to_all", (rows - own) * (input.numel() // rows if rows else 0), input)
+    splits = list(input_splits) if input_splits is not None else [rows // n] * n
+    width = input.numel() // rows if rows else 0
+    away = sum(splits[j] for j in range(n) if group.crosses(j))  # rows for other nodes' ranks
+    group.stats.record(group.axis, "all_to_all", (rows - splits[group.rank]) * width, input.element_size(),
+                       away * width)
     return dist.all_to_all_single(output, input, None if output_splits is None else list(output_splits),
                                   None if input_splits is None else list(input_splits), group=group.pg)
 
 
 def send(tensor: torch.Tensor, dst: int, group: GroupHandle) -> None:
     """Blocking send of `tensor` to group rank `dst`."""
-    _record(group, "send", tensor.numel(), tensor)
+    _record(group, "send", tensor.numel(), tensor, peer=dst)
     dist.send(tensor.contiguous(), dst=group.global_rank(dst), group=group.pg)
 
 
 def recv(tensor: torch.Tensor, src: int, group: GroupHandle) -> None:
     """Blocking receive into `tensor` from group rank `src`."""
-    _record(group, "recv", tensor.numel(), tensor)
+    _record(group, "recv", tensor.numel(), tensor, peer=src)
     dist.recv(tensor, src=group.global_rank(src), group=group.pg)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: GroupHandle):
     """Non-blocking single send to group rank `dst`; returns the work handle."""
-    _record(group, "send", tensor.numel(), tensor)
+    _record(group, "send", tensor.numel(), tensor, peer=dst)
     return dist.isend(tensor, dst=group.global_rank(dst), group=group.pg)
 
 
 def irecv(tensor: torch.Tensor, src: int, group: GroupHandle):
     """Non-blocking single receive from group rank `src`; returns the work handle."""
-    _record(group, "recv", tensor.numel(), tensor)
+    _record(group, "recv", tensor.numel(), tensor, peer=src)
     return dist.irecv(tensor, src=group.global_rank(src), group=group.pg)
 
 
@@ -277,7 +314,7 @@ def batch_isend_irecv(ops: Sequence[PeerOp], group: GroupHandle) -> list:
         return []
     p2p_ops = []
     for op in ops:
-        _record(group, op.kind, op.tensor.numel(), op.tensor)
+        _record(group, op.kind, op.tensor.numel(), op.tensor, peer=op.peer)
         fn, tensor = (dist.isend, op.tensor.contiguous()) if op.kind == "send" else (dist.irecv, op.tensor)
         p2p_ops.append(dist.P2POp(fn, tensor, group.global_rank(op.peer), group.pg))
     return dist.batch_isend_irecv(p2p_ops)

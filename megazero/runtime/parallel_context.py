@@ -11,11 +11,13 @@ groups of one rank get no process group and their collectives are local no-ops.
 """
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from megazero.runtime.comm import CommStats, GroupHandle
+from megazero.runtime.hierarchical import Hierarchy, node_split
 from megazero.core.topology import Topology
 
 
@@ -30,9 +32,15 @@ class ParallelContext:
     again, a gloo group of its own: an asynchronous checkpoint agrees and commits over it from a
     background thread, so its collectives never interleave with training's), ``stats`` (CommStats shared by all
     of this context's groups), and ``pp_prev_rank/pp_next_rank`` (global ranks or None).
+
+    `ranks_per_node`: consecutive global ranks per node (None: one node); every group knows its
+    members' nodes, so CommStats counts what crosses them. `hierarchical`: the data-parallel groups
+    (dp and edp) reduce and gather inside each node first, then between nodes
+    (`megazero.runtime.hierarchical`), where every node holds the same number of their members.
     """
 
-    def __init__(self, topology: Topology, timeout_s: float = 300.0, stats: CommStats | None = None, ep: int = 1):
+    def __init__(self, topology: Topology, timeout_s: float = 300.0, stats: CommStats | None = None, ep: int = 1,
+                 ranks_per_node: int | None = None, hierarchical: bool = False):
         initialized = dist.is_available() and dist.is_initialized()
         if not initialized and topology.world_size != 1:
             raise RuntimeError(f"the layout {topology} needs torch.distributed to be initialized first "
@@ -46,14 +54,19 @@ class ParallelContext:
         self.coords = topology.coords(self.global_rank)
         self.stats = stats if stats is not None else CommStats()
         self.timeout_s = timeout_s
+        if ranks_per_node is not None and (ranks_per_node < 1 or world % ranks_per_node):
+            raise ValueError(f"parallel.ranks_per_node={ranks_per_node} must be a positive divisor of the world "
+                             f"size {world}")
+        self.ranks_per_node = ranks_per_node or world
+        self.hierarchical = hierarchical
         self._pg_cache: dict[tuple[int, ...], object] = {}
         self.tp_group = self._build("tp", topology.axis_groups("tp"))
-        self.dp_group = self._build("dp", topology.axis_groups("dp"))
+        self.dp_group = self._build_data_parallel("dp", topology.axis_groups("dp"))
         self.pp_group = self._build("pp", topology.axis_groups("pp"))
         self.mp_group = self._build("mp", topology.model_parallel_groups())
         self.embedding_group = self._build("embedding", topology.embedding_groups())
         self.ep_group = self._build("ep", topology.expert_groups(ep))
-        self.edp_group = self._build("edp", topology.expert_data_groups(ep))
+        self.edp_group = self._build_data_parallel("edp", topology.expert_data_groups(ep))
         self.world_group = self._build("world", [list(range(world))])
         self.background_group = self._build_background(world)
         self.pp_prev_rank, self.pp_next_rank = topology.pipeline_peers(self.global_rank)
@@ -74,7 +87,20 @@ class ParallelContext:
         if len(mine) == 1:  # not a member of any group of this axis (embedding groups on middle stages)
             return GroupHandle(axis, (self.global_rank,), 0, None, self.stats, self.timeout_s)
         return GroupHandle(axis, mine, mine.index(self.global_rank), self._pg_cache.get(mine),
-                           self.stats, self.timeout_s)
+                           self.stats, self.timeout_s, nodes=tuple(r // self.ranks_per_node for r in mine))
+
+    def _build_data_parallel(self, axis: str, groups: list[list[int]]) -> GroupHandle:
+        """`_build`, plus, when hierarchical and the group spans several nodes evenly, its intra- and
+        inter-node groups (axes ``<axis>.intra`` / ``<axis>.inter``; built on every rank in the same order)."""
+        handle = self._build(axis, groups)
+        if not self.hierarchical:
+            return handle
+        splits = [node_split(g, self.ranks_per_node) for g in groups]
+        if any(s is None or len(s[0]) == 1 or len(s[1]) == 1 for s in splits):
+            return handle  # uneven over the nodes, or one node / one rank per node: the flat ring is the same
+        intra = self._build(axis + ".intra", [g for s in splits for g in s[0]])
+        inter = self._build(axis + ".inter", [g for s in splits for g in s[1]])
+        return dataclasses.replace(handle, hierarchy=Hierarchy(intra, inter))
 
     def _build_background(self, world: int) -> GroupHandle:
         """A second world group on gloo (host objects, any device) with its own CommStats: it is used

@@ -1,0 +1,76 @@
+"""Hierarchical (two-level) data-parallel collectives on 8 gloo ranks emulating 2 nodes x 4 ranks:
+the same results as the flat ring (within fp32 rounding), and the bytes that leave the nodes fall by
+the factor N(n-1)/(n(N-1)) = 1.75 (megazero/runtime/hierarchical.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megazero.core.topology import Topology
+from megazero.runtime import comm
+from megazero.runtime.comm import CommStats
+from megazero.runtime.hierarchical import node_split
+from megazero.runtime.parallel_context import ParallelContext
+from tests.harness import run_ranks
+
+N, K = 2, 4  # nodes, ranks per node
+SHARD = 6  # elements per rank in reduce_scatter / all_gather
+
+
+def _inputs(rank: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float32)
+
+
+def _collectives(hierarchical: bool, numel: int):
+    """One all_reduce of `numel`, one reduce_scatter and one all_gather of 8·SHARD, over dp = 8."""
+    stats = CommStats()
+    pctx = ParallelContext(Topology(dp=8), stats=stats, ranks_per_node=K, hierarchical=hierarchical)
+    rank = dist.get_rank()
+    g = pctx.dp_group
+    assert (g.hierarchy is not None) == hierarchical
+    x = _inputs(rank, numel)
+    comm.all_reduce(x, g)
+    rs_out = torch.empty(SHARD)
+    comm.reduce_scatter(rs_out, _inputs(50 + rank, 8 * SHARD), g)
+    ag_out = torch.empty(8 * SHARD)
+    work = comm.all_gather(ag_out, _inputs(80 + rank, SHARD), g, async_op=True)
+    work.wait()
+    per_op = {op: stats.total(op=op, inter_node=True).elements for op in ("all_reduce", "reduce_scatter", "all_gather")}
+    return x.numpy(), rs_out.numpy(), ag_out.numpy(), per_op, stats.snapshot()
+
+
+@pytest.mark.parametrize("numel", [8 * 1000, 8 * 1000 + 3])  # the second needs padding inside the node
+def test_two_level_collectives_equal_the_flat_ring_and_cross_nodes_less(numel):
+    flat = run_ranks(_collectives, 8, False, numel, timeout=120)
+    tiered = run_ranks(_collectives, 8, True, numel, timeout=120)
+    ref_sum = sum(_inputs(r, numel) for r in range(8))
+    for r in range(8):
+        for got, want in zip(tiered[r][:3], flat[r][:3]):
+            assert torch.allclose(torch.as_tensor(got), torch.as_tensor(want), rtol=1e-6, atol=1e-6)
+        assert torch.allclose(torch.as_tensor(tiered[r][0]), ref_sum, rtol=1e-6, atol=1e-6)
+    n = N * K
+    flat_cross = {op: sum(flat[r][3][op] for r in range(8)) for op in flat[0][3]}
+    tier_cross = {op: sum(tiered[r][3][op] for r in range(8)) for op in tiered[0][3]}
+    # a flat ring of n ranks crosses nodes on N edges
+    assert flat_cross["all_reduce"] == pytest.approx(N * 2 * (n - 1) / n * numel)
+    assert flat_cross["reduce_scatter"] == pytest.approx(N * (n - 1) * SHARD)
+    assert flat_cross["all_gather"] == pytest.approx(N * (n - 1) * SHARD)
+    # two levels: only the K inter-node rings of N ranks cross, on each of their N edges
+    padded = numel + (-numel) % K
+    assert tier_cross["all_reduce"] == pytest.approx(K * N * 2 * (N - 1) / N * padded / K)
+    assert tier_cross["reduce_scatter"] == pytest.approx(K * N * (N - 1) * SHARD)
+    assert tier_cross["all_gather"] == pytest.approx(K * N * (N - 1) * SHARD)
+    ratio = N * (n - 1) / (n * (N - 1))
+    assert flat_cross["reduce_scatter"] / tier_cross["reduce_scatter"] == pytest.approx(ratio)
+    if numel % K == 0:
+        assert flat_cross["all_reduce"] / tier_cross["all_reduce"] == pytest.approx(ratio) == 1.75
+    snap = tiered[0][4]
+    assert snap["dp.inter/all_reduce"]["inter_node_bytes"] > 0 and snap["dp.intra/reduce_scatter"]["inter_node_bytes"] == 0
+    assert "dp/all_reduce" not in snap  # the steps are counted on the levels' axes
+
+
+def test_node_split():
+    assert node_split(list(range(8)), 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+    assert node_split([1, 3, 5, 7], 4) == ([[1, 3], [5, 7]], [[1, 5], [3, 7]])
+    assert node_split([0, 1, 2, 4], 4) is None  # 3 members on node 0, 1 on node 1
