@@ -126,7 +126,9 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                           f"initialize cannot checkpoint it; build it with build_pipeline_model(..., "
                           f"activation_checkpointer=ActivationCheckpointer.from_config(...)) or pass a model spec")
     info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
-    pctx = ParallelContext(topology, timeout_s=cfg.comm.timeout_s, ep=cfg.parallel.ep)
+    pctx = ParallelContext(topology, timeout_s=cfg.comm.timeout_s, ep=cfg.parallel.ep,
+                           ranks_per_node=cfg.parallel.ranks_per_node or info.local_world_size,
+                           hierarchical=cfg.comm.hierarchical)
     if isinstance(model, PipelineModule):
         _agree_on_stage(model, pctx, info.device)
     module = _model(model, cfg, pctx, info.device)

@@ -37,7 +37,7 @@ def at_least(key: str, value: Any, low: float, what: str = "") -> list[str]:
 def check_parallel(cfg: Config) -> list[str]:
     p = cfg.parallel
     errs = at_least("parallel.pp", p.pp, 1) + at_least("parallel.tp", p.tp, 1) + at_least("parallel.dp", p.dp, 1)
-    errs += at_least("parallel.ep", p.ep, 1)
+    errs += at_least("parallel.ep", p.ep, 1) + at_least("parallel.ranks_per_node", p.ranks_per_node, 1)
     if sorted(p.order) != sorted(AXIS_CHOICES):
         errs.append(f"parallel.order: {list(p.order)} must name each of {', '.join(AXIS_CHOICES)} once "
                     f"(outermost first, e.g. [pp, dp, tp])")

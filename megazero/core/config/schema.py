@@ -48,6 +48,7 @@ class ParallelConfig:
     ep: int = 1  # expert parallel: experts split over ep of the dp ranks (ep divides dp)
     sequence_parallel: bool = False
     order: List[str] = field(default_factory=lambda: ["pp", "dp", "tp"])  # outermost first
+    ranks_per_node: Optional[int] = None  # consecutive ranks per node; None: the launcher's LOCAL_WORLD_SIZE
 
 
 @dataclass(frozen=True)
@@ -290,6 +291,7 @@ class TraceConfig:
 class CommConfig:
     timeout_s: int = 300
     backend: str = "auto"  # auto = nccl on CUDA, gloo otherwise
+    hierarchical: bool = False  # data-parallel reductions and gathers inside each node first, then between nodes
 
 
 @dataclass(frozen=True)

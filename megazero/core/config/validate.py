@@ -82,6 +82,10 @@ def _derived_checks(cfg: Config, world_size: Optional[int]) -> tuple[list[str], 
         return [str(e)], None
     if dp is None or dp < 1:
         return [], None
+    rpn = par.ranks_per_node
+    if world_size is not None and isinstance(rpn, int) and rpn >= 1 and world_size % rpn:
+        return [f"parallel.ranks_per_node={rpn} does not divide the world size {world_size}: nodes hold the same "
+                f"number of consecutive ranks"], dp
     if isinstance(par.ep, int) and par.ep >= 1 and dp % par.ep:
         return [f"parallel.ep={par.ep} does not divide the data-parallel size dp={dp}: experts are split over ep "
                 f"of the dp ranks; use an ep that divides {dp}"], dp
