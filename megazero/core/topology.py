@@ -170,7 +170,12 @@ class Topology:
         """Expert-parallel groups carved out of the data axis: each dp group (in dp order) split into
         runs of `ep` consecutive dp ranks; the ranks of one run hold different experts and exchange
         tokens. ``Topology(dp=4).expert_groups(2) == [[0, 1], [2, 3]]``."""
-        return [g[i:i + ep] for g in self._dp_runs(ep) for i in range(0, len(g), ep)]
+        return self.data_parallel_runs(ep)
+
+    def data_parallel_runs(self, k: int) -> list[list[int]]:
+        """Each dp group (in dp order) split into runs of `k` consecutive dp ranks: expert-parallel groups,
+        and ZeRO++'s hpZ groups (one node's ranks of a dp group when k is the ranks per node)."""
+        return [g[i:i + k] for g in self._dp_runs(k) for i in range(0, len(g), k)]
 
     def expert_data_groups(self, ep: int) -> list[list[int]]:
         """Expert-data-parallel groups: the dp ranks that hold the same experts (dp rank ≡ j mod ep),

@@ -21,6 +21,7 @@ from megazero.runtime.parallel_context import ParallelContext
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.lr_schedule import ONE_CYCLE_PARAMS, LRScheduler
+from megazero.zero.zeropp import ZeroPlusPlus
 from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
 from megazero.zero.param_groups import megatron_param_groups
 
@@ -99,7 +100,7 @@ def optimizer_spec(cfg: Config) -> OptimizerSpec:
     if kind in ("adam", "adamw"):
         kind = "adamw" if o.adamw_mode else "adam"
     return OptimizerSpec(kind, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                         momentum=o.momentum)
+                         momentum=o.momentum, freeze_step=o.freeze_step, bias_correction=o.bias_correction)
 
 
 def zero_units(model: nn.Module) -> list[nn.Module]:
@@ -182,7 +183,9 @@ def build_optimizer(cfg: Config, model: nn.Module, pctx: ParallelContext, params
         overlap_comm=bool(z.overlap_comm), offload_optimizer=z.offload_optimizer.device == "cpu",
         offload_param=z.offload_param.device == "cpu", gradient_clipping=cfg.gradient_clipping,
         loss_scaler=loss_scaler(cfg), nonfinite=cfg.nonfinite_gradients, units=zero_units(model) if z.stage == 3 else None,
-        prefetch_bucket_size=z.prefetch_bucket_size, param_persistence_threshold=z.param_persistence_threshold)
+        prefetch_bucket_size=z.prefetch_bucket_size, param_persistence_threshold=z.param_persistence_threshold,
+        zeropp=ZeroPlusPlus(z.quantized_weights, z.quantized_gradients,
+                            pctx.hpz_group if z.hpz_partition_size > 1 else None))
 
 
 def build_scheduler(cfg: Config, optimizer) -> LRScheduler | None:

@@ -5,7 +5,8 @@ On disk, ``<dir>/<tag>/`` (tag ``step<N>`` unless given):
 - ``rank<r>.safetensors``: what global rank r owns and nobody else writes: for each parameter, the
   boxes of the logical tensor its ZeRO shard of its TP shard holds (`megazero.core.shard_boxes`), as
   fp32 tensors ``<kind>/<logical name>/<i>`` for kind in master, exp_avg, exp_avg_sq; and the rank's
-  RNG states (``rng/...``: torch CPU and CUDA, megazero's TP/dropout streams).
+  RNG states (``rng/...``: torch CPU and CUDA, megazero's TP/dropout streams) and its optimizer's state
+  of its own (``rank/...``: 1-bit Adam's error feedback, `ZeroOptimizer.rank_state`).
 - ``manifest.json``: readable by a person: step, layout (pp, tp, dp, axis order, ZeRO stage, chunks),
   the optimizer's and LR schedule's scalars, engine counters, the user's client_state, the config,
   and for every logical tensor its shape and the (file, key, offsets, sizes) of each stored box.
@@ -182,6 +183,9 @@ def _snapshot(module, optimizer, pctx, kinds, copy: bool):
     for key, t in _rng_tensors(module).items():  # fresh copies already
         tensors.append(t)
         layout.append((key, t.dtype, tuple(t.shape)))
+    for key, t in optimizer.rank_state().items():  # fresh copies already
+        tensors.append(t.cpu())
+        layout.append((f"rank/{key}", t.dtype, tuple(t.shape)))
     return layout, tensors, entries
 
 
@@ -339,6 +343,8 @@ def load(path: str, module, optimizer, pctx, lr_scheduler=None, load_optimizer_s
             lr_scheduler.load_state_dict(manifest["lr_scheduler"])
         if manifest["rng"] and _same_layout(manifest, pctx, optimizer):
             _restore_rng(path, module, pctx)
+            if opt is not None and load_optimizer_states:
+                _restore_rank_state(path, optimizer, pctx)
     return manifest
 
 
@@ -434,6 +440,14 @@ def _fill(path: str, manifest: dict, module, optimizer, pctx, kinds) -> None:
                 if filled != numel(piece.box):
                     raise CheckpointError(f"{path}: {kind} of {name} box {piece.box} is only {filled} of "
                                           f"{numel(piece.box)} elements in the stored boxes")
+
+
+def _restore_rank_state(path: str, optimizer, pctx) -> None:
+    """The optimizer's per-rank state (`ZeroOptimizer.rank_state`), where this rank saved one; in
+    another layout it starts afresh (1-bit Adam: zero error feedback)."""
+    with safe_open(os.path.join(path, f"rank{pctx.global_rank}.safetensors"), framework="pt") as f:
+        saved = {k[len("rank/"):]: f.get_tensor(k) for k in f.keys() if k.startswith("rank/")}
+    optimizer.load_rank_state(saved)
 
 
 def _restore_rng(path: str, module, pctx) -> None:

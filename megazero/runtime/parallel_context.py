@@ -37,10 +37,12 @@ class ParallelContext:
     members' nodes, so CommStats counts what crosses them. `hierarchical`: the data-parallel groups
     (dp and edp) reduce and gather inside each node first, then between nodes
     (`megazero.runtime.hierarchical`), where every node holds the same number of their members.
+    `hpz`: the size of ``hpz_group``, runs of that many consecutive dp ranks (ZeRO++'s secondary
+    partition, `megazero.zero.zeropp`; 1: one rank each).
     """
 
     def __init__(self, topology: Topology, timeout_s: float = 300.0, stats: CommStats | None = None, ep: int = 1,
-                 ranks_per_node: int | None = None, hierarchical: bool = False):
+                 ranks_per_node: int | None = None, hierarchical: bool = False, hpz: int = 1):
         initialized = dist.is_available() and dist.is_initialized()
         if not initialized and topology.world_size != 1:
             raise RuntimeError(f"the layout {topology} needs torch.distributed to be initialized first "
@@ -67,6 +69,7 @@ class ParallelContext:
         self.embedding_group = self._build("embedding", topology.embedding_groups())
         self.ep_group = self._build("ep", topology.expert_groups(ep))
         self.edp_group = self._build_data_parallel("edp", topology.expert_data_groups(ep))
+        self.hpz_group = self._build("hpz", topology.data_parallel_runs(hpz))  # ZeRO++ hpZ: k consecutive dp ranks
         self.world_group = self._build("world", [list(range(world))])
         self.background_group = self._build_background(world)
         self.pp_prev_rank, self.pp_next_rank = topology.pipeline_peers(self.global_rank)

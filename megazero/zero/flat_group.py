@@ -23,6 +23,7 @@ from megazero.runtime import comm
 from megazero.runtime.comm import GroupHandle
 from megazero.core.flat_buffer import FlatLayout, build_layout
 from megazero.zero.partitioned_init import full_shape, full_value, is_partitioned
+from megazero.zero.zeropp import ZeroPlusPlus, after, quantized_all_gather, quantized_reduce_scatter
 
 
 def _flat_views(flat: torch.Tensor, ranges: list[tuple[int, int]], base: int = 0) -> list[torch.Tensor]:
@@ -40,8 +41,9 @@ class FlatGroup:
 
     def __init__(self, name: str, params: list[torch.nn.Parameter], dp_group: GroupHandle, stage: int,
                  bucket_size: int, boundaries=(), shard_params: bool = False, offload: bool = False,
-                 on_reduced=None, grad_divisor: int | None = None):
+                 on_reduced=None, grad_divisor: int | None = None, zeropp: ZeroPlusPlus | None = None):
         self.name, self.params, self.dp, self.stage = name, params, dp_group, stage
+        self.zeropp = zeropp or ZeroPlusPlus()  # stage 3's ZeRO++ options (megazero.zero.zeropp)
         # the reduction averages over the data-parallel replicas: dp_group's size, or (experts, reduced
         # over the expert-data-parallel group) the whole dp size, their gradients holding ep ranks' tokens
         self.grad_divisor = grad_divisor or dp_group.size
@@ -68,6 +70,7 @@ class FlatGroup:
         self._inflight: list = []  # (work or None, bucket, temp shard or None) of reductions not finished yet
         self._launched: list[int] = []  # buckets reduced since the last wait(), in flight or finished
         self._host_grad: torch.Tensor | None = None  # offload from an accelerator: pinned staging for Adam
+        self._secondary: dict[int, torch.Tensor] = {}  # hpZ: bucket -> this rank's 1/k of it, until the step
 
     # -- construction -------------------------------------------------------------------
     def _full(self, i: int) -> torch.Tensor:
@@ -228,7 +231,11 @@ class FlatGroup:
             full = self._bucket_grad.pop(b)
             full.div_(self.grad_divisor)
             tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
-            work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
+            if self.zeropp.quantized_gradients:  # qgZ: int8 blocks by all-to-all (synchronous)
+                quantized_reduce_scatter(tmp, full, self.dp)
+                work = None
+            else:
+                work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
             self._inflight.append((work, b, tmp))
         self._launched.append(b)
         if not async_op:
@@ -286,6 +293,7 @@ class FlatGroup:
         if self.separate_master:  # offloaded: the master is pinned, the copies to the device asynchronous
             for m, w in zip(self.master, self.param_owned):
                 w.copy_(m, non_blocking=True)
+        self._secondary.clear()  # hpZ: the parts kept were of the old parameters
         if self.stage not in (1, 2) or self.shard_params:
             return
         in_flight: list[tuple[object, int]] = []  # (work, bucket numel)
@@ -315,9 +323,23 @@ class FlatGroup:
             full = self._gathered[b] = torch.empty(bk.numel, dtype=self.dtype, device=self.device)
         else:
             full.untyped_storage().resize_(bk.numel * full.element_size())
+        hpz = self.zeropp.hpz_group
+        if hpz is not None and b in self._secondary:  # hpZ: gathered once this step, the rest stays in the node
+            return comm.all_gather(full, self._secondary[b], hpz, async_op=async_op), full
         shard = self.param_owned[b].to(self.device, non_blocking=True)
-        work = comm.all_gather(full, shard, self.dp, async_op=async_op)
+        if self.zeropp.quantized_weights:  # qwZ: int8 blocks, dequantized when the gather lands
+            work = quantized_all_gather(full, shard, self.dp, async_op=async_op)
+        else:
+            work = comm.all_gather(full, shard, self.dp, async_op=async_op)
+        if hpz is not None:
+            work = after(work, lambda: self._keep_secondary(b, full))
         return work, full
+
+    def _keep_secondary(self, b: int, full: torch.Tensor) -> None:
+        """hpZ: keep this rank's part of gathered bucket b (part i of k for rank i of the hpZ group)."""
+        k, i = self.zeropp.hpz_group.size, self.zeropp.hpz_group.rank
+        part = full.numel() // k
+        self._secondary[b] = full[i * part:(i + 1) * part].clone()
 
     def attach_bucket(self, b: int, full: torch.Tensor) -> None:
         bk = self.layout.buckets[b]
@@ -340,6 +362,7 @@ class FlatGroup:
             return t.numel() * t.element_size()
         params = nbytes(self.param_shard) if self.shard_params else nbytes(self.param_flat)
         gathered = sum(t.untyped_storage().nbytes() for t in self._gathered.values())  # stage 3: held buckets
+        gathered += sum(nbytes(t) for t in self._secondary.values())  # hpZ: the parts kept until the step
         grads = nbytes(self.grad_flat) if self.full_grads else nbytes(self.grad_shard)
         buckets = sum(nbytes(t) for t in self._bucket_grad.values())
         if self._host_grad is not None:  # offload from an accelerator: the pinned gradient staging

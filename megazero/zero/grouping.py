@@ -3,15 +3,17 @@ from __future__ import annotations
 
 from megazero.zero.flat_group import FlatGroup
 from megazero.zero.partitioned_init import full_shape
+from megazero.zero.zeropp import ZeroPlusPlus
 
 
 def make_groups(params, pctx, stage: int, units, bucket: int, offload_opt: bool, offload_param: bool, persist: int,
-                on_reduced) -> list[FlatGroup]:
+                on_reduced, zeropp: ZeroPlusPlus | None = None) -> list[FlatGroup]:
     """The flat groups a `ZeroOptimizer` of `stage` lays `params` out in, each with the group its gradients
     are reduced over: routed MoE experts (the expert-data-parallel group, averaged over all of dp; at
     stage 3 sharded and gathered per unit), the rest ("main"; at stage 3 "sharded" per unit and small
     "persistent" ones), and weights tied across pipeline stages ("tied"). `units`: the modules stage 3
-    gathers one at a time; `on_reduced(group, b)`: a bucket's reduction landed."""
+    gathers one at a time; `on_reduced(group, b)`: a bucket's reduction landed; `zeropp`: the ZeRO++
+    options of the stage-3 groups over dp ("sharded", "tied"; not the experts')."""
     tied_across_stages = pctx.pp_size > 1
     experts = [p for p in params if getattr(p, "expert", False)]  # MoE routed experts: split over ep
     params = [p for p in params if not getattr(p, "expert", False)]
@@ -39,7 +41,8 @@ def make_groups(params, pctx, stage: int, units, bucket: int, offload_opt: bool,
         persistent = [p for p in rest if id(p) not in big]
         sharded, cuts = _by_unit(sharded, unit_of)
         if sharded:
-            groups.append(FlatGroup("sharded", sharded, dp, 3, bucket, cuts, True, offload_param or offload_opt, on_reduced))
+            groups.append(FlatGroup("sharded", sharded, dp, 3, bucket, cuts, True, offload_param or offload_opt, on_reduced,
+                                    zeropp=zeropp))
         if persistent:
             groups.append(FlatGroup("persistent", persistent[::-1], dp, 2, bucket, (), False, offload_opt, on_reduced))
     elif rest:
@@ -48,7 +51,7 @@ def make_groups(params, pctx, stage: int, units, bucket: int, offload_opt: bool,
         tied.sort(key=lambda p: p.tied_name)  # the same layout on first and last stage
         shard = stage == 3
         groups.append(FlatGroup("tied", tied, dp, stage, bucket, (), shard,
-                                offload_opt or (shard and offload_param), on_reduced))
+                                offload_opt or (shard and offload_param), on_reduced, zeropp=zeropp if shard else None))
     return groups
 
 

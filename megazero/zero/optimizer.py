@@ -43,6 +43,8 @@ from megazero.zero.flat_group import FlatGroup
 from megazero.zero.grouping import make_groups
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.offload_overlap import EarlyUpdates
+from megazero.zero.onebit import CompressedAverage
+from megazero.zero.zeropp import ZeroPlusPlus
 from megazero.zero.param_groups import checked_group, group_runs, hyperparameters, load_hyperparameters
 from megazero.zero import views
 from megazero.zero.stage3 import Stage3Gatherer
@@ -68,6 +70,7 @@ class OptimizerSpec:
     weight_decay: float = 0.0
     momentum: float = 0.0
     bias_correction: bool = True
+    freeze_step: int = 0  # onebit_adam: the Adam steps before the momentum is averaged in 1 bit
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -80,16 +83,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  overlap_comm: bool = False, offload_optimizer: bool = False, offload_param: bool = False,
                  gradient_clipping: float = 0.0, loss_scaler: LossScaler | None = None,
                  units=None, prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
-                 nonfinite: str = "skip"):
+                 nonfinite: str = "skip", zeropp: ZeroPlusPlus | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {stage}")
-        if spec.type not in ("adam", "adamw", "sgd"):
-            raise ValueError(f"optimizer.type {spec.type!r} is not one of adam, adamw, sgd")
+        if spec.type not in ("adam", "adamw", "sgd", "onebit_adam"):
+            raise ValueError(f"optimizer.type {spec.type!r} is not one of adam, adamw, sgd, onebit_adam")
+        if spec.type == "onebit_adam" and stage != 0:
+            raise ValueError(f"optimizer.type=onebit_adam needs zero.stage 0 (got {stage}): its ranks average the "
+                             f"momentum of whole gradients, which stages 1-3 shard")
         if offload_param and stage != 3:
             raise ValueError("zero.offload_param needs zero.stage 3")
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite_gradients={nonfinite!r} is not one of {', '.join(NONFINITE)}")
         self.nonfinite, self.skipped_steps = nonfinite, 0
+        if zeropp is not None and zeropp != ZeroPlusPlus() and stage != 3:
+            raise ValueError(f"zero.quantized_weights / quantized_gradients / hpz_partition_size (ZeRO++) need "
+                             f"zero.stage 3, got {stage}")
         if offload_optimizer and stage == 0:
             raise ValueError("zero.offload_optimizer needs zero.stage 1, 2 or 3")
         self.pctx, self.stage, self.spec = pctx, stage, spec
@@ -115,7 +124,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     seen.add(id(p))
                     unique.append(p)
         self.groups = make_groups(unique, pctx, stage, units, reduce_bucket_size, offload_optimizer, offload_param,
-                                  param_persistence_threshold, self._bucket_reduced)
+                                  param_persistence_threshold, self._bucket_reduced, zeropp)
         self._where = {id(p): (group, i) for group in self.groups for i, p in enumerate(group.params)}
         for group in self.groups:  # megazero.zero.GatheredParameters finds the optimizer of a parameter
             for p in group.params:
@@ -126,6 +135,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._sp_ranges = [group.owned_ranges(lambda p: getattr(p, "sequence_parallel", False))
                            for group in self.groups]
         self._runs = [group_runs(group, self._group_index) for group in self.groups]
+        # 1-bit Adam: one compressed average (and its error feedback) per flat bucket, over the group's dp
+        self._onebit = {id(group): [CompressedAverage(m.numel(), group.dp, self.device,
+                                                      [seg.buf_start - bk.start for seg in group.segments[bk.index]])
+                                    for m, bk in zip(group.exp_avg, group.layout.buckets)]
+                        for group in self.groups} if spec.type == "onebit_adam" else None
         self.gatherer = None
         if stage == 3 and units:
             self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size)
@@ -202,7 +216,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # full gradients anyway and reduce at the step's last micro-batch, here only when overlapping.
         if not group.full_grads:
             group.reduce_bucket(done, async_op=self.overlap)
-        elif self.overlap and self.last_microbatch:
+        elif self.overlap and self.last_microbatch and not self.compressing:
             group.reduce_bucket(done, async_op=True)
         if self.gatherer is not None and group.shard_params:
             self.gatherer.bucket_done(group, done)
@@ -231,7 +245,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         self._reduced = True
         for group in self.groups:
-            if group.full_grads:
+            if group.full_grads and not self.compressing:  # 1-bit Adam: each rank keeps its own gradient
                 launched = group.launched()
                 for b in range(len(group.layout.buckets)):
                     if b not in launched:
@@ -276,7 +290,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if views:  # the gradient shards live on the optimizer's device, offloaded or not
             sq += torch.stack(torch._foreach_norm(views, 2)).double().square().sum()  # one fp32 norm per range
         comm.all_reduce(sq, self.pctx.world_group)
+        if self.compressing:  # unreduced gradients: the mean over dp of each rank's own squared norm
+            sq /= self.pctx.dp_size
         return sq
+
+    @property
+    def compressing(self) -> bool:
+        """1-bit Adam past its warm-up (the step being taken is after `freeze_step`): gradients stay
+        unreduced; the momentum is averaged in 1 bit (`megazero.zero.onebit`)."""
+        return self._onebit is not None and self.step_count >= self.spec.freeze_step
 
     def _update_all(self, coef: float) -> None:
         """Update every flat group (the buckets an early update did not take) and publish the new
@@ -342,6 +364,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             grads = dict(zip(buckets, group.host_grads(buckets)))
         if coef != 1.0:
             torch._foreach_mul_([grads[b] for b in buckets], coef)  # clipping, in place: zeroed after the step
+        if s.type == "onebit_adam":
+            self._onebit_update(group, runs, buckets, grads, step)
+            return
         calls: dict[tuple[float, float, float], tuple[list, ...]] = {}  # (beta1, beta2, eps) -> the lists
         for b in buckets:
             for a, e, g in runs[b]:
@@ -356,6 +381,39 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for (beta1, beta2, eps), (ps, gs, ms, vs, lrs, wds) in calls.items():
             kernels.adam_step(ps, gs, ms, vs, step=step, lr=lrs, beta1=beta1, beta2=beta2, eps=eps,
                               weight_decay=wds, adamw_mode=s.type == "adamw", bias_correction=s.bias_correction)
+
+    def _onebit_update(self, group: FlatGroup, runs, buckets, grads, step: int) -> None:
+        """1-bit Adam (DeepSpeed's OneBitAdam) on `group`'s `buckets` at Adam step `step`:
+        m = β1·m + (1−β1)·g; during the `freeze_step` warm-up steps also v = β2·v + (1−β2)·g² (g the
+        reduced gradient). After it, v stays frozen and m, of this rank's own gradient, is averaged over
+        the group's dp in 1 bit, then zeroed where v is 0 (DeepSpeed's exp_avg_mask, which its users pass
+        by hand for such parameters: padded vocabulary rows, unused tokens). The update is
+        p −= lr·(m̂ / (√v̂ + eps) + wd·p) with Adam's bias corrections m̂ = m/(1−β1^t) and
+        v̂ = v/(1−β2^t') (t' = min(t, freeze_step): the frozen v keeps its correction); with
+        `bias_correction` off, m̂ = m and v̂ = v, as DeepSpeed's OneBitAdam (which applies none)."""
+        s = self.spec
+        frozen = step > s.freeze_step
+        for b in buckets:
+            for a, e, g in runs[b]:
+                beta1, beta2 = self.param_groups[g]["betas"]
+                m, v, gr = group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e], grads[b][a:e]
+                m.mul_(beta1).add_(gr, alpha=1 - beta1)
+                if not frozen:
+                    v.mul_(beta2).addcmul_(gr, gr, value=1 - beta2)
+            if frozen:
+                self._onebit[id(group)][b](group.exp_avg[b])
+            for a, e, g in runs[b]:
+                h = self.param_groups[g]
+                beta1, beta2 = h["betas"]
+                p, m, v = group.master[b][a:e], group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e]
+                if frozen:
+                    m.masked_fill_(v == 0, 0.0)
+                c1 = 1 - beta1 ** step if s.bias_correction else 1.0
+                c2 = 1 - beta2 ** min(step, s.freeze_step) if s.bias_correction else 1.0
+                update = (m / c1) / ((v / c2).sqrt() + h["eps"])
+                if h["weight_decay"]:
+                    update.add_(p, alpha=h["weight_decay"])
+                p.add_(update, alpha=-h["lr"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False
@@ -373,7 +431,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's optimizer state (layout-specific): master shard, moments, step, scaler."""
         return {"step_count": self.step_count, "scaler": self.scaler.state_dict(), "param_groups": self.hyperparameters(),
                 "groups": [{"name": group.name, "numel": group.layout.total, "master": [m.detach().clone() for m in group.master],
-                            "state": group.state_flat.detach().clone()} for group in self.groups]}
+                            "state": group.state_flat.detach().clone()} for group in self.groups],
+                "rank": self.rank_state()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore `state_dict()` from the same layout (same groups and sizes) and republish the
@@ -390,6 +449,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 m.copy_(src)
             group.state_flat.copy_(saved["state"])
             group.publish_master(self.allgather_bucket_size)
+        self.load_rank_state(sd.get("rank", {}))
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """State of this rank's own that no other layout could use, as {key: copy}: 1-bit Adam's worker and
+        server errors per flat bucket (``onebit/<group>/<bucket>/worker_error``); empty otherwise."""
+        out = {}
+        for gi, group in enumerate(self.groups):
+            for b, avg in enumerate((self._onebit or {}).get(id(group), [])):
+                for k, t in avg.state_dict().items():
+                    out[f"onebit/{gi}/{b}/{k}"] = t
+        return out
+
+    def load_rank_state(self, saved: dict[str, torch.Tensor]) -> None:
+        """Restore `rank_state()` (the same layout wrote it); keys this optimizer has not are an error."""
+        mine = self.rank_state()
+        if set(saved) != set(mine):
+            raise ValueError(f"per-rank optimizer state {sorted(saved)[:3]}... does not match this optimizer's "
+                             f"{sorted(mine)[:3]}...")
+        for gi, group in enumerate(self.groups):
+            for b, avg in enumerate((self._onebit or {}).get(id(group), [])):
+                avg.load_state_dict({k: saved[f"onebit/{gi}/{b}/{k}"] for k in ("worker_error", "server_error")})
 
     def hyperparameters(self) -> list[dict]:
         """Each parameter group's settings without its parameters, for checkpoints."""

@@ -97,6 +97,11 @@ def check_zero(cfg: Config) -> list[str]:
             errs.append(f"zero.{name}.device: 'nvme': not supported yet (valid: none, cpu)")
         else:
             errs += choice(f"zero.{name}.device", device, OFFLOAD_DEVICE_CHOICES)
+    zeropp = [k for k, on in (("quantized_weights", z.quantized_weights), ("quantized_gradients", z.quantized_gradients),
+                               ("hpz_partition_size", z.hpz_partition_size != 1)) if on]
+    if zeropp and z.stage != 3:
+        errs.append(f"zero.{zeropp[0]}: ZeRO++ needs zero.stage=3 (got stage {z.stage})")
+    errs += at_least("zero.hpz_partition_size", z.hpz_partition_size, 1)
     if z.offload_param.device != "none" and z.stage != 3:
         errs.append(f"zero.offload_param.device: offloading parameters needs zero.stage=3 (got stage {z.stage})")
     if z.offload_optimizer.device != "none" and z.stage < 1:
@@ -144,6 +149,10 @@ def check_optimizer(cfg: Config) -> list[str]:
                     f"Adam's momentum is optimizer.betas")
     if o.type == "adamw" and o.adamw_mode is False:
         errs.append("optimizer.adamw_mode: false contradicts optimizer.type=adamw (use type=adam for L2 decay)")
+    errs += at_least("optimizer.freeze_step", o.freeze_step, 0)
+    if o.type == "onebit_adam" and cfg.zero.stage != 0:
+        errs.append(f"optimizer.type=onebit_adam: needs zero.stage 0 (got {cfg.zero.stage}), as DeepSpeed's 1-bit "
+                    f"Adam: its ranks average the momentum of whole gradients, which stages 1-3 shard")
     if o.type == "sgd" and o.adamw_mode is not None:
         errs.append("optimizer.adamw_mode: applies to adam/adamw, not optimizer.type=sgd")
     return errs

@@ -121,10 +121,12 @@ def _optimizer(flat: Mapping[str, Any], out: dict[str, Any]) -> None:
     kind = OPTIMIZER_TYPES.get(name.lower())
     if kind is None:
         if name.lower() in OTHER_DS_OPTIMIZERS:
-            raise ConfigError(f"optimizer.type={name!r}: not supported yet (valid: Adam, AdamW, SGD)")
+            raise ConfigError(f"optimizer.type={name!r}: not supported yet (valid: Adam, AdamW, SGD, OneBitAdam)")
         hint = did_you_mean(name.lower(), list(OPTIMIZER_TYPES) + list(OTHER_DS_OPTIMIZERS))
-        raise ConfigError(f"optimizer.type: unknown optimizer {name!r}{hint} (valid: Adam, AdamW, SGD)")
+        raise ConfigError(f"optimizer.type: unknown optimizer {name!r}{hint} (valid: Adam, AdamW, SGD, OneBitAdam)")
     out["optimizer.type"] = kind
+    if kind == "onebit_adam":
+        out["optimizer.bias_correction"] = False  # DeepSpeed's OneBitAdam corrects neither moment
     if kind == "adam" and "optimizer.params.adam_w_mode" not in flat:
         out["optimizer.adamw_mode"] = True  # DeepSpeed's "Adam" decouples weight decay by default
 

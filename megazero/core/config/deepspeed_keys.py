@@ -19,11 +19,14 @@ fails on any other), and another is an error naming the key and the type's param
 | fp16.loss_scale, initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale | fp16.* | read only when fp16.enabled; DeepSpeed ignores them otherwise |
 | fp16.auto_cast | - | no-op for any value: it casts floating-point model inputs, and megazero's inputs are token ids |
 | fp16.fp16_master_weights_and_grads | - | no-op when false |
-| optimizer.type | optimizer.type | Adam, AdamW, SGD (any case); Adam sets optimizer.adamw_mode=true as DeepSpeed does |
+| optimizer.type | optimizer.type | Adam, AdamW, SGD, OneBitAdam (any case); Adam sets optimizer.adamw_mode=true as DeepSpeed does |
+| optimizer.params.freeze_step | optimizer.freeze_step | OneBitAdam: Adam steps before the 1-bit momentum average |
+| optimizer.params.cuda_aware, comm_backend_name | - | OneBitAdam: no-op when false / "nccl" (megazero averages over the data-parallel group's own backend; DeepSpeed's MPI and compressed backends are not supported) |
 | optimizer.params.lr, betas, eps, weight_decay, momentum | optimizer.* | "auto" is an error |
 | optimizer.params.adam_w_mode | optimizer.adamw_mode | |
 | optimizer.params.torch_adam | - | no-op for any value: it picks DeepSpeed's kernel; the update is the same Adam |
-| optimizer.params.amsgrad / nesterov / dampening / bias_correction | - | no-op when false / false / 0 / true |
+| optimizer.params.amsgrad / nesterov / dampening | - | no-op when false / false / 0 |
+| optimizer.params.bias_correction | optimizer.bias_correction | OneBitAdam: always false (DeepSpeed's applies no bias correction, whatever the key) |
 | optimizer.legacy_fusion | - | no-op when false |
 | scheduler.type | scheduler.type | WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle; LRRangeTest is not supported yet |
 | scheduler.params.warmup_min_lr | scheduler.warmup_min_lr | WarmupLR, WarmupDecayLR |
@@ -53,8 +56,8 @@ fails on any other), and another is an error naming the key and the type's param
 | zero_optimization.ignore_unused_parameters | - | no-op when true (megazero never checks for unused parameters) |
 | zero_optimization.elastic_checkpoint, legacy_stage1 | - | no-op when false (feature off) |
 | zero_optimization.memory_efficient_linear | - | no-op for any value: a DeepSpeed-internal ZeRO-3 linear implementation |
-| zero_optimization.zero_hpz_partition_size | - | no-op when 1 |
-| zero_optimization.zero_quantized_weights, zero_quantized_nontrainable_weights, zero_quantized_gradients, mics_hierarchical_params_gather, stage3_use_all_reduce_for_fetch_params, stage3_allgather_sequential | - | no-op when false |
+| zero_optimization.zero_quantized_weights, zero_hpz_partition_size, zero_quantized_gradients | zero.quantized_weights, hpz_partition_size, quantized_gradients | ZeRO++ (stage 3): int8 weight gathers, the secondary partition, int8 gradient reduce-scatters |
+| zero_optimization.zero_quantized_nontrainable_weights, mics_hierarchical_params_gather, stage3_use_all_reduce_for_fetch_params, stage3_allgather_sequential | - | no-op when false |
 | zero_optimization.mics_shard_size | - | no-op when -1 |
 | zero_optimization.stage3_module_granularity_threshold | - | no-op when 0 |
 | zero_optimization.load_from_fp32_weights, use_multi_rank_bucket_allreduce, stage3_model_persistence_threshold, zeropp_loco_param | - | not supported yet (any value) |
@@ -139,11 +142,16 @@ RULES: tuple[Rule, ...] = (
     Rule("optimizer.params.weight_decay", "optimizer.weight_decay"),
     Rule("optimizer.params.momentum", "optimizer.momentum"),
     Rule("optimizer.params.adam_w_mode", "optimizer.adamw_mode"),
+    Rule("optimizer.params.freeze_step", "optimizer.freeze_step"),
+    Rule("optimizer.params.cuda_aware", None, _off, note="CUDA-aware MPI: megazero's 1-bit average runs over the "
+         "torch.distributed data-parallel group"),
+    Rule("optimizer.params.comm_backend_name", None, lambda v: v == "nccl", note="megazero's 1-bit average runs "
+         "over the data-parallel group's own backend (NCCL on GPUs); DeepSpeed's MPI and compressed backends"),
     Rule("optimizer.params.torch_adam", None, _any, note="kernel choice"),
     Rule("optimizer.params.amsgrad", None, _off, note="AMSGrad"),
     Rule("optimizer.params.nesterov", None, _off, note="Nesterov momentum"),
     Rule("optimizer.params.dampening", None, lambda v: v == 0, note="SGD dampening"),
-    Rule("optimizer.params.bias_correction", None, lambda v: v is True, note="Adam without bias correction"),
+    Rule("optimizer.params.bias_correction", "optimizer.bias_correction"),
     # scheduler
     Rule("scheduler.type", SPECIAL),
     Rule("scheduler.params.warmup_min_lr", "scheduler.warmup_min_lr"),
@@ -189,9 +197,11 @@ RULES: tuple[Rule, ...] = (
     Rule(_Z + "elastic_checkpoint", None, _off, note="elastic checkpoints"),
     Rule(_Z + "legacy_stage1", None, _off, note="legacy stage 1"),
     Rule(_Z + "memory_efficient_linear", None, _any, note="DeepSpeed-internal implementation"),
-    Rule(_Z + "zero_hpz_partition_size", None, lambda v: v == 1, note="ZeRO++ hierarchical partitioning"),
+    Rule(_Z + "zero_hpz_partition_size", "zero.hpz_partition_size"),
+    Rule(_Z + "zero_quantized_weights", "zero.quantized_weights"),
+    Rule(_Z + "zero_quantized_gradients", "zero.quantized_gradients"),
     *(Rule(_Z + k, None, _off, note="ZeRO++ / MiCS / stage-3 fetch variants") for k in (
-        "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+        "zero_quantized_nontrainable_weights",
         "mics_hierarchical_params_gather", "stage3_use_all_reduce_for_fetch_params",
         "stage3_allgather_sequential")),
     Rule(_Z + "mics_shard_size", None, lambda v: v == -1, note="MiCS sharding"),
@@ -237,8 +247,8 @@ DICT_SECTIONS = ("zero_optimization", _Z + "offload_optimizer", _Z + "offload_pa
                  "activation_checkpointing", "data_types", "checkpoint", "pipeline")
 """DeepSpeed keys whose values are sections (mappings) of further keys."""
 
-OPTIMIZER_TYPES = MappingProxyType({"adam": "adam", "adamw": "adamw", "sgd": "sgd"})
-OTHER_DS_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "lamb", "adagrad", "lion",
+OPTIMIZER_TYPES = MappingProxyType({"adam": "adam", "adamw": "adamw", "sgd": "sgd", "onebitadam": "onebit_adam"})
+OTHER_DS_OPTIMIZERS = ("zerooneadam", "onebitlamb", "lamb", "adagrad", "lion",
                        "muadam", "muadamw", "musgd", "muon", "cpuadam", "fusedadam")
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 OTHER_DS_SCHEDULERS = ("LRRangeTest",)

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 PRECISION_CHOICES = ("fp32", "bf16", "fp16")
 AXIS_CHOICES = ("pp", "dp", "tp")
 OFFLOAD_DEVICE_CHOICES = ("none", "cpu")
-OPTIMIZER_CHOICES = ("adam", "adamw", "sgd")
+OPTIMIZER_CHOICES = ("adam", "adamw", "sgd", "onebit_adam")
 SCHEDULER_CHOICES = ("constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 WARMUP_TYPE_CHOICES = ("linear", "log")
 CHECKPOINT_POLICY_CHOICES = ("none", "full", "selective")
@@ -152,6 +152,12 @@ class ZeroConfig:
     max_live_parameters: int = 1_000_000_000  # DeepSpeed stage3_max_live_parameters
     max_reuse_distance: int = 1_000_000_000  # DeepSpeed stage3_max_reuse_distance
     gather_16bit_weights_on_model_save: bool = False
+    # ZeRO++ (stage 3; megazero.zero.zeropp): int8 weight all-gathers (qwZ), a secondary partition over
+    # hpz_partition_size consecutive dp ranks for the step's later gathers (hpZ; 1 = off), int8 gradient
+    # reduce-scatters (qgZ)
+    quantized_weights: bool = False
+    hpz_partition_size: int = 1
+    quantized_gradients: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,8 +174,10 @@ class Fp16Config:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """adam/adamw/sgd. adamw_mode (decoupled weight decay): None resolves to type == "adamw";
-    a DeepSpeed ``"Adam"`` sets it true, as DeepSpeed does."""
+    """adam/adamw/sgd/onebit_adam. adamw_mode (decoupled weight decay): None resolves to type == "adamw";
+    a DeepSpeed ``"Adam"`` sets it true, as DeepSpeed does. onebit_adam (DeepSpeed's OneBitAdam,
+    `megazero.zero.onebit`): `freeze_step` steps of Adam without bias correction, then the variance is
+    frozen and the data-parallel ranks average their momentum in one bit per element (ZeRO stage 0)."""
 
     type: str = "adamw"
     lr: float = 1e-3
@@ -177,6 +185,8 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     momentum: float = 0.0  # sgd only
+    freeze_step: int = 100  # onebit_adam: full-precision Adam steps before the variance freezes and 1-bit starts
+    bias_correction: bool = True  # Adam's bias corrections (a DeepSpeed OneBitAdam config: false, as it applies none)
     adamw_mode: Optional[bool] = None
     no_decay_1d: Optional[bool] = None  # Megatron's rule (no decay for biases, norms); None: megazero-built models only
 

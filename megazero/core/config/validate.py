@@ -86,6 +86,10 @@ def _derived_checks(cfg: Config, world_size: Optional[int]) -> tuple[list[str], 
     if world_size is not None and isinstance(rpn, int) and rpn >= 1 and world_size % rpn:
         return [f"parallel.ranks_per_node={rpn} does not divide the world size {world_size}: nodes hold the same "
                 f"number of consecutive ranks"], dp
+    hpz = cfg.zero.hpz_partition_size
+    if isinstance(hpz, int) and hpz >= 1 and dp % hpz:
+        return [f"zero.hpz_partition_size={hpz} does not divide the data-parallel size dp={dp}: the secondary "
+                f"partition is over runs of that many dp ranks"], dp
     if isinstance(par.ep, int) and par.ep >= 1 and dp % par.ep:
         return [f"parallel.ep={par.ep} does not divide the data-parallel size dp={dp}: experts are split over ep "
                 f"of the dp ranks; use an ep that divides {dp}"], dp
