@@ -330,3 +330,47 @@ def test_megazero_format_scheduler_checks(overrides, needle):
     ok = load_config(None, ["scheduler.type=OneCycle", "scheduler.cycle_min_lr=1e-4", "scheduler.cycle_max_lr=1e-3",
                             "scheduler.cycle_first_step_size=10"], world_size=1)
     assert ok.scheduler.cycle_max_lr == 1e-3 and ok.scheduler.cycle_second_step_size is None
+
+
+_AUTOEP = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+
+
+def test_autoep_section_maps_to_expert_parallelism_like_the_megazero_keys():
+    """DeepSpeed's AutoEP section on a megazero MoE spec: the same Config as the megazero keys it stands
+    for (the routing keys "auto" / null keep the model's; DeepSpeed's expert TP default 1 applies)."""
+    ds = dict(_AUTOEP, expert_parallel={
+        "enabled": True, "autoep_size": 2, "preset_model": "mixtral", "top_k": "auto", "score_func": "softmax",
+        "route_norm": None, "routed_scaling_factor": "auto", "route_scale": 1.0, "load_balance_coeff": None,
+        "use_grouped_mm": True, "combine_impl": "auto", "comm_backend": "comm"})
+    spec = ["model.spec=model_specs/llama.py:debug-moe"]
+    from_ds = load_config(ds, spec, world_size=4)
+    assert from_ds.parallel.ep == 2 and from_ds.parallel.expert_tp == 1 and from_ds.model.moe.score == "softmax"
+    assert from_ds.model.moe.top_k is None and from_ds.model.moe.normalize_topk is None  # the spec's
+    plain = dict(_AUTOEP)
+    mine = load_config(plain, spec + ["parallel.ep=2", "parallel.expert_tp=1", "model.moe.score=softmax"],
+                       world_size=4)
+    assert from_ds == mine
+    tuned = load_config(dict(_AUTOEP, expert_parallel={"enabled": True, "autoep_size": 4, "top_k": 1,
+                                                       "score_func": "sigmoid", "route_norm": False}),
+                        spec, world_size=4)
+    assert (tuned.parallel.ep, tuned.model.moe.top_k, tuned.model.moe.score, tuned.model.moe.normalize_topk) == (
+        4, 1, "sigmoid", False)
+    assert any("parallel.expert_tp: 1" in line for line in defaults_applied(ds))
+
+
+def test_a_disabled_autoep_section_is_not_read_like_deepspeed():
+    cfg = from_deepspeed(dict(_AUTOEP, expert_parallel={"enabled": False, "autoep_size": 8, "comm_backend": "deepep"}))
+    assert cfg.parallel.ep == 1 and cfg.model.moe.top_k is None
+
+
+@pytest.mark.parametrize("section,key,words", [
+    ({"comm_backend": "deepep"}, "expert_parallel.comm_backend", "not supported yet (DeepEP)"),
+    ({"num_expert_groups": 4}, "expert_parallel.num_expert_groups", "not supported yet (group-limited routing)"),
+    ({"route_scale": 2.5}, "expert_parallel.route_scale", "not supported yet"),
+    ({"autoep_sise": 2}, "expert_parallel.autoep_sise", "autoep_size"),
+])
+def test_bad_autoep_keys_name_the_key(section, key, words):
+    with pytest.raises(ConfigError) as info:
+        from_deepspeed(dict(_AUTOEP, expert_parallel={"enabled": True, **section}))
+    assert str(info.value).startswith(key) and words in str(info.value), str(info.value)

@@ -111,3 +111,63 @@ def test_unsupported_hf_configs_are_named():
         load_hf_state_dict(CausalLM(spec_from_hf_config(hf.config), single_rank_group("tp")),
                            {k: v for k, v in hf.state_dict().items() if "q_proj" not in k},
                            spec_from_hf_config(hf.config))
+
+
+def make_mixtral():
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32,
+                                     num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    return _perturb(transformers.MixtralForCausalLM(cfg), 4)
+
+
+def test_mixtral_logits_export_and_from_pretrained(tmp_path):
+    """A Hugging Face Mixtral (transformers' fused in-memory experts) loads into megazero's MoE model with
+    the same logits; the export is the published per-expert layout, which `from_pretrained` reads back to
+    the same model, and which megazero imports to the same tensors, bit for bit."""
+    from safetensors.torch import save_file
+
+    from megazero.models.hf import hf_config_dict, logical_to_hf
+
+    hf = make_mixtral()
+    spec = spec_from_hf_config(hf.config)
+    assert (spec.moe.num_experts, spec.moe.top_k, spec.moe.ffn, spec.moe.z_loss_coef) == (4, 2, 48, 0.0)
+    logits, exported = megazero_logits(spec, hf.state_dict(), single_rank_group("tp"))
+    with torch.no_grad():
+        ref = hf(TOKENS).logits
+    assert (logits - ref).abs().max().item() <= TOL
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in exported
+    mine, again = hf_to_logical(hf.state_dict(), spec), hf_to_logical(exported, spec)
+    assert mine.keys() == again.keys() and all(torch.equal(again[k], v) for k, v in mine.items())
+    assert tuple(mine["layers.0.mlp.experts.down"].shape) == (4, 64, 48)
+    save_file({k: v.contiguous() for k, v in logical_to_hf(mine, spec).items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(__import__("json").dumps(hf_config_dict(spec)))
+    loaded = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, ref)
+    # a Mixtral directory (what save_pretrained writes) imports as a megazero checkpoint of the same tensors
+    from safetensors.torch import load_file
+
+    from megazero.run.checkpoint_convert import consolidate, import_hf
+    ckpt = import_hf(str(tmp_path), hf.config, str(tmp_path / "ckpt"))
+    consolidate(ckpt, str(tmp_path / "whole.safetensors"))
+    whole = load_file(str(tmp_path / "whole.safetensors"))
+    assert whole.keys() == mine.keys() and all(torch.equal(whole[k], v) for k, v in mine.items())
+
+
+def test_mixtral_at_tp2_and_what_mixtral_cannot_hold():
+    hf = make_mixtral()
+    spec = spec_from_hf_config(hf.config)
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    logits, exported = run_ranks(_tp2_worker, 2, spec, state, timeout=60)[0]
+    with torch.no_grad():
+        assert (torch.from_numpy(np.asarray(logits)) - hf(TOKENS).logits).abs().max().item() <= TOL
+    mine = hf_to_logical(hf.state_dict(), spec)
+    again = hf_to_logical({k: torch.from_numpy(v) for k, v in exported.items()}, spec)
+    assert all(torch.equal(again[k], v) for k, v in mine.items())
+    from megazero.models.hf import hf_export_plan
+    with pytest.raises(SpecError, match="moe_score='sigmoid' has no Hugging Face Mixtral equivalent"):
+        hf_export_plan(spec.replace(moe_score="sigmoid"))
+    with pytest.raises(SpecError, match="sliding_window=16 is not supported"):
+        spec_from_hf_config(transformers.MixtralConfig(sliding_window=16))

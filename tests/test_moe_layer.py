@@ -3,11 +3,16 @@
 - `route` equals a loop over sequences, tokens and choices: top-k, weights, capacity (first choices
   first, earlier positions first, per sequence), the Switch aux loss and the z-loss;
 - one process: `MoELayer` equals a token-by-token reference (each token's kept experts run one at a
-  time and are summed with their weights), outputs and every gradient, aux and z losses included;
+  time and are summed with their weights), outputs and every gradient, aux and z losses included,
+  with and without expert biases;
 - ep = 2 and 4 ranks (gloo): each rank routes its own sequences and holds E/ep experts; outputs,
   losses and gradients (experts: their slice; router: summed over ranks) equal one process running
   all the sequences with all the experts, within 1e-5, with and without token dropping, softmax and
   sigmoid scores, GeLU and SwiGLU, with a shared expert;
+- with expert tensor parallelism (ep × tp ranks, each expert's ffn split over TP, biases on) outputs and
+  every gradient equal one process, and the router's gradient is the same on every TP rank;
+- under activation recompute the replay reuses the forward's routing: recomputed logits perturbed to
+  pick other experts leave the gradients as they were (without the record they change);
 - the all-to-all bytes the comm stats count equal the formula from the routing;
 - the aux loss alone, trained on a router skewed towards one expert, spreads the load.
 """
@@ -19,6 +24,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from megazero.core.moe_spec import MoESpec, MoESpecError
 from megazero.moe.layer import MoELayer
@@ -84,23 +90,23 @@ def reference_layer(layer: MoELayer, x):
     tokens = x.transpose(0, 1).reshape(b * s, h)
     logits = tokens.float() @ layer.router.float().t()
     idx, w, keep, aux, z = reference_route(logits, s, layer.spec)
-    ex = layer.experts
 
-    def expert(e, v):
+    def expert(ex, e, v):  # with the biases when the experts have them
+        def b(name):
+            bias = getattr(ex, f"{name}_bias", None)
+            return 0.0 if bias is None else bias[e]
         if layer.spec.activation == "swiglu":
-            return ex.down[e] @ (F.silu(ex.gate[e] @ v) * (ex.up[e] @ v))
-        return ex.fc2[e] @ F.gelu(ex.fc1[e] @ v)
+            return ex.down[e] @ (F.silu(ex.gate[e] @ v + b("gate")) * (ex.up[e] @ v + b("up"))) + b("down")
+        return ex.fc2[e] @ F.gelu(ex.fc1[e] @ v + b("fc1")) + b("fc2")
 
     rows = []
     for t in range(b * s):
         acc = torch.zeros(h)
         for c in range(layer.spec.top_k):
             if keep[t, c]:
-                acc = acc + w[t, c] * expert(int(idx[t, c]), tokens[t])
+                acc = acc + w[t, c] * expert(layer.experts, int(idx[t, c]), tokens[t])
         if layer.shared is not None:
-            sh = layer.shared
-            acc = acc + (sh.down[0] @ (F.silu(sh.gate[0] @ tokens[t]) * (sh.up[0] @ tokens[t]))
-                         if layer.spec.activation == "swiglu" else sh.fc2[0] @ F.gelu(sh.fc1[0] @ tokens[t]))
+            acc = acc + expert(layer.shared, 0, tokens[t])
         rows.append(acc)
     out = torch.stack(rows).view(b, s, h).transpose(0, 1)
     return out, aux, z
@@ -115,12 +121,32 @@ def _grads(layer):
     return {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
-@pytest.mark.parametrize("activation,cf,shared,score", [("swiglu", None, 0, "softmax"), ("gelu", 1.0, 1, "softmax"),
-                                                        ("swiglu", 1.0, 2, "sigmoid")])
-def test_one_process_equals_token_by_token(activation, cf, shared, score):
+def _set_biases(layer, seed=0):
+    """Give every expert bias values (zero at init) that depend only on its logical name and index:
+    each rank takes its slice of the logical tensor (ep split on dim 0, TP split on tp_dim)."""
+    from megazero.tensor_parallel.init import stable_seed
+
+    for p in layer.parameters():
+        if not p.logical_name.endswith("_bias"):
+            continue
+        full = torch.randn(p.full_shape, generator=torch.Generator().manual_seed(stable_seed(seed, p.logical_name)))
+        if getattr(p, "ep_dim", None) is not None:
+            full = full.chunk(p.ep_size, 0)[p.ep_rank]
+        if p.tp_dim is not None:
+            full = full.chunk(p.tp_size, p.tp_dim)[p.tp_rank]
+        with torch.no_grad():
+            p.copy_(0.1 * full)
+
+
+@pytest.mark.parametrize("activation,cf,shared,score,bias", [("swiglu", None, 0, "softmax", False),
+                                                             ("gelu", 1.0, 1, "softmax", True),
+                                                             ("swiglu", 1.0, 2, "sigmoid", True)])
+def test_one_process_equals_token_by_token(activation, cf, shared, score, bias):
     spec = _spec(activation=activation, capacity_factor=cf, shared_experts=shared, shared_ffn=6, score=score)
     x, g = _inputs()
-    layer = MoELayer(spec, H, single_rank_group("ep"), "layers.0.mlp", seed=7)
+    layer = MoELayer(spec, H, single_rank_group("ep"), "layers.0.mlp", seed=7, bias=bias)
+    _set_biases(layer)
+    assert bias == any(n.endswith("_bias") for n, _ in layer.named_parameters())
     x1 = x.clone().requires_grad_()
     out = layer(x1)
     loss = (out * g).mean()
@@ -275,3 +301,160 @@ def test_an_ep_rank_that_receives_no_rows():
     for _, grads in ranks:
         assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert torch.count_nonzero(ranks[1][1]["experts.gate"]) == 0  # its experts: zero gradient, no hang
+
+
+def test_model_flops_count_what_a_token_runs():
+    """MFU's model FLOPs: a dense 4h GeLU MLP gives Megatron's formula exactly; an MoE layer counts
+    2 FLOPs per active parameter (router, top_k routed experts, shared experts), not every expert."""
+    from megazero.core.spec import load_spec
+    from megazero.run.metrics import mlp_forward_flops, model_flops_per_step
+
+    gpt = load_spec("model_specs/gpt.py:debug")
+    b, s, l, h, v = 8, gpt.seq_len, gpt.layers, gpt.hidden, gpt.vocab
+    megatron = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    assert model_flops_per_step(b, s, l, h, v, mlp_flops=mlp_forward_flops(gpt)) == pytest.approx(megatron, rel=1e-12)
+    for flavor in ("debug-moe", "debug-deepseek", "mixtral-8x7b"):
+        spec = load_spec(f"model_specs/llama.py:{flavor}")
+        moe = spec.moe
+        layer = MoELayer(moe, spec.hidden, single_rank_group("ep"), "layers.0.mlp", seed=0, device="meta")
+        per_expert = sum(p[0].numel() for p in layer.experts.parameters())
+        active = layer.router.numel() + moe.top_k * per_expert + sum(p.numel() for p in (layer.shared or nn.Module()).parameters())
+        assert mlp_forward_flops(spec) == 2 * active, flavor
+
+
+def _expert_tp_worker(spec_kw, ep, bias, seed):
+    """Rank (dp d, tp t) of ep × tp ranks (dp = ep): sequences d·B/ep .. of the batch, experts d·E/ep ..
+    with their ffn split over the TP group; returns what the test compares."""
+    import torch.distributed as dist
+
+    from megazero.core.topology import Topology
+    from megazero.moe.experts import gather_expert_tensors
+    from megazero.runtime.parallel_context import ParallelContext
+    from megazero.tensor_parallel import gather_full_grads
+
+    tp = dist.get_world_size() // ep
+    pctx = ParallelContext(Topology(dp=ep, tp=tp), ep=ep)
+    spec = _spec(**spec_kw)
+    layer = MoELayer(spec, H, pctx.ep_group, "layers.3.mlp", seed=11, aux_scale=lambda: 1.0 / ep,
+                     expert_tp_group=pctx.tp_group, bias=bias)
+    _set_biases(layer)
+    x, g = _inputs(seed)
+    d = pctx.dp_rank
+    mine = slice(d * B // ep, (d + 1) * B // ep)
+    xs = x[:, mine].clone().requires_grad_()
+    out = layer(xs)
+    ((out * g[:, mine]).mean() / ep).backward()
+    shapes = {p.logical_name: (tuple(p.shape), p.tp_dim) for p in layer.parameters()}
+    grads = gather_expert_tensors(gather_full_grads(layer, pctx.tp_group), layer, pctx.ep_group)
+    return {"out": out.detach(), "x_grad": xs.grad, "grads": grads, "dp": d, "tp": pctx.tp_rank, "shapes": shapes}
+
+
+@pytest.mark.parametrize("world,ep,kw,bias", [
+    (2, 1, dict(shared_experts=1, shared_ffn=8), True),
+    (4, 2, dict(capacity_factor=1.0, activation="gelu", score="sigmoid", shared_experts=1, shared_ffn=8), True),
+    (4, 2, dict(), False),
+])
+def test_expert_tensor_parallel_equals_one_process(world, ep, kw, bias):
+    """Experts' ffn split over tp = world / ep ranks (gate / up / fc1 column-parallel, down / fc2
+    row-parallel, the output bias once after the all-reduce), experts over ep: outputs, the input's
+    gradient and every parameter's gradient (whole: gathered over TP, then over ep; router and shared
+    experts summed over the ep ranks' tokens) equal one process; the router's gradient is the same on
+    every TP rank (the experts' outputs are whole before they are weighted)."""
+    tp = world // ep
+    spec = _spec(**kw)
+    x, g = _inputs(5)
+    serial = MoELayer(spec, H, single_rank_group("ep"), "layers.3.mlp", seed=11, bias=bias)
+    _set_biases(serial)
+    xs = x.clone().requires_grad_()
+    (serial(xs) * g).mean().backward()
+    out_ref = serial(x).detach()
+    want = {p.logical_name: p.grad for p in serial.parameters()}
+    ranks = run_ranks(_expert_tp_worker, world, kw, ep, bias, 5, timeout=120)
+    by_dp = {rk["dp"]: rk for rk in ranks if rk["tp"] == 0}
+    torch.testing.assert_close(torch.cat([by_dp[d]["out"] for d in range(ep)], 1), out_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat([by_dp[d]["x_grad"] for d in range(ep)], 1), xs.grad, rtol=1e-5, atol=1e-8)
+    for rk in ranks:  # every TP rank the same outputs and gradients as its TP rank 0
+        twin = by_dp[rk["dp"]]
+        assert torch.equal(rk["out"], twin["out"]) and torch.equal(rk["x_grad"], twin["x_grad"])
+        assert torch.equal(rk["grads"]["layers.3.mlp.router"], twin["grads"]["layers.3.mlp.router"])
+    f = spec.ffn
+    shapes = ranks[0]["shapes"]
+    assert shapes["layers.3.mlp.experts." + ("gate" if spec.activation == "swiglu" else "fc1")] == (
+        (spec.num_experts // ep, f // tp, H), 1)
+    assert shapes["layers.3.mlp.experts." + ("down" if spec.activation == "swiglu" else "fc2")] == (
+        (spec.num_experts // ep, H, f // tp), 2)
+    for name, grad in want.items():
+        if ".experts." in name:  # whole already (every ep rank's slice, every token's gradient)
+            got = by_dp[0]["grads"][name]
+        else:  # router and shared experts: each ep rank's tokens' share, summed (what dp's reduction does)
+            got = sum(by_dp[d]["grads"][name] for d in range(ep))
+        torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert bias == any(n.endswith("_bias") for n in want)
+
+
+def _replay_worker(perturb: bool, record: bool, seed: int = 3):
+    """One MoE layer (ep over every rank) trained one micro-batch with its forward checkpointed; with
+    `perturb` the recompute's router logits are changed so that another top-k wins on every token (a
+    non-chosen expert's logit raised above the best: the chosen experts' renormalised weights do not
+    change), with `record` the layer gets the checkpointer's decisions. Returns (out, gradients, the
+    experts the recompute's logits pick)."""
+    import torch.distributed as dist
+
+    from megazero.activation_checkpoint import ActivationCheckpointer, CheckpointOptions
+    from megazero.moe.routing import decide
+
+    P = dist.get_world_size() if dist.is_initialized() else 1
+    r = dist.get_rank() if dist.is_initialized() else 0
+    group = world_group() if P > 1 else single_rank_group("ep")
+    spec = _spec(aux_loss_coef=0.0, z_loss_coef=0.0, capacity_factor=1.0)
+    ckpt = ActivationCheckpointer(CheckpointOptions(policy="full"), single_rank_group("tp"))
+    layer = MoELayer(spec, H, group, "layers.0.mlp", seed=seed, aux_scale=lambda: 1.0 / P,
+                     decisions=ckpt.decisions if record else None)
+    x, g = _inputs(seed)
+    mine = slice(r * B // P, (r + 1) * B // P)
+    real, picked = layer.router_logits, []
+
+    def logits_fn(tokens):
+        logits = real(tokens)
+        if perturb and ckpt.decisions.replaying:  # the recompute: raise each token's worst expert above its best
+            lo, hi = logits.detach().min(-1), logits.detach().max(-1).values
+            bump = torch.zeros_like(logits).scatter(1, lo.indices.unsqueeze(1), (hi - lo.values + 1.0).unsqueeze(1))
+            logits = logits + bump
+            picked.append(decide(logits, S, spec).indices)
+        return logits
+
+    layer.router_logits = logits_fn
+    xs = x[:, mine].clone().requires_grad_()
+    out = ckpt.checkpoint(layer, xs, modules=[layer])
+    ((out * g[:, mine]).mean() / P).backward()
+    assert ckpt.stats.recomputes == 1
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()} | {"x": xs.grad}
+    return out.detach(), grads, picked, layer.last_routing.indices
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_recompute_replays_the_forwards_routing(P):
+    """Under activation recompute the replayed forward reuses the forward's routing decision (experts,
+    kept assignments, split sizes): with the recompute's logits perturbed so that every token picks
+    another expert, the gradients still equal a run without perturbation, the weights being recomputed
+    from the replayed logits at the saved experts. Without the record (the layer not given the
+    checkpointer's decisions) the same perturbation changes the recompute (here: an error or other
+    gradients); at ep = 2 it would change the all-to-all splits between ranks."""
+    def run(*args):
+        return run_ranks(_replay_worker, P, *args, timeout=120) if P > 1 else [_replay_worker(*args)]
+
+    plain, replayed = run(False, True), run(True, True)
+    for (out_a, grads_a, _, chose), (out_b, grads_b, picked, replayed_choice) in zip(plain, replayed):
+        torch.testing.assert_close(out_b, out_a, rtol=0, atol=0)
+        assert torch.equal(replayed_choice, chose) and len(picked) == 1
+        assert (picked[0] != chose).any(dim=-1).all()  # the recompute's logits pick other experts for every token
+        for name in grads_a:
+            torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
+    if P == 1:  # the control: the perturbation does change the recompute when nothing is replayed
+        grads = plain[0][1]
+        try:
+            fresh = _replay_worker(True, False)[1]
+        except RuntimeError as err:  # here: the recomputed rows no longer match the forward's graph
+            assert "shape" in str(err) or "recompute" in str(err), err
+            return
+        assert any(not torch.allclose(fresh[n], grads[n], rtol=1e-5, atol=1e-7) for n in grads)

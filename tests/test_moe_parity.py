@@ -1,10 +1,11 @@
 """MoE models trained in 3D layouts with expert parallelism equal the serial run (fp32).
 
-Layouts: an all-pairs covering set (megazero.core.pairwise) of ep ∈ {1, 2, 4} × tp ∈ {1, 2} ×
+Layouts: an all-pairs covering set (megazero.core.pairwise) of ep ∈ {1, 2, 4} × tp ∈ {1, 2 (the experts'
+ffn split over it: parallel.expert_tp = tp), 2 with expert_tp = 1 (whole experts on every TP rank)} ×
 pp ∈ {1, 2} × ZeRO 0-3 × model (Mixtral-style debug-moe, top-2 softmax, no dropping; DeepSeek-style
 debug-deepseek, 16 fine-grained experts top-4 with sigmoid scores, a shared expert and capacity 1.25,
-so tokens are dropped), on at most 8 ranks; dp is 2·ep where that fits (every expert on 2 ranks, its
-gradient reduced over them), else ep.
+so tokens are dropped) × MLP biases (the experts' too) or none, on at most 8 ranks; dp is 2·ep where
+that fits (every expert on 2 ranks, its gradient reduced over them), else ep.
 Each runs 3 steps of the engine (megazero.run.parity.run_layout: aux and z losses in the gradient, the
 experts' gradients reduced over the expert-data-parallel group) and is compared with one process
 training the same global batch: losses, grad norms, first-step gradients and final parameters, at the
@@ -13,26 +14,36 @@ fp32 tolerances of megazero.run.parity (1e-5).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megazero.core import pairwise
 from megazero.core.config import ConfigError
 from megazero.engine import load_run_config
+from megazero.models.hf import spec_from_hf_config
+from megazero.planner.from_config import spec_of
 from megazero.run.parity import compare, format_rows, merge_reports, run_layout, serial_overrides
 from tests.harness import run_ranks
 
-FACTORS = {"ep": (1, 2, 4), "tp": (1, 2), "pp": (1, 2), "zero": (0, 1, 2, 3), "model": ("debug-moe", "debug-deepseek")}
+FACTORS = {"ep": (1, 2, 4), "tp": (1, 2, "2/etp1"), "pp": (1, 2), "zero": (0, 1, 2, 3),
+           "model": ("debug-moe", "debug-deepseek"), "bias": (False, True)}
+"""tp 2 splits each expert's ffn over the TP group (parallel.expert_tp = tp, the default); "2/etp1" is
+tp 2 with parallel.expert_tp = 1 (whole experts on every TP rank)."""
 STEPS = 3
 
 
 def _dp(case):
     """2·ep where it fits in 8 ranks (so each expert is held by 2 ranks and reduced over them), else ep."""
-    ep, rest = case["ep"], case["pp"] * case["tp"]
+    ep, rest = case["ep"], case["pp"] * _tp(case)
     return next((dp for dp in (2 * ep, ep) if rest * dp <= 8), None)
 
 
 def _allowed(case) -> bool:
     dp = _dp(case)
-    return dp is not None and case["pp"] * case["tp"] * dp <= 8
+    return dp is not None and case["pp"] * _tp(case) * dp <= 8
+
+
+def _tp(case) -> int:
+    return 2 if case["tp"] == "2/etp1" else case["tp"]
 
 
 def config(case) -> dict:
@@ -40,8 +51,11 @@ def config(case) -> dict:
     model = {"spec": f"model_specs/llama.py:{case['model']}", "layers": 4}
     if case["model"] == "debug-deepseek":
         model["moe"] = {"capacity_factor": 1.25}
+    if case.get("bias"):
+        model["overrides"] = {"bias": True}  # the MLP biases: the experts' too
+    expert_tp = 1 if case["tp"] == "2/etp1" else _tp(case)
     return {"precision": "fp32", "gradient_clipping": 1.0,
-            "parallel": {"pp": case["pp"], "tp": case["tp"], "dp": dp, "ep": case["ep"]},
+            "parallel": {"pp": case["pp"], "tp": _tp(case), "dp": dp, "ep": case["ep"], "expert_tp": expert_tp},
             "model": model,
             "train": {"micro_batch_size": 1, "global_batch_size": 2 * case["pp"] * dp, "seed": 1234},
             "optimizer": {"type": "adamw", "lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01},
@@ -54,7 +68,8 @@ CASES = pairwise.covering_set(FACTORS, _allowed, seed=0)
 
 
 def _id(case):
-    return f"ep{case['ep']}-tp{case['tp']}-pp{case['pp']}-dp{_dp(case)}-zero{case['zero']}-{case['model']}"
+    return (f"ep{case['ep']}-tp{str(case['tp']).replace('/', '-')}-pp{case['pp']}-dp{_dp(case)}-zero{case['zero']}-"
+            f"{case['model']}{'-bias' if case['bias'] else ''}")
 
 
 def test_the_covering_set_covers_every_pair():
@@ -69,7 +84,7 @@ _SERIAL: dict = {}
 
 def _serial(case):
     cfg = config(case)
-    key = (case["model"], cfg["train"]["global_batch_size"])
+    key = (case["model"], case["bias"], cfg["train"]["global_batch_size"])
     if key not in _SERIAL:
         _SERIAL[key] = run_ranks(run_layout, 1, cfg, serial_overrides(cfg["train"]["global_batch_size"]), STEPS,
                                  timeout=300)[0]
@@ -79,11 +94,12 @@ def _serial(case):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_moe_layout_equals_serial(case):
     cfg = config(case)
-    world = case["pp"] * case["tp"] * _dp(case)
+    world = case["pp"] * _tp(case) * _dp(case)
     result = merge_reports(run_ranks(run_layout, world, cfg, (), STEPS, timeout=300))
     rows = compare(result, _serial(case), STEPS)
     assert all(r["ok"] for r in rows), f"{_id(case)}\n{format_rows(rows)}"
     assert any(".experts." in name for name in result["params"])
+    assert any(name.endswith(".experts.down_bias") for name in result["params"]) == case["bias"]
 
 
 @pytest.mark.parametrize("overrides,words", [
@@ -92,6 +108,9 @@ def test_moe_layout_equals_serial(case):
     (["parallel.ep=2", "model.spec=model_specs/llama.py:debug"], "parallel.ep=2: expert parallelism needs a Mixture"),
     (["parallel.tp=2", "parallel.sequence_parallel=true"], "not supported with model.moe"),
     (["model.moe.top_k=9"], "moe_top_k=9 must be between 1 and num_experts=8"),
+    (["parallel.tp=2", "parallel.expert_tp=4"], "parallel.expert_tp: 4 is not valid (valid: 1, experts whole"),
+    (["model.moe.drop_tokens=false", "model.moe.capacity_factor=1.5"], "no dropping has no capacity"),
+    (["model.moe.drop_tokens=true"], "model.moe.drop_tokens=true: the spec has no capacity"),
 ])
 def test_bad_moe_layouts_are_refused_before_any_process_group(overrides, words):
     base = config({"ep": 1, "tp": 1, "pp": 1, "zero": 1, "model": "debug-moe"})
@@ -101,33 +120,37 @@ def test_bad_moe_layouts_are_refused_before_any_process_group(overrides, words):
     assert words in str(err.value).splitlines()[0] or words in str(err.value), str(err.value)
 
 
-def _ckpt_config(corpus, ep, zero=1, pp=1):
+def _ckpt_config(corpus, ep, zero=1, pp=1, tp=1, expert_tp=None):
     from tests.test_checkpoint import BASE
 
-    return dict(BASE, parallel={"pp": pp, "tp": 1, "ep": ep}, data={"path": corpus},
+    return dict(BASE, parallel={"pp": pp, "tp": tp, "ep": ep, "expert_tp": expert_tp}, data={"path": corpus},
                 model={"spec": "model_specs/llama.py:debug-deepseek", "layers": 4, "vocab": 257, "seq_len": 32,
-                       "moe": {"capacity_factor": 1.25}},
+                       "moe": {"capacity_factor": 1.25}, "overrides": {"bias": True}},
                 zero=dict(BASE["zero"], stage=zero))
 
 
 @pytest.fixture(scope="module")
 def saved_at_ep2(corpus, tmp_path_factory):
-    """4 ranks (dp 4, ep 2, ZeRO-1): 2 x 3 steps with a checkpoint after 3."""
+    """4 ranks (tp 2 with the experts' ffn split over it, dp 2, ep 2, ZeRO-1; experts with biases):
+    2 x 3 steps with a checkpoint after 3."""
     from tests.test_checkpoint import train
 
     path = tmp_path_factory.mktemp("moe-ckpt")
-    whole = run_ranks(train, 4, _ckpt_config(corpus, 2), 6, str(path), None, 3, timeout=300)[0]
+    whole = run_ranks(train, 4, _ckpt_config(corpus, 2, tp=2, expert_tp=2), 6, str(path), None, 3, timeout=300)[0]
     return str(path), whole, corpus
 
 
-@pytest.mark.parametrize("world,ep,zero,pp", [(4, 4, 2, 1), (4, 1, 0, 1), (2, 1, 3, 1), (4, 2, 1, 2)])
-def test_checkpoint_at_ep2_continues_at_another_ep(saved_at_ep2, world, ep, zero, pp):
-    """The experts' slices (and their Adam states) are saved by logical expert index: any ep, dp,
-    ZeRO stage or pipeline split reads its own experts back and continues the run."""
+@pytest.mark.parametrize("world,ep,zero,pp,tp,expert_tp", [(4, 4, 2, 1, 1, None), (4, 1, 0, 1, 2, 1),
+                                                           (4, 2, 3, 1, 2, 2), (4, 2, 1, 2, 1, None)])
+def test_checkpoint_at_ep2_continues_at_another_ep(saved_at_ep2, world, ep, zero, pp, tp, expert_tp):
+    """The experts' slices (and their Adam states), split over ep (dim 0) and over TP (their ffn), are
+    saved as boxes of their logical (E, f, h) tensors: any ep, TP split of the experts (or none),
+    dp, ZeRO stage or pipeline split reads its own slices back and continues the run."""
     from tests.test_checkpoint import train
 
     path, whole, corpus = saved_at_ep2
-    losses, norms = run_ranks(train, world, _ckpt_config(corpus, ep, zero, pp), 3, None, path, timeout=300)[0]
+    cfg = _ckpt_config(corpus, ep, zero, pp, tp, expert_tp)
+    losses, norms = run_ranks(train, world, cfg, 3, None, path, timeout=300)[0]
     for got, want in ((losses, whole[0][3:]), (norms, whole[1][3:])):
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
         assert worst <= 1e-5, (worst, got, want)
@@ -160,6 +183,20 @@ def test_moe_flavors_train_with_falling_loss(corpus, tmp_path, flavor, extra):
     experts = 8 if flavor == "debug-moe" else 16
     assert len(rows[0]["moe"]["tokens_per_expert"]) == experts
     assert "moe aux" in p.stdout and "imbalance" in p.stdout
+
+
+def test_drop_tokens_false_resets_a_flavors_capacity(tmp_path):
+    """A flavor that drops tokens (capacity 1.25) runs without dropping under model.moe.drop_tokens=false:
+    a null capacity_factor could not say it, since unset keys keep the spec's value."""
+    spec_file = tmp_path / "capped.py"
+    spec_file.write_text("from megazero.core.spec import load_spec\n"
+                         "FLAVORS = {'capped': load_spec('model_specs/llama.py:debug-moe').replace(moe_capacity_factor=1.25)}\n")
+    base = config({"ep": 1, "tp": 1, "pp": 1, "zero": 1, "model": "debug-moe"})
+    del base["parallel"]["dp"]
+    base["model"]["spec"] = f"{spec_file}:capped"
+    assert spec_of(load_run_config(base, [], world_size=2)).moe.capacity_factor == 1.25
+    unlimited = spec_of(load_run_config(base, ["model.moe.drop_tokens=false"], world_size=2)).moe
+    assert unlimited.capacity_factor is None and unlimited.capacity(64) is None
 
 
 def test_config_explain_flags_the_per_node_rule(capsys):
@@ -203,21 +240,23 @@ def test_zero3_shards_the_experts_over_their_group():
         assert owned == local // 2
 
 
-def test_the_planner_says_it_does_not_model_moe():
+def test_the_planner_plans_moe():
     import subprocess
     import sys
 
     from tests.test_trainer import ROOT
 
-    p = subprocess.run([sys.executable, "tools/plan.py", "llama:mixtral-8x7b", "--hardware", "h100-80gb", "--gpus",
-                        "64", "--global-batch", "64", "--tp", "8"], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
-        "error: llama.py:mixtral-8x7b: Mixture-of-Experts layers (moe_num_experts=8) are not modelled by the planner yet"]
+    p = subprocess.run([sys.executable, "tools/plan.py", "llama:mixtral-8x7b", "seq_len=4096", "--hardware",
+                        "h100-80gb", "--gpus", "64", "--global-batch", "64", "--tp", "8", "--ep", "8",
+                        "--recompute", "full"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode in (0, 1), p.stderr
+    assert "46.70B parameters (12.88B active per token)" in p.stdout and "all_to_all" in p.stdout
 
 
 def test_moe_checkpoint_consolidates_by_logical_shape_and_refuses_hf_export(saved_at_ep2, tmp_path):
     """The manifest and `consolidate` (what save_16bit_model writes) keep the experts' logical (E, f, h)
-    shape; the Hugging Face export, which maps dense models only, says so."""
+    shape; the Hugging Face export (Mixtral's routing only) names what a DeepSeek-style model has that
+    Mixtral has not."""
     from safetensors import safe_open
 
     from megazero.run.checkpoint import CheckpointError
@@ -229,10 +268,46 @@ def test_moe_checkpoint_consolidates_by_logical_shape_and_refuses_hf_export(save
     consolidate(f"{path}/{step}", str(out))
     with safe_open(str(out), "pt") as f:
         assert tuple(f.get_tensor("layers.0.mlp.experts.gate").shape) == (16, 32, 64)
+        assert tuple(f.get_tensor("layers.0.mlp.experts.down").shape) == (16, 64, 32)
         assert tuple(f.get_tensor("layers.0.mlp.shared.down").shape) == (1, 64, 64)
         assert tuple(f.get_tensor("layers.0.mlp.router").shape) == (16, 64)
-    with pytest.raises(CheckpointError, match="Mixture-of-Experts model .16 experts per layer.; the Hugging Face"):
+        for name, shape in (("experts.gate_bias", (16, 32)), ("experts.down_bias", (16, 64)),
+                            ("shared.up_bias", (1, 64))):  # trained from zero
+            bias = f.get_tensor(f"layers.0.mlp.{name}")
+            assert tuple(bias.shape) == shape and (bias != 0).float().mean() > 0.9, name
+    with pytest.raises(CheckpointError, match="moe_score='sigmoid' has no Hugging Face Mixtral equivalent"):
         export_hf(f"{path}/{step}", str(tmp_path / "hf"))
+
+
+def test_a_mixtral_style_checkpoint_exports_to_hugging_face(corpus, tmp_path):
+    """debug-moe trained 2 steps at ep 2 over 2 ranks: `export_hf` writes a MixtralForCausalLM directory
+    that transformers loads, holding the checkpoint's tensors, with megazero's logits."""
+    transformers = pytest.importorskip("transformers")
+    from megazero.models import CausalLM
+    from megazero.models.hf import hf_to_logical
+    from megazero.run.checkpoint_convert import consolidate, export_hf
+    from megazero.runtime.comm import single_rank_group
+    from megazero.tensor_parallel import load_full_params
+    from safetensors.torch import load_file
+    from tests.test_checkpoint import train
+
+    cfg = dict(_ckpt_config(corpus, 2), model={"spec": "model_specs/llama.py:debug-moe", "vocab": 257, "seq_len": 32})
+    run_ranks(train, 2, cfg, 2, str(tmp_path / "ckpt"), None, 2, timeout=300)
+    step = sorted(d for d in __import__("os").listdir(tmp_path / "ckpt") if d.startswith("step"))[-1]
+    ckpt = str(tmp_path / "ckpt" / step)
+    written = export_hf(ckpt, str(tmp_path / "hf"))
+    assert written["model_type"] == "mixtral" and written["num_local_experts"] == 8
+    consolidate(ckpt, str(tmp_path / "whole.safetensors"))
+    whole = load_file(str(tmp_path / "whole.safetensors"))
+    hf = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    spec = spec_from_hf_config(hf.config)
+    assert all(torch.equal(v, whole[k]) for k, v in hf_to_logical(hf.state_dict(), spec).items())
+    model = CausalLM(spec, single_rank_group("tp")).eval()
+    load_full_params(model, whole, strict=True)
+    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = (model(tokens)[..., :257].transpose(0, 1) - hf(tokens).logits).abs().max().item()
+    assert err <= 1e-4, err
 
 
 def test_sequence_parallel_is_refused_by_the_spec_too():

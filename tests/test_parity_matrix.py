@@ -39,6 +39,7 @@ IMPOSSIBLE = {
     (("ep", 2), ("model", "llama")): "parallel.ep=2: expert parallelism needs a Mixture-of-Experts model",
     (("ep", 2), ("sequence_parallel", True)): "parallel.ep=2: expert parallelism needs a Mixture-of-Experts model",
     (("sequence_parallel", True), ("model", "moe")): "parallel.sequence_parallel: not supported with model.moe",
+    (("tp", 1), ("expert_tp", "1")): "expert_tp=1 at tp=1: the default layout",
 }
 
 

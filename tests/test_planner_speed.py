@@ -178,7 +178,7 @@ def test_faster_hardware_is_faster_and_llama_runs():
 
 
 def test_gemm_efficiency_rises_with_the_reduction_dim():
-    mc = speed._Machine(A100, speed.DEFAULT_EFFICIENCY, BASE)
+    mc = speed.Machine(A100, speed.DEFAULT_EFFICIENCY, BASE)
     rates = [2 * 8192 * 8192 * k / mc.gemm(8192, 8192, k) for k in (64, 256, 1024, 8192)]
     assert rates == sorted(rates) and rates[-1] < mc.peak * speed.DEFAULT_EFFICIENCY.gemm_max
 

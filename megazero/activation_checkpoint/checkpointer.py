@@ -15,7 +15,9 @@ Use: ``ckpt = ActivationCheckpointer(options, tp_group)``; pass it to `build_pip
 layers ``ckpt.attention_core`` and the PipelineModule calls ``ckpt.attach(local_chunks)``); the engine
 calls ``ckpt.set_in_flight(peaks(program)[0])`` (`megazero.core.simulate.peaks`) so a contiguous buffer holds
 (segments per chunk) × (micro-batches in flight on this stage) checkpoints. ``ckpt.checkpoint(fn, *xs)``
-checkpoints any other function. Communication: with ``partition_activations``, one all-gather of each
+checkpoints any other function. Layers whose forward makes discrete choices (MoE routing) receive
+``ckpt.decisions`` at construction (`build_pipeline_model` passes it): a recompute replays the choices its
+forward made (`region.Decisions`). Communication: with ``partition_activations``, one all-gather of each
 kept input over `tp_group` per recompute; recomputing a block re-runs its forward TP collectives.
 
 ZeRO-3: a wrapped block is the gathering unit. The recompute of a one-block segment runs while that
@@ -30,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megazero.activation_checkpoint.region import CheckpointStats, Frame, RNGSnapshot, dropout_state_of, enter
+from megazero.activation_checkpoint.region import (CheckpointStats, Decisions, Frame, RNGSnapshot, dropout_state_of,
+                                                  enter)
 from megazero.activation_checkpoint.storage import CheckpointStore, ContiguousPool
 from megazero.runtime.comm import GroupHandle
 from megazero.core.config.schema import CHECKPOINT_POLICY_CHOICES
@@ -162,6 +165,7 @@ class ActivationCheckpointer:
         self.per_chunk: list[int] | None = None  # segments in each chunk, once attached
         self.observers: list = []  # memory meters counting recomputed tensors (megazero.run.memory)
         self.replaying = False
+        self.decisions = Decisions()  # routing decisions recorded in forward, replayed by recomputes
 
     @classmethod
     def from_config(cls, section, tp_group: GroupHandle) -> "ActivationCheckpointer | None":
@@ -239,7 +243,7 @@ class ActivationCheckpointer:
         rng = RNGSnapshot(trackers, device, mask_fns)
         stored = store.save(inputs)
         frame = Frame(replay, store, stored, rng, name, self.stats, self.options.synchronize_checkpoint_boundary,
-                      self.observers)
+                      self.observers, self.decisions)
         self.stats.checkpoints += 1
         self.stats.rng_state_bytes += rng.nbytes()
         return frame, enter(frame, inputs, stored.kept)

@@ -15,6 +15,11 @@ tensors with `save_for_backward`, so saved-tensor measurement (megazero.run.memo
 checkpoint keeps, and whose backward frees the kept input (and its contiguous-buffer slot) once the
 gradient has reached the region's input.
 
+Discrete choices (`Decisions`): a layer whose forward makes a data-dependent choice that shapes the
+computation or its communication (MoE routing: which experts, the all-to-all split sizes) records it
+with ``decisions.remember(key, make)`` while the frame runs forward, and its recompute gets the same
+value back instead of deciding again: recomputed numerics that are not bit-identical cannot change it.
+
 Random state (`RNGSnapshot`): the region's RNG-tracker streams (CPU and CUDA generators, the TP
 stream included), the global CPU generator and, for CUDA inputs, the device's global generator are
 captured at region entry; the recompute runs with them restored and puts the current states back
@@ -88,6 +93,49 @@ def dropout_state_of(modules):
     return list(trackers.values()), list(mask_fns.values())
 
 
+class Decisions:
+    """The discrete choices made inside recompute regions, kept per `Frame` (see the module docstring).
+    One per checkpointer; layers receive it at construction. Outside any region `remember` just
+    makes the value."""
+
+    def __init__(self):
+        self._frame: "Frame | None" = None
+        self._replaying = False
+        self._replayed: dict[str, int] = {}  # key -> values handed back in the running recompute
+
+    @property
+    def replaying(self) -> bool:
+        """Inside a recompute (values come from the frame's record)."""
+        return self._replaying
+
+    @contextlib.contextmanager
+    def active(self, frame: "Frame", replaying: bool):
+        """Within the block, `remember` records into `frame` (forward) or replays from it (recompute)."""
+        before = (self._frame, self._replaying, self._replayed)
+        self._frame, self._replaying, self._replayed = frame, replaying, {}
+        try:
+            yield
+        finally:
+            self._frame, self._replaying, self._replayed = before
+
+    def remember(self, key: str, make):
+        """``make()`` in a region's forward (recorded under `key`, in call order) or outside regions; in
+        its recompute (each, if there are several), the value the forward made for the same call."""
+        frame = self._frame
+        if frame is None:
+            return make()
+        if not self._replaying:
+            value = make()
+            frame.decisions.setdefault(key, []).append(value)
+            return value
+        made, i = frame.decisions.get(key, []), self._replayed.get(key, 0)
+        if i >= len(made):
+            raise RuntimeError(f"checkpoint {frame.name}: the recompute asked for decision {key!r} #{i}, which its "
+                               f"forward did not make (the region must run the same operations)")
+        self._replayed[key] = i + 1
+        return made[i]
+
+
 class Frame:
     """One run of a recompute region (see the module docstring).
 
@@ -101,19 +149,23 @@ class Frame:
         synchronize: synchronize the device at the start of the recompute.
         observers: objects with ``hold(tensor) -> holder`` (memory meters); each recomputed tensor's
             holders live until backward unpacks it.
+        log: the `Decisions` this frame's forward records into and its recompute replays from.
     """
 
     def __init__(self, replay, store, stored, rng: RNGSnapshot, name: str, stats, synchronize: bool = False,
-                 observers=()):
+                 observers=(), log: Decisions | None = None):
         self.replay, self.store, self.stored, self.rng, self.name = replay, store, stored, rng, name
         self.stats, self.synchronize, self.observers = stats, synchronize, observers
+        self.log = log if log is not None else Decisions()
+        self.decisions: dict[str, list] = {}  # key -> what the forward decided, in call order
         self.count = 0
         self.recomputed: dict[int, tuple] = {}  # handle -> (tensor, observers' holders)
 
     @contextlib.contextmanager
     def hooks(self):
-        """Within the block, tensors saved for backward become placeholders of this frame."""
-        with saved_tensors_hooks(self._pack, self._unpack):
+        """Within the block, tensors saved for backward become placeholders of this frame, and
+        decisions are recorded into it."""
+        with saved_tensors_hooks(self._pack, self._unpack), self.log.active(self, replaying=False):
             yield
 
     def _pack(self, tensor: torch.Tensor) -> int:
@@ -144,7 +196,8 @@ class Frame:
             kept.append(t if own else t.detach())
             return len(kept) - 1
 
-        with self.rng.replay(), torch.enable_grad(), saved_tensors_hooks(keep, _never_unpacked):
+        with (self.rng.replay(), torch.enable_grad(), saved_tensors_hooks(keep, _never_unpacked),
+              self.log.active(self, replaying=True)):
             self.replay(*inputs)
         if len(kept) != self.count:
             raise RuntimeError(f"checkpoint {self.name}: the recompute saved {len(kept)} tensors for backward, "

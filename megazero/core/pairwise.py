@@ -7,9 +7,11 @@ predicate (for megazero: the config validation a user gets); a pair is *allowed*
 case contains it.
 
 * `find_witnesses(factors, allowed, seed)`: for every pair, one allowed case containing it, or none.
-  The search tries the pair over the defaults, then every case one value away from that, then seeded
-  random completions; a pair it finds no case for is reported as impossible (the caller's tests
-  name those and say why).
+  The search tries the pair over the defaults, then every case one value away from that, then every
+  witness already found that holds one of the pair's values with the other set too (a pair that
+  needs several non-default values shares most of them with a found pair), then seeded random
+  completions, and at the end the found witnesses again for the pairs still without one; a pair it
+  finds no case for is reported as impossible (the caller's tests name those and say why).
 * `covering_set(factors, allowed, seed)`: allowed cases such that every pair with a witness is in at
   least one of them; greedy (AETG-like): each new case starts from an uncovered pair, fills the other
   factors with the value that covers most uncovered pairs and, when that case is not allowed, takes
@@ -75,7 +77,8 @@ def _neighbours(base: Case, fixed: set[str], factors: Mapping[str, tuple]) -> It
                     yield {**base, name: value}
 
 
-def _witness(pair: Pair, factors, allowed: _Cached, rng: random.Random, random_tries: int) -> Case | None:
+def _witness(pair: Pair, factors, allowed: _Cached, rng: random.Random, random_tries: int,
+             found: Iterable[Case] = ()) -> Case | None:
     (a, va), (b, vb) = pair
     base = {n: values[0] for n, values in factors.items()} | {a: va, b: vb}
     if allowed(base):
@@ -83,10 +86,24 @@ def _witness(pair: Pair, factors, allowed: _Cached, rng: random.Random, random_t
     for case in _neighbours(base, {a, b}, factors):
         if allowed(case):
             return case
+    case = _from_found(pair, allowed, found)
+    if case is not None:
+        return case
     for _ in range(random_tries):
         case = {n: rng.choice(values) for n, values in factors.items()} | {a: va, b: vb}
         if allowed(case):
             return case
+    return None
+
+
+def _from_found(pair: Pair, allowed: _Cached, found: Iterable[Case]) -> Case | None:
+    """A found witness holding one of the pair's values, with the other set too, if allowed."""
+    (a, va), (b, vb) = pair
+    for case in found:
+        if case[a] == va or case[b] == vb:
+            case = case | {a: va, b: vb}
+            if allowed(case):
+                return case
     return None
 
 
@@ -96,9 +113,15 @@ def find_witnesses(factors: Mapping[str, tuple], allowed: Callable[[Case], bool]
     check = allowed if isinstance(allowed, _Cached) else _Cached(allowed, factors)
     rng = random.Random(seed)
     out: dict[Pair, Case | None] = {}
+    found: dict[tuple, Case] = {}  # the distinct witnesses so far, in the order they were found
     for pair in all_pairs(factors):
         known = next((c for c in out.values() if c is not None and _contains(c, pair)), None)
-        out[pair] = known if known is not None else _witness(pair, factors, check, rng, random_tries)
+        out[pair] = known if known is not None else _witness(pair, factors, check, rng, random_tries,
+                                                             list(found.values()))
+        if out[pair] is not None:
+            found.setdefault(tuple(out[pair][n] for n in factors), out[pair])
+    for pair in [p for p, w in out.items() if w is None]:  # again, from every witness found
+        out[pair] = _from_found(pair, check, list(found.values()))
     return out
 
 

@@ -117,6 +117,11 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     elif isinstance(model, nn.Module) and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"parallel.tp={p.tp}, parallel.pp={p.pp}: a plain nn.Module runs with tp = pp = 1 "
                           f"only; build it from megazero layers (a model spec or a PipelineModule)")
+    elif isinstance(model, nn.Module) and p.ep > 1:
+        raise ConfigError(f"parallel.ep={p.ep} (DeepSpeed: expert_parallel.autoep_size): a plain nn.Module keeps its "
+                          f"own MoE blocks, which megazero cannot split over ranks; build the model from a megazero "
+                          f"MoE spec (e.g. model_specs/llama.py:mixtral-8x7b; a Hugging Face Mixtral's weights load "
+                          f"with megazero.models.hf.load_hf_state_dict) or set parallel.ep=1")
     elif model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a spec string, a PipelineModule or an nn.Module, got {type(model).__name__}")
     policy = cfg.activation_checkpointing.policy

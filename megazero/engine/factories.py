@@ -63,6 +63,13 @@ def _check_experts(moe, cfg: Config) -> None:
         moe.check(ep)
     except MoESpecError as err:
         raise ConfigError(str(err)) from None
+    drop = cfg.model.moe.drop_tokens
+    if drop is False and cfg.model.moe.capacity_factor is not None:
+        raise ConfigError(f"model.moe.drop_tokens=false with model.moe.capacity_factor={cfg.model.moe.capacity_factor}: "
+                          f"no dropping has no capacity; set one of them")
+    if drop is True and moe.capacity_factor is None:
+        raise ConfigError("model.moe.drop_tokens=true: the spec has no capacity to drop past; set "
+                          "model.moe.capacity_factor (e.g. 1.25)")
     if cfg.parallel.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel: not supported with model.moe yet (routing and capacity are "
                           "per whole sequence); set parallel.sequence_parallel=false")
@@ -82,7 +89,8 @@ def build_model(cfg: Config, pctx: ParallelContext, device=None, wrap_block=None
                                 dtype=compute_dtype(cfg), partition=cfg.pipeline.partition,
                                 chunks=cfg.pipeline.chunks, device=device, wrap_block=wrap_block,
                                 activation_checkpointer=checkpointer,
-                                wgrad_store=WeightGradStore() if splits_backward(programs) else None)
+                                wgrad_store=WeightGradStore() if splits_backward(programs) else None,
+                                expert_tp=cfg.parallel.expert_tp)
 
 
 def loss_scaler(cfg: Config) -> LossScaler:

@@ -65,12 +65,14 @@ class MLP(nn.Module):
 
 def moe_mlp(lctx: LayerContext, index: int) -> nn.Module:
     """The MoE MLP of block `index` (``layers.i.mlp.router``, ``.experts.*``, ``.shared.*``): experts split
-    over `lctx.ep_group`, replicated over TP (every TP rank routes the same tokens the same way), then
-    the hidden dropout the dense MLP applies (site ``layers.i.mlp.dropout``)."""
+    over `lctx.ep_group` and, with expert tensor parallelism, their ffn over `lctx.expert_tp_group` (else
+    replicated over TP: every TP rank routes the same tokens the same way), with the MLP biases when the
+    spec has them, then the hidden dropout the dense MLP applies (site ``layers.i.mlp.dropout``)."""
     spec = lctx.spec
     return nn.Sequential(MoELayer(spec.moe, spec.hidden, lctx.ep_group or single_rank_group("ep"),
                                   f"layers.{index}.mlp", lctx.seed, spec.init_std, lctx.output_std, lctx.device,
-                                  lctx.dtype),
+                                  lctx.dtype, expert_tp_group=lctx.expert_tp_group, bias=spec.bias,
+                                  decisions=lctx.decisions),
                          lctx.hidden_dropout(f"layers.{index}.mlp.dropout", spec.dropout))
 
 

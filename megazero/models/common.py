@@ -35,6 +35,8 @@ class LayerContext:
     attention_core: Callable[[str], Callable | None] | None = None  # name -> selective-checkpoint wrapper
     rope_tables: RopeTables | None = None  # position='rope': the model's cos/sin tables, shared by its layers
     ep_group: GroupHandle | None = None  # MoE: the expert-parallel group (None: every expert here)
+    expert_tp_group: GroupHandle | None = None  # MoE: the TP group experts' ffn is split over (None: whole experts)
+    decisions: object | None = None  # MoE: the checkpointer's `Decisions` (a recompute replays the routing)
 
     @property
     def tp_size(self) -> int:

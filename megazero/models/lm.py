@@ -56,24 +56,28 @@ def layer_builders(spec: ModelSpec, tp_group: GroupHandle, *, seed: int = 0, seq
                    tracker: RNGStatesTracker | None = None, dtype: torch.dtype = torch.float32,
                    pp_rank: int = 0, wgrad_store: WeightGradStore | None = None,
                    attention_core: Callable[[str], Callable | None] | None = None,
-                   ep_group: GroupHandle | None = None) -> list[LayerBuilder]:
+                   ep_group: GroupHandle | None = None, expert_tp: int | None = None,
+                   decisions=None) -> list[LayerBuilder]:
     """The model's layers as lazy factories (see the module docstring). Validates the layout first.
 
     `tracker` holds the dropout streams; by default one seeded with (seed, tp rank, `pp_rank`) shared
     by the returned layers. `wgrad_store` goes to every linear layer (zero bubble);
     `attention_core(name)` gives each attention its selective-checkpoint wrapper (see
     `ActivationCheckpointer.attention_core`). MoE models (``spec.moe``): `ep_group` splits the experts
-    (None: all of them on every rank); each MoE layer's aux-loss scale is set by the engine that runs
-    it (`megazero.moe.layer.set_aux_loss_scale`).
+    (None: all of them on every rank); `expert_tp` (1 or the TP size; None: the TP size) splits each
+    expert's ffn over the TP group (expert tensor parallelism) or not (1: whole experts on every TP
+    rank); `decisions` (an `ActivationCheckpointer`'s) lets a recompute replay the routing; each MoE
+    layer's aux-loss scale is set by the engine that runs it (`megazero.moe.layer.set_aux_loss_scale`).
     """
     spec.validate_layout(tp_group.size, sequence_parallel)
+    expert_tp_group = _expert_tp_group(tp_group, expert_tp)
     tracker = tracker or RNGStatesTracker(seed, tp_group.rank, pp_rank)
     rope = RopeTables(spec.head_dim, spec.rope_theta) if spec.position == "rope" else None  # shared by the layers
 
     def make_lctx(device) -> LayerContext:
         device = torch.device(device) if device is not None else torch.device("cpu")
         return LayerContext(spec, tp_group, seed, sequence_parallel and tp_group.size > 1, tracker, device, dtype,
-                            wgrad_store, attention_core, rope, ep_group)
+                            wgrad_store, attention_core, rope, ep_group, expert_tp_group, decisions)
 
     def block(i):
         return LayerBuilder(f"layers.{i}", "block", i, lambda device: TransformerBlock(make_lctx(device), i))
@@ -81,6 +85,18 @@ def layer_builders(spec: ModelSpec, tp_group: GroupHandle, *, seed: int = 0, seq
     return ([LayerBuilder("embedding", "embedding", None, lambda device: EmbeddingLayer(make_lctx(device)))]
             + [block(i) for i in range(spec.layers)]
             + [LayerBuilder("head", "head", None, lambda device: HeadLayer(make_lctx(device)))])
+
+
+def _expert_tp_group(tp_group: GroupHandle, expert_tp: int | None) -> GroupHandle | None:
+    """The group MoE experts are split over: `tp_group` when `expert_tp` is its size (or None), None
+    (whole experts) when 1; another value is an error naming ``parallel.expert_tp``."""
+    t = tp_group.size
+    if expert_tp is None or expert_tp == t:
+        return tp_group if t > 1 else None
+    if expert_tp == 1:
+        return None
+    raise ValueError(f"parallel.expert_tp={expert_tp!r}: must be 1 (experts whole on every TP rank) or the "
+                     f"tensor-parallel size {t} (each expert's ffn split over the TP group)")
 
 
 def causal_lm_loss(logits_shard: torch.Tensor, labels: torch.Tensor, tp_group: GroupHandle, vocab_size: int,

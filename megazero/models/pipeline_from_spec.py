@@ -26,7 +26,8 @@ LAYER_TYPES = {"embedding": "EmbeddingLayer", "block": "TransformerBlock", "head
 def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_parallel: bool = False,
                          dtype: torch.dtype = torch.float32, partition="uniform", chunks: int = 1,
                          label_smoothing: float = 0.0, device=None, wrap_block=None,
-                         activation_checkpointer=None, wgrad_store=None, layer_infos=None) -> PipelineModule:
+                         activation_checkpointer=None, wgrad_store=None, layer_infos=None,
+                         expert_tp: int | None = None) -> PipelineModule:
     """This rank's PipelineModule for `spec` on the groups of ParallelContext `pctx` (tp_group for
     the layers, the pipeline coordinates for the partition). `wrap_block(module) -> module` may wrap
     each transformer block. `activation_checkpointer` (a
@@ -37,7 +38,9 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
     or the number of transformer blocks of each virtual stage (as ``pipeline.partition`` in a config;
     the embedding joins the first stage, the head the last). `layer_infos`: `pipeline_layer_infos(spec)`
     computed once, for callers that build many ranks of one model (megazero.run.model_facts); by
-    default each call computes it (one meta-device build of every layer)."""
+    default each call computes it (one meta-device build of every layer). `expert_tp`: MoE experts
+    split over the TP group (the TP size, the default) or whole on every TP rank (1); the experts are
+    split over ``pctx.ep_group`` (when pctx has one)."""
     attention_core = None
     if activation_checkpointer is not None:
         if wrap_block is not None:
@@ -47,7 +50,9 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
     tracker = RNGStatesTracker(seed, pctx.tp_rank, pctx.pp_rank)
     builders = layer_builders(spec, pctx.tp_group, seed=seed, sequence_parallel=sequence_parallel,
                               tracker=tracker, dtype=dtype, pp_rank=pctx.pp_rank, wgrad_store=wgrad_store,
-                              attention_core=attention_core, ep_group=getattr(pctx, "ep_group", None))
+                              attention_core=attention_core, ep_group=getattr(pctx, "ep_group", None),
+                              expert_tp=expert_tp,
+                              decisions=getattr(activation_checkpointer, "decisions", None))
     layers = [LayerSpec(_wrap, b, device, wrap_block if b.kind == "block" else None) for b in builders]
     if isinstance(partition, (list, tuple)):
         partition = block_counts_to_layer_counts(partition, [b.kind for b in builders])

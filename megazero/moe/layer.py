@@ -3,22 +3,35 @@ bring the outputs back and combine them weighted; shared experts run on every to
 
 One forward on x (s, b, h), E experts over an ep group of P ranks, k experts per token:
 
-1. router logits (b·s, E) = tokens · routerᵀ in fp32; `megazero.moe.routing.route` picks the top k,
-   their weights, the assignments within capacity, the aux and z losses;
+1. router logits (b·s, E) = tokens · routerᵀ in fp32; `megazero.moe.routing.decide` picks the top k
+   and the assignments within capacity, and the rows per expert are exchanged (`dispatch.exchange_counts`):
+   the `DispatchPlan`; `megazero.moe.routing.route` computes the weights and the aux and z losses;
 2. the kept assignments, sorted by expert, are gathered into rows (N, h) and sent to the rank of
-   their expert (`dispatch.exchange_counts`, then `dispatch.AllToAll` over `ep_group`);
-3. the received rows, regrouped by local expert, go through `experts.GroupedExperts`;
+   their expert (`dispatch.AllToAll` over `ep_group`);
+3. the received rows, regrouped by local expert, go through `experts.GroupedExperts` (with expert tensor
+   parallelism, over the expert TP group: f on the rows, g on the outputs, so that the outputs are
+   whole before they are weighted: the router, replicated over TP, gets the same gradient on every TP
+   rank);
 4. the outputs go back (the reverse all-to-all), are scaled by their weights and summed per token;
    the shared experts' output is added; the result is (s, b, h).
+
+Under activation recompute the replayed forward reuses the forward's `DispatchPlan` (see `MoELayer`):
+numerics that are not bit-identical (another GPU kernel in the recompute) could otherwise route a
+near-tied token elsewhere, change the all-to-all split sizes between ranks and hang or corrupt them.
+The weights are still recomputed, differentiably, from the replayed logits at the saved experts.
 
 The aux and z losses join the training loss through their gradient (`AttachLosses`): the layer's
 output carries them, and backward adds ``coef · aux_scale()`` times their gradient, so a pipeline
 stage needs no extra loss tensor (`aux_scale` gives the loss's scale: 1 / micro-batches, times the
 loss scale). Communication per forward, rank r sending n_j rows to rank j: Σ_{j≠r} n_j · h elements
-out and the same back, and E − E/P integers of counts; backward moves the rows' gradients the same way.
+out and the same back, and E − E/P integers of counts (not in a recompute); backward moves the rows'
+gradients the same way. With expert tensor parallelism over t ranks, each also all-reduces its
+received rows' outputs (M, h) forward and their gradients backward over the expert TP group, and the
+shared experts' (b·s, h) likewise.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -28,7 +41,7 @@ from torch import nn
 from megazero.core.moe_spec import MoESpec
 from megazero.moe.dispatch import AllToAll, exchange_counts
 from megazero.moe.experts import GroupedExperts
-from megazero.moe.routing import Routing, route
+from megazero.moe.routing import Decision, Routing, decide, route
 from megazero.runtime.comm import GroupHandle
 from megazero.tensor_parallel.init import make_param
 
@@ -107,18 +120,39 @@ class RoutingStats:
         return out
 
 
+@dataclass
+class DispatchPlan:
+    """A micro-batch's routing decision and where its rows go: `decision` (experts, kept assignments);
+    `token`, `slot` (N,): the kept assignments sorted by expert (stable, token-major within one);
+    `counts` (E,): rows per expert; `received` (P, E/P): the rows each ep source sends for each local
+    expert (None with one ep rank). Made once per forward; an activation recompute replays it."""
+
+    decision: Decision
+    token: torch.Tensor
+    slot: torch.Tensor
+    counts: torch.Tensor
+    received: torch.Tensor | None
+
+
 class MoELayer(nn.Module):
     """An MoE MLP named `name` (parameters ``{name}.router`` (E, h), ``{name}.experts.*`` split over
     `ep_group`, ``{name}.shared.*``). `aux_scale`: the `AuxLossScale` the losses' gradients take (its
     own, 1.0, when not given; an engine sets every MoE layer's per step: `set_aux_loss_scale`).
+    `expert_tp_group`: the TP group the experts' (routed and shared) ffn dim is split over (expert
+    tensor parallelism; None: whole experts on every TP rank). `bias`: experts with the MLP biases.
+    `decisions`: an activation checkpointer's record of discrete choices
+    (`megazero.activation_checkpoint.region.Decisions`): under recompute the replayed forward reuses
+    the original forward's `DispatchPlan` instead of routing again, so the all-to-all splits cannot
+    change between the two (None: always route).
     After each forward, `last_routing` holds that forward's `Routing` (statistics for the metrics)."""
 
     def __init__(self, spec: MoESpec, hidden: int, ep_group: GroupHandle, name: str, seed: int,
                  init_std: float = 0.02, out_std: float | None = None, device=None, dtype=torch.float32,
-                 aux_scale: Callable[[], float] | None = None):
+                 aux_scale: Callable[[], float] | None = None, expert_tp_group: GroupHandle | None = None,
+                 bias: bool = False, decisions=None):
         super().__init__()
         spec.check(ep_group.size)
-        self.spec, self.ep_group = spec, ep_group
+        self.spec, self.ep_group, self.decisions = spec, ep_group, decisions
         self.aux_scale = aux_scale if aux_scale is not None else AuxLossScale()  # the engine sets it per step
         self.name = name  # layers.<i>.mlp
         E, P = spec.num_experts, ep_group.size
@@ -126,28 +160,30 @@ class MoELayer(nn.Module):
         self.router = make_param((E, hidden), logical_name=f"{name}.router", full_shape=(E, hidden), tp_dim=None,
                                  tp_rank=0, tp_size=1, init="normal", seed=seed, std=init_std, device=device,
                                  dtype=dtype)
+        common = dict(device=device, dtype=dtype, tp_group=expert_tp_group, bias=bias)
         self.experts = GroupedExperts(hidden, spec.ffn, spec.activation, E, E // P, ep_group.rank,
-                                      f"{name}.experts", seed, init_std, out_std, device, dtype)
+                                      f"{name}.experts", seed, init_std, out_std, **common)
         self.shared = None
         if spec.shared_experts:
             width = (spec.shared_ffn or spec.ffn) * spec.shared_experts  # DeepSeek: the shared experts as one MLP
             self.shared = GroupedExperts(hidden, width, spec.activation, 1, 1, 0, f"{name}.shared", seed, init_std,
-                                         out_std, device, dtype, routed=False)
+                                         out_std, routed=False, **common)
         self.last_routing: Routing | None = None
         self.stats = RoutingStats(spec.num_experts)  # the trained micro-batches' routing, until popped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.transpose(0, 1).reshape(b * s, h)  # (b·s, h): sequence j in rows j·s .. j·s+s−1
-        logits = F.linear(tokens.float(), self.router.float())  # (b·s, E), fp32
-        r = route(logits, s, self.spec)
-        self.last_routing = r
-        token, slot = r.keep.nonzero(as_tuple=True)  # kept assignments, token-major
-        experts = r.indices[token, slot]
-        order = torch.argsort(experts, stable=True)
-        token, slot, experts = token[order], slot[order], experts[order]
-        counts = torch.bincount(experts, minlength=self.spec.num_experts)  # (E,)
-        y = self._run_experts(tokens[token], counts)  # (N, h), in the same order
+        logits = self.router_logits(tokens)  # (b·s, E), fp32
+        if self.decisions is None:
+            plan = self._plan(logits, s)
+        else:  # recorded in a checkpointed forward, replayed in its recompute
+            plan = self.decisions.remember(self.name, lambda: self._plan(logits, s))
+        r = route(logits, s, self.spec, plan.decision)
+        if not getattr(self.decisions, "replaying", False):
+            self.last_routing = r
+        token, slot = plan.token, plan.slot
+        y = self._run_experts(tokens[token], plan)  # (N, h), in the same order
         weighted = y * r.weights[token, slot].unsqueeze(-1).to(y.dtype)
         out = torch.zeros_like(tokens).index_add(0, token, weighted)  # (b·s, h)
         if self.shared is not None:
@@ -156,13 +192,29 @@ class MoELayer(nn.Module):
         return AttachLosses.apply(out, r.aux_loss, r.z_loss, (self.spec.aux_loss_coef, self.spec.z_loss_coef),
                                   self.aux_scale, lambda: self.stats.add(r))
 
-    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """`rows` (N, h) sorted by expert, `counts` (E,): send each to its expert's ep rank, run the local
-        experts, return their outputs in `rows`' order."""
-        group = self.ep_group
+    def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(b·s, E) fp32 router logits of `tokens` (b·s, h)."""
+        return F.linear(tokens.float(), self.router.float())
+
+    @torch.no_grad()
+    def _plan(self, logits: torch.Tensor, seq_len: int) -> DispatchPlan:
+        """Decide the routing and exchange the rows per expert over the ep group (one all-to-all of
+        E/P integers per peer when it has more than one rank)."""
+        decision = decide(logits, seq_len, self.spec)
+        token, slot = decision.keep.nonzero(as_tuple=True)  # kept assignments, token-major
+        experts = decision.indices[token, slot]
+        order = torch.argsort(experts, stable=True)
+        token, slot, experts = token[order], slot[order], experts[order]
+        counts = torch.bincount(experts, minlength=self.spec.num_experts)  # (E,)
+        received = exchange_counts(counts, self.ep_group) if self.ep_group.size > 1 else None  # (P, E/P)
+        return DispatchPlan(decision, token, slot, counts, received)
+
+    def _run_experts(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """`rows` (N, h) sorted by expert: send each to its expert's ep rank, run the local experts (over
+        the expert TP group: `GroupedExperts.forward`), return their whole outputs in `rows`' order."""
+        group, counts, received = self.ep_group, plan.counts, plan.received
         if group.size == 1:
             return self.experts(rows, counts.tolist())
-        received = exchange_counts(counts, group)  # (P, E/P): rows from each source for each local expert
         sends = counts.view(group.size, -1).sum(1).tolist()
         recvs = received.sum(1).tolist()
         arrived = AllToAll.apply(rows, recvs, sends, group)  # (M, h), by (source rank, local expert)
@@ -175,4 +227,4 @@ class MoELayer(nn.Module):
         return AllToAll.apply(out[inverse], sends, recvs, group)  # back in arrival order, then home
 
 
-__all__ = ["AttachLosses", "AuxLossScale", "MoELayer", "set_aux_loss_scale"]
+__all__ = ["AttachLosses", "AuxLossScale", "DispatchPlan", "MoELayer", "set_aux_loss_scale"]

@@ -4,6 +4,12 @@ weights, which assignments fit each expert's capacity, and the load-balancing an
 Tokens come as rows ``(b·s, h)`` with sequence j in rows ``j·s .. j·s+s−1``; capacity and both
 losses are per sequence (see `megazero.core.moe_spec`), so a sequence routes the same way in any
 layout.
+
+Two parts: `decide` makes the discrete choice (which experts, which assignments are kept) without
+autograd; `route` computes what is differentiable from the logits (the weights, gathered at the chosen
+experts, and the losses) for a decision, its own or one given (an activation recompute replays the
+forward's decision: `megazero.moe.layer.MoELayer`). Either way `route` runs the same autograd
+operations, so a recompute saves the same tensors for backward as the forward did.
 """
 from __future__ import annotations
 
@@ -12,6 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from megazero.core.moe_spec import MoESpec
+
+
+@dataclass
+class Decision:
+    """`indices`: (b·s, k) chosen experts, best first; `keep`: (b·s, k) bool, the assignments within
+    capacity. No autograd history."""
+
+    indices: torch.Tensor
+    keep: torch.Tensor
 
 
 @dataclass
@@ -30,33 +45,55 @@ class Routing:
     dropped: int
 
 
-def route(logits: torch.Tensor, seq_len: int, spec: MoESpec) -> Routing:
-    """Route tokens whose router logits are `logits` (b·s, E), fp32."""
-    E, k = spec.num_experts, spec.top_k
-    rows = logits.shape[0]
+def _scores(logits: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    return torch.softmax(logits, dim=-1) if spec.score == "softmax" else torch.sigmoid(logits)  # (b·s, E)
+
+
+def _choices(indices: torch.Tensor, seq_len: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(by_choice (b, k·s): each sequence's choices, first choices first; chose (b, k·s, E) one-hot)."""
+    rows, k = indices.shape
     b = rows // seq_len
-    probs = torch.softmax(logits, dim=-1) if spec.score == "softmax" else torch.sigmoid(logits)  # (b·s, E)
-    top, indices = probs.topk(k, dim=-1)  # (b·s, k)
-    # renormalised over the k (with k = 1 the score itself, as Switch: else the weight is always 1 and the
-    # language-model loss would give the router no gradient)
-    weights = top / top.sum(-1, keepdim=True) if spec.normalize_topk and k > 1 else top
-    # per-sequence load balancing: f_e (share of the k·s assignments, before dropping) · P_e (mean probability)
-    chose = torch.zeros(b, seq_len * k, E, dtype=torch.float32, device=logits.device)
-    by_choice = indices.view(b, seq_len, k).transpose(1, 2).reshape(b, k * seq_len)  # (b, k·s): first choices first
+    by_choice = indices.view(b, seq_len, k).transpose(1, 2).reshape(b, k * seq_len)  # (b, k·s)
+    chose = torch.zeros(b, seq_len * k, num_experts, dtype=torch.float32, device=indices.device)
     chose.scatter_(2, by_choice.unsqueeze(-1), 1.0)
-    f = chose.sum(1) / (seq_len * k)  # (b, E)
+    return by_choice, chose
+
+
+@torch.no_grad()
+def decide(logits: torch.Tensor, seq_len: int, spec: MoESpec) -> Decision:
+    """The top-k experts of each token whose router logits are `logits` (b·s, E), fp32, and which of
+    its assignments fit their expert's capacity (first choices, then by position, per sequence)."""
+    indices = _scores(logits, spec).topk(spec.top_k, dim=-1).indices  # (b·s, k)
+    capacity = spec.capacity(seq_len)
+    if capacity is None:
+        return Decision(indices, torch.ones_like(indices, dtype=torch.bool))
+    b, k = logits.shape[0] // seq_len, spec.top_k
+    by_choice, chose = _choices(indices, seq_len, spec.num_experts)
+    queue = chose.cumsum(1).gather(2, by_choice.unsqueeze(-1)).squeeze(-1) - 1  # (b, k·s): place in its queue
+    keep = (queue < capacity).view(b, k, seq_len).transpose(1, 2).reshape(b * seq_len, k)
+    return Decision(indices, keep)
+
+
+def route(logits: torch.Tensor, seq_len: int, spec: MoESpec, decision: Decision | None = None) -> Routing:
+    """Route tokens whose router logits are `logits` (b·s, E), fp32, as `decision` says (default:
+    `decide` on these logits): the weights are the scores at the chosen experts (renormalised over
+    the k when ``normalize_topk`` and k > 1; with k = 1 the score itself, as Switch: else the weight is
+    always 1 and the language-model loss would give the router no gradient)."""
+    E = spec.num_experts
+    b = logits.shape[0] // seq_len
+    d = decision if decision is not None else decide(logits, seq_len, spec)
+    probs = _scores(logits, spec)  # (b·s, E)
+    top = probs.gather(-1, d.indices)  # (b·s, k)
+    weights = top / top.sum(-1, keepdim=True) if spec.normalize_topk and spec.top_k > 1 else top
+    # per-sequence load balancing: f_e (share of the k·s assignments, before dropping) · P_e (mean probability)
+    _, chose = _choices(d.indices, seq_len, E)
+    f = chose.sum(1) / (seq_len * spec.top_k)  # (b, E)
     p = probs if spec.score == "softmax" else probs / probs.sum(-1, keepdim=True)
     P = p.view(b, seq_len, E).mean(1)  # (b, E)
     aux = (E * (f * P).sum(-1)).mean()
     z = torch.logsumexp(logits, dim=-1).square().mean()
-    capacity = spec.capacity(seq_len)
-    if capacity is None:
-        keep = torch.ones_like(indices, dtype=torch.bool)
-    else:  # position of each assignment in its expert's queue: first choices, then by position
-        queue = chose.cumsum(1).gather(2, by_choice.unsqueeze(-1)).squeeze(-1) - 1  # (b, k·s)
-        keep = (queue < capacity).view(b, k, seq_len).transpose(1, 2).reshape(rows, k)
-    tokens = torch.bincount(indices[keep], minlength=E)
-    return Routing(indices, weights, keep, aux, z, tokens, int((~keep).sum()))
+    tokens = torch.bincount(d.indices[d.keep], minlength=E)
+    return Routing(d.indices, weights, d.keep, aux, z, tokens, int((~d.keep).sum()))
 
 
-__all__ = ["Routing", "route"]
+__all__ = ["Decision", "Routing", "decide", "route"]

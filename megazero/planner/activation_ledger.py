@@ -36,6 +36,9 @@ Per transformer block, no recompute (megazero/models/block.py, attention.py):
   bool masks 2·sb and the mean's 0-d int64 divisor (8 B). The block input is the previous layer's
   output (or the received activation): w·sbh/r.
 
+* a Mixture-of-Experts MLP: moe_ledger.py (the router's fp32 tensors, the rows gathered, dispatched and
+  combined, the experts' intermediates, from moe_plan.py's rows under balanced routing).
+
 Recompute: ``full`` keeps each block's input (w·sbh/r) and rebuilds everything else the block keeps
 (including the RoPE tables); ``selective`` keeps q, k, v for the attention core and rebuilds the core's
 tensors (`ActivationCheckpointer.attention_core`). The rebuilt inputs are what
@@ -48,6 +51,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazero.core.instructions import Backward, BackwardInput, BackwardWeight, Forward
+from megazero.planner.moe_ledger import intermediates, moe_saves
+from megazero.planner.moe_plan import MoEShape, moe_shape
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,7 @@ class _Dims:
     attention_dropout: bool
     vocab_t: int
     embedding_norm: bool
+    moe: MoEShape | None = None
 
     @property
     def rows(self) -> int:
@@ -151,7 +157,7 @@ def dims(spec, layout, device: str) -> _Dims:
                  layernorm=spec.norm == "layernorm", activation=spec.activation, rope=spec.position == "rope",
                  alibi=spec.position == "alibi", hidden_dropout=spec.dropout > 0,
                  attention_dropout=spec.attention_dropout > 0, vocab_t=spec.padded_vocab(t) // t,
-                 embedding_norm=spec.embedding_norm)
+                 embedding_norm=spec.embedding_norm, moe=moe_shape(spec, layout))
 
 
 def _norm(L: _Ledger, c: _Dims, p: str, x: str) -> None:
@@ -261,11 +267,13 @@ def block(L: _Ledger, c: _Dims, p: str, x: str, policy: str) -> str:
     if c.hidden_dropout:
         L.save(p + ".drop1", c.rows * c.h)
     _norm(L, c, p + ".n2", p + ".mid")  # the residual x + attn(x)
-    L.save(p + ".xn2", c.stream)
-    inner = c.s * c.b * c.f_t * c.w
-    count = {"swiglu": 4, "relu": 1}.get(c.activation, 2)
-    for i in range(count):
-        L.save(f"{p}.mlp{i}", inner)
+    if c.moe is not None:
+        moe_saves(L, c, p)
+    else:
+        L.save(p + ".xn2", c.stream)
+        inner = c.s * c.b * c.f_t * c.w
+        for i in range(intermediates(c.activation)):
+            L.save(f"{p}.mlp{i}", inner)
     if c.hidden_dropout:
         L.save(p + ".drop2", c.rows * c.h)
     return out
@@ -294,21 +302,28 @@ def _head(L: _Ledger, c: _Dims, x: str) -> int:
     return tokens * c.vocab_t * (c.w + 4)
 
 
-def _wgrad(c: _Dims, kind: str, vector_params: int, all_params: int) -> int:
+def _wgrad(c: _Dims, kind: str, other_params: int, all_params: int) -> int:
     """Bytes zero bubble's B leaves for W (tensor_parallel/weight_grad.py, pipeline/executor.py): each
     deferred GEMM's (input, output gradient), the region input once (under SP the re-gathered (s, b, h)),
-    and the gradients of the other parameters B computed (the head's GEMM is not deferred)."""
+    and the gradients of the other parameters B computed (`other_params`: vectors, and an MoE MLP's,
+    whose GEMMs are not deferred; the head's GEMM is not deferred)."""
     if kind != "block":
         return all_params * c.w
     full, inner = c.s * c.b * c.h * c.w, c.s * c.b * c.f_t * c.w
     attn = full + (c.q_bytes + 2 * c.kv_bytes) + (c.q_bytes + full)  # q/k/v: x once, three grads; out
-    mlp = full + 2 * inner + (inner + full) if c.activation == "swiglu" else full + inner + (inner + full)
-    return attn + mlp + vector_params * c.w
+    if c.moe is not None:
+        mlp = 0
+    elif c.activation == "swiglu":
+        mlp = full + 2 * inner + (inner + full)
+    else:
+        mlp = full + inner + (inner + full)
+    return attn + mlp + other_params * c.w
 
 
 def activation_chunks(spec, layout, chunks, device: str, param_counts: dict) -> list[Chunk]:
     """One `Chunk` per model chunk of a stage (`chunks`: [[(kind, unit)]], see memory_plan.pipeline_layers;
-    `param_counts`: {kind: (elements of its vector parameters, of all its parameters)} on one TP rank)."""
+    `param_counts`: {kind: (elements of its parameters whose weight GEMMs zero bubble does not defer:
+    vectors and an MoE MLP's, of all its parameters)} on one rank)."""
     c = dims(spec, layout, device)
     policy = layout.recompute
     out = []

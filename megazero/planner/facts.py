@@ -16,7 +16,9 @@ class StageFacts:
     layers: transformer blocks on this pipeline rank; params: parameters this TP rank holds here
     (its shards of TP-split weights and full copies of replicated ones); tied_params: of those, the
     word embedding / LM head copies tied across the first and last stage (pp > 1: their own flat
-    group); embedding / head: whether the word embedding / the LM head live here."""
+    group); embedding / head: whether the word embedding / the LM head live here; expert_params: of
+    `params`, the routed experts of Mixture-of-Experts layers as the meta build holds them (every
+    expert: ep = 1), each expert's ffn split over `expert_tp` TP ranks."""
 
     stage: int
     layers: int
@@ -24,6 +26,8 @@ class StageFacts:
     tied_params: int = 0
     embedding: bool = False
     head: bool = False
+    expert_params: int = 0
+    expert_tp: int = 1
 
 
 @dataclass(frozen=True)

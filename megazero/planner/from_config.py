@@ -22,6 +22,12 @@ def spec_of(cfg):
     return load_spec(cfg.model.spec, overrides)
 
 
+def expert_tp_of(cfg) -> int | None:
+    """``parallel.expert_tp`` (None: tp), or 1 from a schema without the key, whose runtime replicates
+    every expert over the TP group."""
+    return getattr(cfg.parallel, "expert_tp", 1)
+
+
 def layout_of(cfg) -> tuple[Layout | None, str]:
     """(the Layout of resolved config `cfg`, "") or (None, why the planner cannot model it)."""
     pl, ac, z, t = cfg.pipeline, cfg.activation_checkpointing, cfg.zero, cfg.train
@@ -31,7 +37,8 @@ def layout_of(cfg) -> tuple[Layout | None, str]:
         return None, f"pipeline.partition={pl.partition!r}: the planner models the uniform partition"
     if ac.partition_activations or ac.cpu_checkpointing or ac.contiguous_memory_optimization or ac.every_k_layers != 1:
         return None, "activation_checkpointing: the planner models policy none/selective/full on every layer only"
-    layout = Layout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp, micro_batch=t.micro_batch_size,
+    layout = Layout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp, ep=cfg.parallel.ep,
+                    expert_tp=expert_tp_of(cfg), micro_batch=t.micro_batch_size,
                     global_batch=t.global_batch_size, zero=z.stage, recompute=ac.policy, schedule=pl.schedule,
                     chunks=pl.chunks, sequence_parallel=cfg.parallel.sequence_parallel,
                     offload_optimizer=z.offload_optimizer.device == "cpu", offload_param=z.offload_param.device == "cpu",

@@ -1,7 +1,7 @@
 """`Layout`: one way to run a model on a cluster, and its checks against the model and the batch.
 
 Pure data; `check(spec)` raises `PlanError` with one clear line per problem (a layout that does not
-divide the model or the batch), before anything is built.
+divide the model or the batch, or that the runtime refuses), before anything is built.
 """
 from __future__ import annotations
 
@@ -29,6 +29,14 @@ class Layout:
     dropout on sequence shards of the TP group (Korthikanti et al.); offload_optimizer: fp32 master
     and Adam moments in host memory; offload_param: stage-3 parameter shards in host memory. Bucket
     sizes in elements, as the ``zero.*`` config keys.
+
+    Mixture of Experts (a spec with ``moe_num_experts``): `ep` expert-parallel ranks carved out of dp
+    (``parallel.ep``: runs of ep consecutive dp ranks split each layer's routed experts, E / ep each; the
+    dp / ep ranks holding the same experts reduce their gradients together); `expert_tp`
+    (``parallel.expert_tp``): 1, every TP rank holds and runs whole experts, or tp, each expert's ffn
+    dim split over the TP group with its outputs all-reduced (None: tp, Megatron's default; see
+    `etp`); `moe_imbalance`: the busiest ep rank's received rows over the balanced k·b·s (>= 1; 1.0
+    assumes balanced routing; capped by the capacity when the model sets a capacity factor).
     """
 
     tp: int = 1
@@ -48,6 +56,9 @@ class Layout:
     allgather_bucket_size: int = 500_000_000
     prefetch_bucket_size: int = 50_000_000
     overlap_comm: bool | None = None  # None: DeepSpeed's default, on at stage 3 only
+    ep: int = 1
+    expert_tp: int | None = None  # None: = tp
+    moe_imbalance: float = 1.0
 
     @property
     def gpus(self) -> int:
@@ -63,6 +74,16 @@ class Layout:
         return self.pp * self.chunks
 
     @property
+    def etp(self) -> int:
+        """The TP size each expert's ffn dim is split over: `expert_tp`, or tp when None."""
+        return self.tp if self.expert_tp is None else self.expert_tp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the dp ranks holding the same experts, dp / ep."""
+        return self.dp // self.ep
+
+    @property
     def overlaps(self) -> bool:
         return self.zero == 3 if self.overlap_comm is None else self.overlap_comm
 
@@ -70,17 +91,20 @@ class Layout:
         return replace(self, **changes)
 
     def describe(self) -> str:
-        """One line: tp2 pp4 dp8 mb1 zero1 recompute=selective 1f1b."""
+        """One line: tp2 pp4 dp8 mb1 zero1 recompute=selective 1f1b (MoE: ep4 after dp, expert-tp1 when it
+        is not tp, imbalance=1.2 when not 1)."""
         sched = f"interleaved:{self.chunks}" if self.schedule == "interleaved" else self.schedule
         extras = [x for x, on in (("sp", self.sequence_parallel), ("offload-opt", self.offload_optimizer),
                                   ("offload-param", self.offload_param)) if on]
-        return " ".join([f"tp{self.tp} pp{self.pp} dp{self.dp} mb{self.micro_batch} zero{self.zero}",
+        moe = [x for x, on in ((f"ep{self.ep}", self.ep != 1), (f"expert-tp{self.expert_tp}", self.etp != self.tp),
+                               (f"imbalance={self.moe_imbalance:g}", self.moe_imbalance != 1.0)) if on]
+        return " ".join([f"tp{self.tp} pp{self.pp} dp{self.dp}"] + moe + [f"mb{self.micro_batch} zero{self.zero}",
                          f"recompute={self.recompute} {sched}"] + extras)
 
     def problems(self, spec) -> list[str]:
         """Every reason this layout cannot run `spec` (a `megazero.core.spec.ModelSpec`), one line each."""
         errs = []
-        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "chunks"):
+        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "chunks", "ep"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 errs.append(f"{name}={v!r} must be a positive integer")
@@ -108,6 +132,7 @@ class Layout:
             errs.append(f"pp x chunks = {self.pp} x {self.chunks} does not divide layers={spec.layers}")
         if self.sequence_parallel and spec.seq_len % self.tp:
             errs.append(f"sequence_parallel needs seq_len={spec.seq_len} divisible by tp={self.tp}")
+        errs += self._moe_problems(spec)
         if self.global_batch % (self.micro_batch * self.dp):
             errs.append(f"global_batch={self.global_batch} is not divisible by micro_batch x dp = "
                         f"{self.micro_batch} x {self.dp}")
@@ -118,12 +143,34 @@ class Layout:
                 errs.append(str(err))
         return errs
 
+    def _moe_problems(self, spec) -> list[str]:
+        """The expert-parallel rules the runtime enforces (config validation, `MoESpec.check`,
+        `ModelSpec.validate_layout`), and the planner's own on expert_tp and moe_imbalance."""
+        moe, errs = getattr(spec, "moe", None), []
+        if self.dp % self.ep:
+            errs.append(f"ep={self.ep} does not divide dp={self.dp}: experts are split over ep of the dp ranks")
+        if self.expert_tp not in (None, 1, self.tp):
+            errs.append(f"expert_tp={self.expert_tp!r} must be 1 or tp={self.tp}")
+        if isinstance(self.moe_imbalance, bool) or not isinstance(self.moe_imbalance, (int, float)) \
+                or not self.moe_imbalance >= 1:
+            errs.append(f"moe_imbalance={self.moe_imbalance!r} must be a number >= 1 (1: balanced routing)")
+        if moe is None:
+            if self.ep > 1:
+                errs.append(f"ep={self.ep} needs a Mixture-of-Experts model (moe_num_experts > 0)")
+            return errs
+        if moe.num_experts % self.ep:
+            errs.append(f"ep={self.ep} does not divide moe_num_experts={moe.num_experts}")
+        if self.etp > 1:
+            widths = [("moe_ffn", moe.ffn)] + ([("moe_shared_ffn", moe.shared_ffn or moe.ffn)]
+                                               if moe.shared_experts else [])
+            errs += [f"expert_tp={self.etp} does not divide {name}={n}" for name, n in widths if n % self.etp]
+        if self.sequence_parallel and self.tp > 1:
+            errs.append("sequence_parallel is not supported with Mixture-of-Experts layers (the router counts "
+                        "capacity and losses per whole sequence)")
+        return errs
+
     def check(self, spec) -> None:
-        """Raise `PlanError` with every problem of `problems(spec)`, one per line (or for a Mixture-of-
-        Experts model, which the planner does not model yet, that)."""
-        if getattr(spec, "moe", None) is not None:
-            raise PlanError(f"{spec.name or 'the model'}: Mixture-of-Experts layers (moe_num_experts="
-                            f"{spec.moe_num_experts}) are not modelled by the planner yet")
+        """Raise `PlanError` with every problem of `problems(spec)`, one per line."""
         errs = self.problems(spec)
         if errs:
             raise PlanError(f"layout {self.describe()}: " + "; ".join(errs))

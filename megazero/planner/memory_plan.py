@@ -5,10 +5,13 @@ same), the bytes megazero holds by the categories `megazero.run.memory.memory_re
 
 * ``params, grads, master, optimizer_states, comm_buffers``: the ZeRO optimizer's flat groups between
   steps (`megazero.zero.flat_group.FlatGroup.memory`). The groups are rebuilt here exactly as
-  `ZeroOptimizer._make_groups` builds them, from the per-parameter shapes of megazero's layers
+  `megazero.zero.grouping.make_groups` builds them, from the per-parameter shapes of megazero's layers
   (`layer_params`; checked against the meta-device counts in `facts`), and laid out by the same
-  `megazero.core.flat_buffer.build_layout`. Per group of padded size P elements, owned slice
-  S = P (stage 0) or P / dp (stages 1-3), working dtype of w bytes:
+  `megazero.core.flat_buffer.build_layout`. A Mixture-of-Experts model's routed experts (E / ep per
+  layer on a rank, moe_plan.py) are a group of their own over the dp / ep ranks holding the same
+  experts (stages 0-2 at min(stage, 2); stage 3 sharded per unit); router and shared experts go with
+  the dense parameters. Per group of padded size P elements over its n ranks (dp, or dp / ep for the
+  experts), owned slice S = P (stage 0) or P / n (stages 1-3), working dtype of w bytes:
   params P·w (stage-3 sharded groups: S·w, the gathered buckets are empty between steps); grads fp32 as
   megazero accumulates them: P·4 at stages 0-1, S·4 at 2-3; master S·4 when the working dtype is not
   fp32 or the group is offloaded (otherwise the master is a view of the params); optimizer_states
@@ -45,7 +48,8 @@ from megazero.core.flat_buffer import FlatLayout, build_layout
 from megazero.core.partition import LayerInfo, partition
 from megazero.planner.programs import schedule_programs
 from megazero.planner.activation_ledger import activation_chunks, walk_program
-from megazero.planner.layout import PlanError
+from megazero.planner.layout import Layout, PlanError
+from megazero.planner.moe_plan import moe_shape
 
 FRAGMENTATION = 0.10
 """Allowance for allocator fragmentation, as a fraction of a stage's device bytes: PyTorch's caching
@@ -64,16 +68,42 @@ GB = 1e9
 @dataclass(frozen=True)
 class Param:
     """One parameter of a layer on one TP rank: numel, whether it is a matrix (Megatron's weight-decay
-    split puts matrices first), whether it is the tied word embedding / LM head weight."""
+    split puts matrices first), whether it is the tied word embedding / LM head weight, and which part
+    of an MoE MLP it is ("router", "expert": the routed experts, "shared"; "" for the rest)."""
 
     numel: int
     matrix: bool
     tied: bool = False
+    moe: str = ""
+
+    @property
+    def expert(self) -> bool:
+        """A routed expert: split over ep, in the experts' flat group."""
+        return self.moe == "expert"
 
 
-def layer_params(spec, kind: str, t: int) -> list[Param]:
+def _moe_mlp(spec, layout) -> list[Param]:
+    """An MoE MLP's parameters on one rank (megazero/moe/layer.py, experts.py: the router, then the routed
+    experts' stacked gate, up (or fc1), each followed by its bias (E / ep, f / t_e) when the spec has
+    biases, and down (or fc2) and its replicated bias (E / ep, h); then the shared experts' alike)."""
+    m = moe_shape(spec, layout)
+
+    def experts(local: int, width: int, part: str) -> list[Param]:
+        out = []
+        for i in range(m.mats):
+            out.append(Param(local * width * m.hidden, True, moe=part))
+            if spec.bias:  # zero-initialised, no weight decay (Megatron's vectors)
+                out.append(Param(local * (m.hidden if i == m.mats - 1 else width), False, moe=part))
+        return out
+
+    shared = experts(1, m.shared, "shared") if m.shared else []
+    return [Param(m.num_experts * m.hidden, True, moe="router")] + experts(m.local, m.ffn, "expert") + shared
+
+
+def layer_params(spec, kind: str, t: int, layout=None) -> list[Param]:
     """The parameters of one layer (`kind` embedding | block | head) of `spec` on one of `t` TP ranks, in
-    registration order (megazero/models/embedding.py, block.py, attention.py, common.py:Norm)."""
+    registration order (megazero/models/embedding.py, block.py, attention.py, common.py:Norm); an MoE
+    block's MLP as on a rank of `layout` (its ep and expert_tp; None: ep 1, experts split over t)."""
     h, ln, tied = spec.hidden, spec.norm == "layernorm", spec.tie_embeddings
     vocab = spec.padded_vocab(t) // t  # VocabParallelEmbedding / HeadLayer rows on this rank
 
@@ -92,7 +122,9 @@ def layer_params(spec, kind: str, t: int) -> list[Param]:
         return norm() + [Param(vocab * h, True, tied)]
     q, kv, f = spec.heads * spec.head_dim // t, spec.num_kv_heads * spec.head_dim // t, spec.ffn // t
     attn = linear(q, h, q) + linear(kv, h, kv) + linear(kv, h, kv) + linear(h, q, h)  # out's bias: replicated
-    if spec.activation == "swiglu":
+    if spec.moe is not None:
+        mlp = _moe_mlp(spec, layout if layout is not None else Layout(tp=t))
+    elif spec.activation == "swiglu":
         mlp = linear(f, h, f) + linear(f, h, f) + linear(h, f, h)
     else:
         mlp = linear(f, h, f) + linear(h, f, h)
@@ -130,13 +162,13 @@ class _Group:
 
 
 def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group]:
-    """This stage's flat groups, as `ZeroOptimizer._make_groups` makes them from the parameter order of
-    `megazero.engine.factories.param_groups` (Megatron's split: matrices, then vectors, each in model
-    order; pp=1 shares the tied weight, counted once)."""
+    """This stage's flat groups, as `megazero.zero.grouping.make_groups` makes them from the parameter
+    order of `megazero.engine.factories.param_groups` (Megatron's split: matrices, then vectors, each in
+    model order; pp=1 shares the tied weight, counted once): the routed experts first, then the rest."""
     params = []  # (Param, unit)
     for chunk in chunks:
         for kind, unit in chunk:
-            params += [(p, unit) for p in layer_params(spec, kind, layout.tp)]
+            params += [(p, unit) for p in layer_params(spec, kind, layout.tp, layout)]
     if layout.pp == 1 and spec.tie_embeddings:
         tied_seen = False
         kept = []
@@ -147,14 +179,22 @@ def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group
             kept.append((p, u))
         params = kept
     ordered = [x for x in params if x[0].matrix] + [x for x in params if not x[0].matrix]
+    experts = [x for x in ordered if x[0].expert]
+    ordered = [x for x in ordered if not x[0].expert]
     tied = [x for x in ordered if layout.pp > 1 and x[0].tied]
     rest = [x for x in ordered if not (layout.pp > 1 and x[0].tied)]
     dp, bucket, opt = layout.dp, layout.reduce_bucket_size, layout.offload_optimizer
     groups = []
+    if experts and layout.zero == 3:
+        experts, cuts = _by_unit(experts)
+        groups.append(_Group("experts", build_layout([x[0].numel for x in experts], layout.edp, bucket, cuts), 3,
+                             True, layout.offload_param or opt))
+    elif experts:
+        groups.append(_Group("experts", build_layout([x[0].numel for x in experts[::-1]], layout.edp, bucket),
+                             min(layout.zero, 2), False, opt))
     if layout.zero == 3:
-        sharded = sorted((x for x in rest if x[0].numel >= persistence_threshold), key=lambda x: -x[1])
+        sharded, cuts = _by_unit([x for x in rest if x[0].numel >= persistence_threshold])
         persistent = [x for x in rest if x[0].numel < persistence_threshold]
-        cuts = [i for i in range(1, len(sharded)) if sharded[i][1] != sharded[i - 1][1]]
         if sharded:
             groups.append(_Group("sharded", build_layout([x[0].numel for x in sharded], dp, bucket, cuts), 3,
                                  True, layout.offload_param or opt))
@@ -169,6 +209,12 @@ def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group
         groups.append(_Group("tied", build_layout([x[0].numel for x in tied], dp, bucket), layout.zero, shard,
                              opt or (shard and layout.offload_param)))
     return groups
+
+
+def _by_unit(params: list) -> tuple[list, list[int]]:
+    """(Param, unit) pairs in reverse unit order and the indices where a unit starts (grouping._by_unit)."""
+    ordered = sorted(params, key=lambda x: -x[1])
+    return ordered, [i for i in range(1, len(ordered)) if ordered[i][1] != ordered[i - 1][1]]
 
 
 def group_memory(g: _Group, w: int, accelerator: bool) -> tuple[dict[str, int], dict[str, int]]:
@@ -291,19 +337,27 @@ class MemoryPlan:
 
 
 def _check_facts(spec, layout, facts, stages) -> None:
-    """The meta-device counts (`facts`) must be the parameters the planner laid out, stage by stage."""
+    """The meta-device counts (`facts`) must be the parameters the planner laid out, stage by stage: the
+    dense ones, and the routed experts as the meta build holds them (every expert, split over the
+    facts' `expert_tp`)."""
     if facts is None:
         return
     if len(facts.stages) != layout.pp:
         raise PlanError(f"model facts have {len(facts.stages)} stages, the layout pp={layout.pp}")
     for s, (fs, chunks) in enumerate(zip(facts.stages, stages)):
-        groups = flat_groups(spec, layout.replace(dp=1, zero=1), chunks, 0)
-        mine = sum(sum(g.layout.numels) for g in groups)
+        built = layout.replace(dp=1, zero=1, ep=1, moe_imbalance=1.0,
+                               expert_tp=getattr(fs, "expert_tp", 1) if spec.moe is not None else None)
+        groups = flat_groups(spec, built, chunks, 0)
+        experts = sum(sum(g.layout.numels) for g in groups if g.name == "experts")
+        mine = sum(sum(g.layout.numels) for g in groups) - experts
         blocks = sum(1 for chunk in chunks for kind, _ in chunk if kind == "block")
-        if (mine, blocks) != (fs.params, fs.layers):
-            raise PlanError(f"stage {s}: the model facts count {fs.params} parameters in {fs.layers} blocks, the "
-                            f"planner's layers {mine} in {blocks}; megazero/planner/memory_plan.py:layer_params "
-                            f"is out of date with the model's layers")
+        if (mine + experts, experts, blocks) != (fs.params, fs.expert_params, fs.layers):
+            moe = experts or fs.expert_params
+            raise PlanError(f"stage {s}: the model facts count {fs.params} parameters"
+                            + (f" ({fs.expert_params} routed experts)" if moe else "") + f" in {fs.layers} blocks, "
+                            f"the planner's layers {mine + experts}" + (f" ({experts})" if moe else "")
+                            + f" in {blocks}; megazero/planner/memory_plan.py:layer_params is out of date with "
+                            f"the model's layers")
 
 
 def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cuda",
@@ -325,8 +379,8 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
     stages = pipeline_layers(spec, layout)
     _check_facts(spec, layout, facts, stages)
     programs = schedule_programs(layout.schedule, layout.pp, layout.num_microbatches, layout.chunks, cache=schedule_cache)
-    counts = {kind: (sum(p.numel for p in ps if not p.matrix), sum(p.numel for p in ps))
-              for kind in ("embedding", "block", "head") for ps in [layer_params(spec, kind, layout.tp)]}
+    counts = {kind: (sum(p.numel for p in ps if not p.matrix or p.moe), sum(p.numel for p in ps))
+              for kind in ("embedding", "block", "head") for ps in [layer_params(spec, kind, layout.tp, layout)]}
     out = []
     for s, chunks in enumerate(stages):
         groups = flat_groups(spec, layout, chunks, param_persistence_threshold)

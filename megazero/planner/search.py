@@ -7,7 +7,10 @@ of 1, 2, 4, 8 that divide the batch per dp rank; ZeRO 1-3 (ZeRO-0 moves the same
 holds more; one stage when dp = 1: nothing to shard); recompute none / selective / full; the schedules
 1F1B, ZB-H1 and interleaved with 2 or 4 chunks where the layers divide (GPipe has 1F1B's bubble and
 holds every micro-batch's activations); sequence parallelism whenever tp > 1 (it only saves memory and
-replaces each all-reduce by a reduce-scatter plus an all-gather of the same volume); offload of the
+replaces each all-reduce by a reduce-scatter plus an all-gather of the same volume), except for a
+Mixture-of-Experts model, which the runtime runs without it; for an MoE model every ep that divides dp
+and the experts (fewer experts per rank: less memory, more all-to-all), expert_tp at its default (tp)
+unless fixed; offload of the
 optimizer (and at ZeRO-3 of the parameters) as a last resort, only when asked (``offload=True``).
 Fixed choices (e.g. ``tp=8``) restrict the generation. `rank` keeps the layouts that fit, fastest
 first, and says for each rejected one why.
@@ -43,21 +46,31 @@ def candidates(spec, gpus: int, global_batch: int, gpus_per_node: int, fixed: di
             dp = gpus // (tp * pp)
             if "dp" in fixed and fixed["dp"] != dp:
                 continue
-            for mb in options("micro_batch", MICRO_BATCHES):
+            for ep, mb in ((ep, mb) for ep in options("ep", _eps(spec, dp))
+                           for mb in options("micro_batch", MICRO_BATCHES)):
                 if global_batch % (mb * dp):
                     continue
                 for zero in options("zero", (1, 2, 3) if dp > 1 else (1,)):
                     for recompute in options("recompute", ("none", "selective", "full")):
                         for schedule, chunks in _schedules(spec, pp, fixed):
-                            for sp in options("sequence_parallel", (tp > 1,)):
+                            for sp in options("sequence_parallel", (tp > 1 and spec.moe is None,)):
                                 for off_opt, off_param in _offloads(zero, offload, fixed):
                                     layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, global_batch=global_batch,
                                                     zero=zero, recompute=recompute, schedule=schedule,
                                                     chunks=chunks, sequence_parallel=sp,
                                                     offload_optimizer=off_opt, offload_param=off_param,
-                                                    precision=fixed.get("precision", precision))
+                                                    precision=fixed.get("precision", precision), ep=ep,
+                                                    expert_tp=fixed.get("expert_tp"),
+                                                    moe_imbalance=fixed.get("moe_imbalance", 1.0))
                                     if not layout.problems(spec):
                                         yield layout
+
+
+def _eps(spec, dp: int) -> list[int]:
+    """Expert-parallel sizes to try: 1 for a dense model; else the divisors of dp that divide the experts."""
+    if spec.moe is None:
+        return [1]
+    return [e for e in _divisors(dp) if spec.moe.num_experts % e == 0]
 
 
 def _schedules(spec, pp: int, fixed: dict):

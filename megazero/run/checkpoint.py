@@ -3,7 +3,8 @@
 On disk, ``<dir>/<tag>/`` (tag ``step<N>`` unless given):
 
 - ``rank<r>.safetensors``: what global rank r owns and nobody else writes: for each parameter, the
-  boxes of the logical tensor its ZeRO shard of its TP shard holds (`megazero.core.shard_boxes`), as
+  boxes of the logical tensor its ZeRO shard of its shard holds (split over TP, and MoE experts over
+  the expert-parallel group too; `megazero.core.shard_boxes`), in the tensor's own dims, as
   fp32 tensors ``<kind>/<logical name>/<i>`` for kind in master, exp_avg, exp_avg_sq; and the rank's
   RNG states (``rng/...``: torch CPU and CUDA, megazero's TP/dropout streams) and its optimizer's state
   of its own (``rank/...``: 1-bit Adam's error feedback, `ZeroOptimizer.rank_state`).
@@ -11,6 +12,10 @@ On disk, ``<dir>/<tag>/`` (tag ``step<N>`` unless given):
   the optimizer's and LR schedule's scalars, engine counters, the user's client_state, the config,
   and for every logical tensor its shape and the (file, key, offsets, sizes) of each stored box.
 - ``<dir>/latest``: the newest complete tag.
+
+The format is ``megazero-sharded-1`` still: a box has one offset and one size per dim of its tensor.
+The first MoE checkpoints wrote the experts' 3-D tensors (E, f, h) as 2-D boxes of (E, f·h) (their only
+split dim was E); loading and `checkpoint_convert` read those too (`_stored_boxes`).
 
 Saving writes to ``<tag>.tmp/``, fsyncs each file, agrees over the world group that every rank
 succeeded, writes the manifest, renames the directory into place, then moves ``latest``: a process
@@ -38,7 +43,7 @@ import threading
 import torch
 from safetensors import safe_open
 
-from megazero.core.shard_boxes import intersect, numel, slice_boxes
+from megazero.core.shard_boxes import flat_range_boxes, intersect, numel, slice_boxes
 from megazero.run import safetensors_io
 from megazero.runtime import comm
 
@@ -52,32 +57,25 @@ class CheckpointError(RuntimeError):
 
 # -- the slices a rank owns ------------------------------------------------------------------------
 
-def rows_shape(shape) -> tuple[int, ...]:
-    """`shape`, or for 3 or more dims (MoE experts (E, f, h)) (dim 0, the rest flattened): the same
-    elements in the same order, as the 2-D boxes of `megazero.core.shard_boxes` need (dim 0 is the only
-    split dim of such a tensor)."""
-    shape = tuple(int(n) for n in shape)
-    return shape if len(shape) <= 2 else (shape[0], int(torch.Size(shape[1:]).numel()))
-
-
 def _named(module, pctx) -> dict[int, tuple[str, tuple, tuple]]:
-    """{id(param): (logical name, full shape, (split dim, this rank's index, ranks))}: megazero's
-    parameter metadata (split over TP along tp_dim, or, for MoE routed experts, over the expert-parallel
-    group along ep_dim; (None, 0, 1) whole), or for a plain nn.Module (tp = 1) its `named_parameters`.
-    The full shape is the logical one; boxes use `_rows` of it."""
+    """{id(param): (logical name, full shape, splits)}: megazero's parameter metadata, `splits` the
+    (dim, this rank's index, ranks) of each split dim (`megazero.core.shard_boxes`): MoE routed experts
+    over the expert-parallel group along ep_dim, any parameter over TP along tp_dim (experts too under
+    expert tensor parallelism); () whole. A plain nn.Module's (tp = 1) `named_parameters` are whole."""
     out = {}
     for name, p in module.named_parameters():
         if id(p) in out:
             continue
         logical = getattr(p, "logical_name", None)
         if logical is None:
-            out[id(p)] = (name, tuple(p.shape), (None, 0, 1))
-        elif getattr(p, "ep_dim", None) is not None:
-            out[id(p)] = (logical, tuple(p.full_shape), (p.ep_dim, p.ep_rank, p.ep_size))
-        elif p.tp_dim is not None:
-            out[id(p)] = (logical, tuple(p.full_shape), (p.tp_dim, pctx.tp_rank, pctx.tp_size))
-        else:
-            out[id(p)] = (logical, tuple(p.full_shape), (None, 0, 1))
+            out[id(p)] = (name, tuple(p.shape), ())
+            continue
+        splits = []
+        if getattr(p, "ep_dim", None) is not None:
+            splits.append((p.ep_dim, p.ep_rank, p.ep_size))
+        if p.tp_dim is not None:
+            splits.append((p.tp_dim, pctx.tp_rank, pctx.tp_size))
+        out[id(p)] = (logical, tuple(p.full_shape), tuple(splits))
     return out
 
 
@@ -93,11 +91,10 @@ def _pieces(module, optimizer, pctx, writing: bool):
             lo = group.owned[b][0]
             for seg in segs:
                 param = group.params[seg.param]
-                name, full_shape, split = named[id(param)]
+                name, full_shape, splits = named[id(param)]
                 if writing and getattr(param, "tp_dim", None) is None and pctx.tp_rank != 0:
                     continue
-                shard = rows_shape(group.shapes[seg.param])
-                for piece in slice_boxes(rows_shape(full_shape), *split, shard, seg.param_start,
+                for piece in slice_boxes(full_shape, splits, tuple(group.shapes[seg.param]), seg.param_start,
                                          seg.param_start + seg.numel):
                     yield name, full_shape, (g, b), seg.buf_start - lo + piece.flat_start, piece
 
@@ -105,7 +102,7 @@ def _pieces(module, optimizer, pctx, writing: bool):
 def _view(flat: torch.Tensor, offset: int, piece) -> torch.Tensor:
     """The elements of `piece` inside a bucket's owned slice `flat`, as a view of its logical box."""
     sizes = piece.shard_box[1]
-    view = flat[offset:offset + numel(piece.shard_box)].view(sizes)  # (box rows, box cols) or (n,)
+    view = flat[offset:offset + numel(piece.shard_box)].view(sizes)  # the shard box, row-major
     return view[tuple(slice(0, n) for n in piece.box[1])]
 
 
@@ -414,20 +411,41 @@ class Readers:
         return part
 
 
-def copy_overlaps(readers: Readers, stored: list[dict], box, dest: torch.Tensor) -> int:
-    """Copy into `dest` (holding logical box `box` = (offsets, sizes) of a tensor) every part of the
-    `stored` boxes (manifest records) that overlaps it; returns the number of elements copied."""
+def copy_overlaps(readers: Readers, stored: list[dict], box, dest: torch.Tensor, shape=None) -> int:
+    """Copy into `dest` (holding logical box `box` = (offsets, sizes) of a tensor of logical `shape`)
+    every part of the `stored` boxes (manifest records) that overlaps it; returns the number of
+    elements copied. `shape` is needed only for records of the first MoE checkpoints (`_stored_boxes`)."""
     filled = 0
-    for record in stored:
-        have = (tuple(record["offsets"]), tuple(record["sizes"]))
+    for have, read in _stored_boxes(readers, stored, shape):
         common = intersect(box, have)
         if common is None or numel(common) == 0:
             continue
         src = tuple(slice(c - o, c - o + n) for c, o, n in zip(common[0], have[0], common[1]))
         dst = tuple(slice(c - o, c - o + n) for c, o, n in zip(common[0], box[0], common[1]))
-        dest[dst].copy_(readers.slice(record["file"], record["key"], src))
+        dest[dst].copy_(read(src))
         filled += numel(common)
     return filled
+
+
+def _stored_boxes(readers: Readers, stored: list[dict], shape):
+    """(box, read(index) -> tensor) of each stored record, in the logical tensor's own dims.
+
+    Checkpoints written before boxes were N-dimensional stored a tensor of 3 or more dims (MoE experts
+    (E, f, h), split over dim 0 only) as 2-D boxes of (E, f·h): such a record, ((e, c), (n, m)), is
+    rows e .. e+n of the flat columns [c, c+m) of (f, h), which `flat_range_boxes` cuts into boxes of
+    (f, h); each is read as its column range of the stored rows, reshaped."""
+    for record in stored:
+        offsets, sizes = tuple(record["offsets"]), tuple(record["sizes"])
+        fname, key = record["file"], record["key"]
+        if shape is None or len(offsets) == len(shape):
+            yield (offsets, sizes), lambda index, fname=fname, key=key: readers.slice(fname, key, index)
+            continue
+        rest = tuple(shape[1:])
+        for pos, (o, s) in flat_range_boxes(rest, offsets[1], offsets[1] + sizes[1]):
+            def read(index, fname=fname, key=key, pos=pos, s=s):
+                rows = readers.slice(fname, key, (index[0], slice(pos, pos + numel(((), s)))))
+                return rows.reshape((rows.shape[0],) + s)[(slice(None),) + index[1:]]  # (rows, *box of (f, h))
+            yield ((offsets[0],) + o, (sizes[0],) + s), read
 
 
 def _fill(path: str, manifest: dict, module, optimizer, pctx, kinds) -> None:
@@ -436,7 +454,8 @@ def _fill(path: str, manifest: dict, module, optimizer, pctx, kinds) -> None:
         for name, _, (g, b), offset, piece in _pieces(module, optimizer, pctx, writing=False):
             for kind in kinds:
                 dest = _view(getattr(optimizer.groups[g], kind)[b], offset, piece)
-                filled = copy_overlaps(readers, manifest["tensors"][name][kind], piece.box, dest)
+                record = manifest["tensors"][name]
+                filled = copy_overlaps(readers, record[kind], piece.box, dest, record["shape"])
                 if filled != numel(piece.box):
                     raise CheckpointError(f"{path}: {kind} of {name} box {piece.box} is only {filled} of "
                                           f"{numel(piece.box)} elements in the stored boxes")

@@ -22,11 +22,10 @@ import os
 
 import torch
 
-from megazero.core.spec import ModelSpec
+from megazero.core.spec import ModelSpec, SpecError
 from megazero.models.hf import hf_config_dict, hf_export_plan, hf_import_plan, run_plan, spec_from_hf_config
 from megazero.run import safetensors_io
-from megazero.run.checkpoint import (FORMAT, CheckpointError, Readers, copy_overlaps, read_manifest, rows_shape,
-                                     write_and_commit)
+from megazero.run.checkpoint import FORMAT, CheckpointError, Readers, copy_overlaps, read_manifest, write_and_commit
 from megazero.runtime.comm import single_rank_group
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -38,13 +37,12 @@ def full_tensor(readers: Readers, manifest: dict, name: str, kind: str = "master
     if record is None:
         raise CheckpointError(f"{readers.path}/manifest.json has no tensor {name!r}")
     shape = tuple(record["shape"])
-    rows = rows_shape(shape)  # boxes of a 3-D tensor (MoE experts) are stored over (dim 0, the rest)
-    out = torch.empty(rows, dtype=torch.float32)
-    filled = copy_overlaps(readers, record[kind], ((0,) * len(rows), rows), out)
+    out = torch.empty(shape, dtype=torch.float32)
+    filled = copy_overlaps(readers, record[kind], ((0,) * len(shape), shape), out, shape)
     if filled != out.numel():
         raise CheckpointError(f"{readers.path}: {kind} of {name} is only {filled} of {out.numel()} elements "
                               "in the stored boxes")
-    return out.view(shape)
+    return out
 
 
 def model_spec(manifest: dict, path: str) -> ModelSpec:
@@ -79,11 +77,10 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> di
     model.safetensors in `dtype`); returns the config written."""
     manifest = read_manifest(path)
     spec = model_spec(manifest, path)
-    if spec.moe is not None:
-        raise CheckpointError(f"{path}: a Mixture-of-Experts model ({spec.moe_num_experts} experts per layer); the "
-                              f"Hugging Face export maps dense GPT and Llama models only (use `consolidate` for "
-                              f"one safetensors file by logical name)")
-    config = dict(hf_config_dict(spec), torch_dtype=str(dtype).removeprefix("torch."))
+    try:  # a Mixture-of-Experts spec maps to Mixtral when its routing is Mixtral's
+        config = dict(hf_config_dict(spec), torch_dtype=str(dtype).removeprefix("torch."))
+    except SpecError as err:
+        raise CheckpointError(f"{path}: {err}") from None
     plan = hf_export_plan(spec)
     if spec.tie_embeddings:  # transformers ties lm_head to the embedding itself; the file holds one copy
         plan.pop("lm_head.weight")

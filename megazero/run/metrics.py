@@ -38,13 +38,28 @@ class Timers:
 
 
 def model_flops_per_step(global_batch: int, seq: int, layers: int, hidden: int, vocab: int,
-                         recompute: bool = False) -> float:
+                         recompute: bool = False, mlp_flops: float | None = None) -> float:
     """Megatron's GEMM FLOPs per step: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)); with full activation
-    recompute 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (hardware FLOPs)."""
+    recompute 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (hardware FLOPs). Of the 72·h² per token and layer,
+    48·h² is the MLP's (3 passes of 16·h², a 4h MLP's forward); `mlp_flops`, one layer's MLP forward
+    FLOPs per token (`mlp_forward_flops`), replaces it: B·s·l·(24·h² + 12·s·h + 3·m) + 6·B·s·h·V
+    (recompute: 4 passes)."""
     b, s, l, h, v = global_batch, seq, layers, hidden, vocab
-    if recompute:
-        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-    return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    m = 16 * h * h if mlp_flops is None else mlp_flops
+    passes = 4 if recompute else 3
+    return b * s * l * (passes * (8 * h * h + 4 * s * h + m)) + 6 * b * s * h * v
+
+
+def mlp_forward_flops(spec) -> float:
+    """One layer's MLP forward GEMM FLOPs per token of `spec` (a ModelSpec): 2·h·ffn per weight matrix
+    (SwiGLU has 3, others 2). A Mixture-of-Experts layer counts what a token runs, not what is held:
+    the router (2·h·E), its top_k routed experts and the shared experts."""
+    mats = 3 if spec.activation == "swiglu" else 2
+    moe = spec.moe
+    if moe is None:
+        return 2 * spec.hidden * spec.ffn * mats
+    shared = (moe.shared_ffn or moe.ffn) * moe.shared_experts
+    return 2 * spec.hidden * (moe.num_experts + mats * (moe.top_k * moe.ffn + shared))
 
 
 def mfu(flops_per_step: float, step_time_s: float, devices: int, peak_tflops: float | None) -> float | None:

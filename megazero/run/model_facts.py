@@ -41,7 +41,8 @@ class ShardFacts:
     """One parameter as a rank holds it. shape: the local shard (the vocabulary split includes
     padding rows); full_shape: the logical parameter, unpadded; tp_dim: the dim split over the TP
     group (None: replicated); tied: a word embedding / LM head copy tied across the first and last
-    pipeline stage (pp > 1); sequence_parallel: its gradient is a partial sum per TP rank."""
+    pipeline stage (pp > 1); sequence_parallel: its gradient is a partial sum per TP rank; expert: a
+    Mixture-of-Experts layer's routed experts (the meta build holds every expert: ep = 1)."""
 
     name: str
     shape: tuple[int, ...]
@@ -51,6 +52,7 @@ class ShardFacts:
     tp_size: int
     tied: bool = False
     sequence_parallel: bool = False
+    expert: bool = False
 
     @property
     def numel(self) -> int:
@@ -69,9 +71,15 @@ class RankFacts:
     shards: tuple[ShardFacts, ...]
 
     def stage_facts(self) -> StageFacts:
+        """The planner's view; expert_tp: the TP split of the routed experts' ffn, their weight matrices'
+        logical (whole) size over what this rank holds of them."""
+        experts = [p for p in self.shards if p.expert]
+        mats = [p for p in experts if len(p.full_shape) == 3]  # (E, f, h) / (E, h, f); biases are (E, n)
+        held = sum(p.numel for p in mats)
         return StageFacts(stage=self.pp_rank, layers=self.layers, params=sum(p.numel for p in self.shards),
                           tied_params=sum(p.numel for p in self.shards if p.tied),
-                          embedding=self.embedding, head=self.head)
+                          embedding=self.embedding, head=self.head, expert_params=sum(p.numel for p in experts),
+                          expert_tp=sum(prod(p.full_shape) for p in mats) // held if held else 1)
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,7 @@ def build_ranks(spec: ModelSpec, tp: int, pp: int, chunks: int = 1, partition="u
             mods = [m for chunk in model.local_chunks for m in chunk]
             shards = tuple(ShardFacts(p.logical_name, tuple(p.shape), tuple(p.full_shape), p.tp_dim, p.tp_rank,
                                       p.tp_size, pp > 1 and getattr(p, "tied_name", None) is not None,
-                                      bool(p.sequence_parallel))
+                                      bool(p.sequence_parallel), bool(getattr(p, "expert", False)))
                            for p in model.parameters())  # each parameter object once (pp=1 tie: one)
             out[s, r] = RankFacts(s, r, sum(isinstance(m, TransformerBlock) for m in mods),
                                   any(isinstance(m, EmbeddingLayer) for m in mods),

@@ -65,7 +65,8 @@ TOLERANCES = {"fp32": (1e-5, 1e-5, 1e-5, 1e-5),
 
 def serial_overrides(global_batch: int) -> list[str]:
     """Overrides (applied after the user's) that make any config its serial reference."""
-    return ["parallel.pp=1", "parallel.tp=1", "parallel.dp=1", "parallel.ep=1", "parallel.sequence_parallel=false",
+    return ["parallel.pp=1", "parallel.tp=1", "parallel.dp=1", "parallel.ep=1", "parallel.expert_tp=null",
+            "parallel.sequence_parallel=false",
             "parallel.order=[pp,dp,tp]", "pipeline.schedule=1f1b", "pipeline.chunks=1", "pipeline.partition=uniform",
             "activation_checkpointing.policy=none", "activation_checkpointing.every_k_layers=1",
             "activation_checkpointing.number_checkpoints=null", "activation_checkpointing.partition_activations=false",

@@ -23,6 +23,8 @@ The values, as config:
 - ep: parallel.ep, the experts split over ep of the dp ranks (needs the moe model and ep | dp). The moe
   model runs in fp32 only: its routing is discrete, so in 16 bits a layout may route a near-tied token
   to another expert than the serial run (the loss and norm still agree; one expert's gradient does not).
+- expert_tp: parallel.expert_tp, tp (the default: each expert's ffn split over the TP group) | 1 (whole
+  experts on every TP rank); 1 changes only the moe model at tp > 1, so the matrix runs it there only.
 - dropout: model.dropout and attention_dropout (masks injected so they do not depend on the layout,
   see `megazero.run.parity`).
 
@@ -41,6 +43,7 @@ FACTORS: dict[str, tuple] = {
     "tp": (1, 2, 4),
     "dp": (1, 2, 4),
     "ep": (1, 2),
+    "expert_tp": ("tp", "1"),
     "zero": (0, 1, 2, 3),
     "schedule": ("1f1b", "gpipe", "interleaved", "zb-h1"),
     "micro_batches": ("p", "1", ">p"),
@@ -99,7 +102,7 @@ def case_config(case: dict) -> dict:
     return {
         "precision": case["precision"], "gradient_clipping": 1.0,
         "parallel": {"pp": pp, "tp": tp, "dp": dp, "ep": case["ep"], "sequence_parallel": case["sequence_parallel"],
-                     "order": case["order"].split(",")},
+                     "order": case["order"].split(","), "expert_tp": tp if case["expert_tp"] == "tp" else 1},
         "model": model,
         "train": {"micro_batch_size": 1, "global_batch_size": m * dp, "seed": 1234},
         "optimizer": {"type": "adamw", "lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01},
@@ -121,6 +124,8 @@ def case_error(case: dict) -> str | None:
     world = case["pp"] * case["tp"] * case["dp"]
     if world > MAX_WORLD:
         return f"world size {world} > {MAX_WORLD}"
+    if case["expert_tp"] == "1" and case["tp"] == 1:
+        return "expert_tp=1 at tp=1: the default layout (expert_tp = tp) again"
     if case["model"] == "moe" and case["precision"] != "fp32":
         return (f"moe in {case['precision']}: routing is discrete, so a 16-bit layout may send a near-tied token to "
                 f"another expert than the serial run does; MoE parity is checked in fp32")
@@ -145,7 +150,7 @@ def case_name(case: dict) -> str:
 def pairwise_cases(seed: int = 0, witnesses=None) -> list[dict]:
     """The all-pairs covering set of the allowed cases (deterministic for a seed; `witnesses` as
     `pairwise.find_witnesses(FACTORS, case_allowed, seed)` returns them, when already computed). Each
-    case is the best of 16 greedy candidates: 37 cases at seed 0 (8 candidates gave 53 once the ep
+    case is the best of 16 greedy candidates: 44 cases at seed 0 (8 candidates gave 53 once the ep
     factor and the MoE model joined)."""
     return pairwise.covering_set(FACTORS, case_allowed, seed, candidates=16, witnesses=witnesses)
 

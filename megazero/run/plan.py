@@ -23,6 +23,7 @@ from megazero.core.spec import SpecError, load_spec
 from megazero.planner.hardware import load_hardware
 from megazero.planner.layout import Layout, PlanError
 from megazero.planner.memory_plan import GB, predict_memory
+from megazero.planner.moe_plan import active_params
 from megazero.planner.search import candidates
 from megazero.planner.speed import estimate_step_time, predict_step
 from megazero.run.model_facts import model_facts
@@ -63,6 +64,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int)
     p.add_argument("--dp", type=int, help="default: gpus / (tp x pp)")
     p.add_argument("--micro-batch", type=int)
+    p.add_argument("--ep", type=int, help="MoE: expert-parallel ranks, carved out of dp (default 1; searched)")
+    p.add_argument("--expert-tp", type=int, help="MoE: 1 (whole experts on every TP rank) or tp (default: tp)")
+    p.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="MoE: the busiest expert-parallel rank's routed rows over the balanced share (default 1.0)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     p.add_argument("--recompute", choices=("none", "selective", "full"))
     p.add_argument("--schedule", help=SCHEDULE_HELP)
@@ -79,13 +84,16 @@ def parser() -> argparse.ArgumentParser:
 def fixed_choices(args) -> dict:
     """The Layout fields the command line sets."""
     fixed = {}
-    for arg, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("micro_batch", "micro_batch"), ("zero", "zero"),
+    for arg, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("ep", "ep"), ("expert_tp", "expert_tp"),
+                       ("micro_batch", "micro_batch"), ("zero", "zero"),
                        ("recompute", "recompute"), ("sequence_parallel", "sequence_parallel"),
                        ("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
         if getattr(args, arg) is not None:
             fixed[field] = getattr(args, arg)
     if args.schedule is not None:
         fixed["schedule"], fixed["chunks"] = parse_schedule(args.schedule)
+    if args.moe_imbalance != 1.0:
+        fixed["moe_imbalance"] = args.moe_imbalance
     return fixed
 
 
@@ -130,10 +138,11 @@ class Planner:
         tight = memory.tightest
         return {
             "layout": layout.describe(),
-            "layout_fields": {k: getattr(layout, k) for k in ("tp", "pp", "dp", "micro_batch", "global_batch", "zero",
+            "layout_fields": {k: getattr(layout, k) for k in ("tp", "pp", "dp", "ep", "expert_tp", "moe_imbalance",
+                                                              "micro_batch", "global_batch", "zero",
                                                               "recompute", "schedule", "chunks", "sequence_parallel",
                                                               "offload_optimizer", "offload_param", "precision")},
-            "params": facts.total_params,
+            "params": facts.total_params, "active_params": active_params(self.spec, facts.total_params),
             "memory_gb_per_gpu": tight.total / GB, "tightest_stage": tight.stage,
             "memory_gb_per_stage": [st.total / GB for st in memory.stages],
             "memory_breakdown_gb": [{k: v / GB for k, v in {**st.breakdown, **st.transient,
@@ -154,7 +163,9 @@ def _public(result: dict) -> dict:
 
 def describe(spec, hardware, result: dict) -> str:
     """The text report of one plan."""
-    lines = [f"model    {spec.name}: {result['params'] / 1e9:.2f}B parameters",
+    active = (f" ({result['active_params'] / 1e9:.2f}B active per token)"
+              if result["active_params"] != result["params"] else "")
+    lines = [f"model    {spec.name}: {result['params'] / 1e9:.2f}B parameters{active}",
              f"layout   {result['layout']} on {hardware.name}",
              "", "memory per GPU (GB; * = tightest stage, fragmentation allowance included in total)",
              result["_memory"].table(), "",

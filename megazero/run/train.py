@@ -32,7 +32,8 @@ from megazero.planner.from_config import memory_lines, predicted_memory
 from megazero.planner.layout import PlanError
 from megazero.run import checkpoint
 from megazero.run.memory import SavedActivationMeter, memory_report
-from megazero.run.metrics import MetricsWriter, StepClock, Timers, format_bytes, mfu, model_flops_per_step
+from megazero.run.metrics import (MetricsWriter, StepClock, Timers, format_bytes, mfu, mlp_forward_flops,
+                                  model_flops_per_step)
 from megazero.run.trace import Tracer
 from megazero.runtime import comm
 from megazero.viz.compare import compare
@@ -106,7 +107,8 @@ def run(cfg: Config, rank: int) -> int:
     if rank == 0:
         print(_summary(cfg, engine, optimizer), flush=True)
     spec, t = engine.module.model_spec, cfg.train
-    flops = model_flops_per_step(t.global_batch_size, spec.seq_len, spec.layers, spec.hidden, spec.vocab)
+    flops = model_flops_per_step(t.global_batch_size, spec.seq_len, spec.layers, spec.hidden, spec.vocab,
+                                 mlp_flops=mlp_forward_flops(spec))
     tokens = t.global_batch_size * spec.seq_len
     bar = _progress(cfg, rank, start_step)
     clock = StepClock()

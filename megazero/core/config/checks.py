@@ -38,6 +38,9 @@ def check_parallel(cfg: Config) -> list[str]:
     p = cfg.parallel
     errs = at_least("parallel.pp", p.pp, 1) + at_least("parallel.tp", p.tp, 1) + at_least("parallel.dp", p.dp, 1)
     errs += at_least("parallel.ep", p.ep, 1) + at_least("parallel.ranks_per_node", p.ranks_per_node, 1)
+    if p.expert_tp is not None and p.expert_tp not in (1, p.tp):
+        errs.append(f"parallel.expert_tp: {p.expert_tp!r} is not valid (valid: 1, experts whole on every TP rank; "
+                    f"or parallel.tp={p.tp}, each expert's ffn split over the TP group; unset means {p.tp})")
     if sorted(p.order) != sorted(AXIS_CHOICES):
         errs.append(f"parallel.order: {list(p.order)} must name each of {', '.join(AXIS_CHOICES)} once "
                     f"(outermost first, e.g. [pp, dp, tp])")

@@ -45,6 +45,9 @@ def defaults_applied(ds: Mapping[str, Any]) -> list[str]:
         lines += [f"{mz}: {value}  # scheduler.params.{key} unset: DeepSpeed's {name} default (megazero's own is "
                   f"{own.get(mz, _schema_default(mz))})" for key, mz, value in scheduler_defaults
                   if "scheduler.params." + key not in flat]
+    if flat.get("expert_parallel.enabled") is True and "expert_parallel.expert_tensor_parallel_size" not in flat:
+        lines.append("parallel.expert_tp: 1  # expert_parallel.expert_tensor_parallel_size unset: DeepSpeed's "
+                     "AutoEP default (megazero's own is the TP size)")
     return lines
 
 
@@ -189,6 +192,14 @@ def _deprecated_offload(flat: Mapping[str, Any], out: dict[str, Any]) -> None:
                 out.setdefault(f"zero.{section}.{field}", True if field == "pin_memory" else "cpu")
 
 
+def _expert_parallel_enabled(flat: Mapping[str, Any]) -> bool:
+    """expert_parallel.enabled (DeepSpeed's AutoEP switch; off when absent)."""
+    value = flat.get("expert_parallel.enabled", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"expert_parallel.enabled: expected true or false, got {json.dumps(value)}")
+    return value
+
+
 def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for key, value in flat.items():
@@ -220,10 +231,17 @@ def translate(ds: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     precision = _precision(flat)
     out: dict[str, Any] = {"precision": precision}
     labels = {"precision": "fp16.enabled / bf16.enabled"}
+    expert_parallel = _expert_parallel_enabled(flat)
     for key, value in flat.items():
         rule = rules[key]
         if precision != "fp16" and key.startswith("fp16."):
             continue  # DeepSpeed reads the loss-scaler keys only when fp16.enabled is true
+        if key.startswith("expert_parallel.") and (not expert_parallel or rule.target == SPECIAL):
+            continue  # DeepSpeed reads AutoEP's keys only when expert_parallel.enabled is true
+        if rule.auto and value == "auto" and (rule.target or "").startswith("model.moe."):
+            continue  # expert_parallel.top_k / score_func "auto": the model's own
+        if rule.target == "model.moe.normalize_topk" and value is None:
+            continue  # expert_parallel.route_norm null: the model's own
         if isinstance(value, str) and value == "auto":
             if not rule.auto:
                 raise _auto_error(key, rule)
@@ -241,6 +259,9 @@ def translate(ds: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         if key not in flat:
             out[target] = value
             labels[target] = key
+    if expert_parallel and "expert_parallel.expert_tensor_parallel_size" not in flat:
+        out["parallel.expert_tp"] = 1  # DeepSpeed's AutoEP default (megazero's own: the TP size)
+        labels["parallel.expert_tp"] = "expert_parallel.expert_tensor_parallel_size"
     _optimizer(flat, out)
     _scheduler(flat, out, labels)
     _deprecated_offload(flat, out)

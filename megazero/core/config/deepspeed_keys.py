@@ -76,6 +76,18 @@ fails on any other), and another is an error naming the key and the type's param
 | pipeline.seed_layers / activation_checkpoint_interval | - | no-op when false / 0 (the interval is PipelineModule's argument) |
 | pipeline.pipe_partitioned, grad_partitioned, use_reentrant | - | no-op for any value: how activations travel, not what they are |
 | sparse_attention, bf16.immediate_grad_update, bf16.check_grad_overflow | - | not supported yet (any value) |
+| expert_parallel.enabled | - | DeepSpeed's AutoEP; the other expert_parallel keys are read only when it is true (as DeepSpeed) |
+| expert_parallel.autoep_size | parallel.ep | the experts split over this many of the data-parallel ranks |
+| expert_parallel.expert_tensor_parallel_size | parallel.expert_tp | DeepSpeed's default 1 when absent (megazero's own default is the TP size) |
+| expert_parallel.top_k, score_func, route_norm | model.moe.top_k, score, normalize_topk | "auto" / null: the model's own |
+| expert_parallel.route_scale, routed_scaling_factor | - | no-op when 1.0 (routed_scaling_factor also "auto") |
+| expert_parallel.score_apply | - | no-op when "auto" or "post" (the weights scale the experts' outputs, as megazero's MoE layer) |
+| expert_parallel.load_balance_coeff | - | no-op when null (DeepSpeed refuses any other value; megazero's is model.moe.aux_loss_coef) |
+| expert_parallel.num_expert_groups, num_limited_groups | - | no-op when null (group-limited routing) |
+| expert_parallel.comm_backend | - | no-op when "comm" (DeepEP is not supported yet) |
+| expert_parallel.preset_model, moe_layer_pattern, expert_pattern, router_pattern, expert_w1, expert_w2, expert_w3, num_experts_attr, top_k_attr, has_shared_experts, shared_experts_pattern, shared_experts_gate_pattern, expert_activation | - | no-op for any value: how DeepSpeed finds a Hugging Face model's MoE blocks; megazero's come from model.moe and the spec |
+| expert_parallel.use_grouped_mm, disable_triton_grouped_mm, gate_up_impl, combine_impl, row_weighting_impl, async_split_plan, validate_folding_routing, comm_num_sm, comm_qp_margin, comm_max_tokens_per_rank | - | no-op for any value: kernel and overlap choices, not what is computed |
+| use_data_before_expert_parallel_ | - | no-op when false (megazero's expert groups are consecutive data-parallel ranks, DeepSpeed's default) |
 """
 from __future__ import annotations
 
@@ -112,6 +124,7 @@ _Z = "zero_optimization."
 _OO = _Z + "offload_optimizer."
 _OP = _Z + "offload_param."
 _NVME = "used only with device nvme"
+_EP = "expert_parallel."
 
 RULES: tuple[Rule, ...] = (
     Rule("train_batch_size", "train.global_batch_size", auto=True),
@@ -240,11 +253,36 @@ RULES: tuple[Rule, ...] = (
     *(Rule("pipeline." + k, None, _any, note="how activations travel, not what they are") for k in (
         "pipe_partitioned", "grad_partitioned", "use_reentrant")),
     Rule("sparse_attention", None, note="sparse attention"),
+    # DeepSpeed's AutoEP (expert parallelism): read only when expert_parallel.enabled is true
+    Rule(_EP + "enabled", SPECIAL),
+    Rule(_EP + "autoep_size", "parallel.ep"),
+    Rule(_EP + "expert_tensor_parallel_size", "parallel.expert_tp"),
+    Rule(_EP + "top_k", "model.moe.top_k", auto=True),
+    Rule(_EP + "score_func", "model.moe.score", auto=True),
+    Rule(_EP + "route_norm", "model.moe.normalize_topk"),
+    Rule(_EP + "route_scale", None, lambda v: v == 1, note="scaling the routed output"),
+    Rule(_EP + "routed_scaling_factor", None, lambda v: v is None or v == 1, auto=True,
+         note="scaling the routed output"),
+    Rule(_EP + "load_balance_coeff", None, lambda v: v is None, note="DeepSpeed refuses it too; megazero's is "
+         "model.moe.aux_loss_coef"),
+    *(Rule(_EP + k, None, lambda v: v is None, note="group-limited routing") for k in (
+        "num_expert_groups", "num_limited_groups")),
+    Rule(_EP + "comm_backend", None, lambda v: v == "comm", note="DeepEP"),
+    *(Rule(_EP + k, None, _any, note="how DeepSpeed finds a Hugging Face model's MoE blocks") for k in (
+        "preset_model", "moe_layer_pattern", "expert_pattern", "router_pattern", "expert_w1", "expert_w2",
+        "expert_w3", "num_experts_attr", "top_k_attr", "has_shared_experts", "shared_experts_pattern",
+        "shared_experts_gate_pattern", "expert_activation")),
+    Rule(_EP + "score_apply", None, lambda v: v in (None, "post"), auto=True,
+         note="weighting the experts' inputs instead of their outputs"),
+    *(Rule(_EP + k, None, _any, auto=True, note="kernel and overlap choices") for k in (
+        "use_grouped_mm", "disable_triton_grouped_mm", "gate_up_impl", "combine_impl", "row_weighting_impl",
+        "async_split_plan", "validate_folding_routing", "comm_num_sm", "comm_qp_margin", "comm_max_tokens_per_rank")),
+    Rule("use_data_before_expert_parallel_", None, _off, note="data-parallel-major expert groups"),
 )
 
 DICT_SECTIONS = ("zero_optimization", _Z + "offload_optimizer", _Z + "offload_param", "fp16", "bf16",
                  "bfloat16", "optimizer", "optimizer.params", "scheduler", "scheduler.params",
-                 "activation_checkpointing", "data_types", "checkpoint", "pipeline")
+                 "activation_checkpointing", "data_types", "checkpoint", "pipeline", "expert_parallel")
 """DeepSpeed keys whose values are sections (mappings) of further keys."""
 
 OPTIMIZER_TYPES = MappingProxyType({"adam": "adam", "adamw": "adamw", "sgd": "sgd", "onebitadam": "onebit_adam"})

@@ -67,6 +67,11 @@ def experts_lines(cfg: Config, gpus_per_node: int = 8) -> list[str]:
              f"{moe.num_experts // max(ep, 1)} per rank, replicated over dp / ep = {cfg.parallel.dp // max(ep, 1)} "
              f"expert-data-parallel ranks; capacity "
              + ("none (no dropping)" if moe.capacity_factor is None else f"{moe.capacity_factor} per sequence")]
+    tp = cfg.parallel.tp
+    expert_tp = tp if cfg.parallel.expert_tp is None else cfg.parallel.expert_tp
+    if tp > 1:
+        lines.append(f"#   parallel.expert_tp={expert_tp}: " + (f"each expert's ffn split over the {tp} TP ranks"
+                                                               if expert_tp > 1 else "whole experts on every TP rank"))
     if moe.num_experts % gpus_per_node:
         lines.append(f"#   WARNING: model.moe.num_experts={moe.num_experts} is not a multiple of the {gpus_per_node} GPUs "
                      f"per node: a node's GPUs cannot hold equal shares of the experts, which unbalances the load; "

@@ -46,6 +46,7 @@ class ParallelConfig:
     tp: int = 1
     dp: Optional[int] = None
     ep: int = 1  # expert parallel: experts split over ep of the dp ranks (ep divides dp)
+    expert_tp: Optional[int] = None  # expert tensor parallel: experts' ffn split over 1 or tp ranks (None: tp)
     sequence_parallel: bool = False
     order: List[str] = field(default_factory=lambda: ["pp", "dp", "tp"])  # outermost first
     ranks_per_node: Optional[int] = None  # consecutive ranks per node; None: the launcher's LOCAL_WORLD_SIZE
@@ -79,6 +80,7 @@ class MoEConfig:
     score: Optional[str] = None  # softmax | sigmoid
     normalize_topk: Optional[bool] = None
     capacity_factor: Optional[float] = None  # per-sequence capacity; unset in the spec: no dropping
+    drop_tokens: Optional[bool] = None  # false: no dropping whatever the spec's capacity (DeepSpeed's name)
     aux_loss_coef: Optional[float] = None
     z_loss_coef: Optional[float] = None
     shared_experts: Optional[int] = None
@@ -108,7 +110,9 @@ class ModelConfig:
         typed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                  if f.name not in ("spec", "overrides", "moe") and getattr(self, f.name) is not None}
         moe = {f"moe_{f.name}": getattr(self.moe, f.name) for f in dataclasses.fields(self.moe)
-               if getattr(self.moe, f.name) is not None}
+               if getattr(self.moe, f.name) is not None and f.name != "drop_tokens"}
+        if self.moe.drop_tokens is False:
+            moe["moe_capacity_factor"] = None  # no capacity: every assignment kept
         return {**typed, **moe, **dict(self.overrides)}
 
 

@@ -1,0 +1,129 @@
+"""The cost of one transformer block and of the embedding and head, one micro-batch on one TP rank
+(pure: no torch), as the step-time model (speed.py, whose docstring states the model) times them;
+an MoE block's MLP from moe_cost.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megazero.planner.machine import Implementation, Machine, add_parts
+from megazero.planner.moe_cost import moe_cost
+from megazero.planner.moe_plan import moe_shape
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Seconds of one block, one micro-batch (parts dicts by breakdown category), and its parameters."""
+
+    fwd: dict       # forward
+    bwd: dict       # input-grad side of backward: dgrad GEMMs, core and elementwise backward
+    wgrad: dict     # weight-grad GEMMs and the fp32 accumulation
+    tp_bwd: float   # backward collectives, all exposed (weight GEMMs deferred to W, or no overlap)
+    tp_bwd_overlapped: float  # the same, hidden behind the GEMMs where megazero does so
+    recompute: float  # time of the recompute forward added to each backward
+    params: float   # GEMM weights of the block on this TP rank (an MoE MLP's router and shared experts too)
+    expert_params: float = 0.0  # an MoE MLP's routed experts on this rank (their own data-parallel group)
+
+
+def block_gemms(spec, t: int, impl: Implementation):
+    """(region, out, in) of the block's linear layers on one TP rank; region: the column region
+    (attn, mlp) whose backward reduction its weight GEMMs can hide, None for the row-parallel ones. An
+    MoE block's MLP is not among them (moe_cost.py)."""
+    d, a, g, f = spec.head_dim, spec.heads // t, spec.num_kv_heads // t, spec.ffn // t
+    h = spec.hidden
+    if impl.fused_qkv:
+        attn = [("attn", (a + 2 * g) * d, h)]
+    else:
+        attn = [("attn", a * d, h), ("attn", g * d, h), ("attn", g * d, h)]
+    if spec.moe is not None:
+        return attn + [(None, h, a * d)]
+    mlp_in = [("mlp", f, h)] * (2 if spec.activation == "swiglu" else 1)
+    return attn + [(None, h, a * d)] + mlp_in + [(None, h, f)]
+
+
+def _attention(spec, layout, mc: Machine) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core of one micro-batch on one TP rank."""
+    b, s, d = layout.micro_batch, spec.seq_len, spec.head_dim
+    bh = b * spec.heads // layout.tp
+    if spec.attention_dropout == 0:  # SDPA flash: the causal half of the square
+        flops = 2.0 * bh * s * s * d
+        return flops / (mc.eff.flash_fwd * mc.peak), 2.5 * flops / (mc.eff.flash_bwd * mc.peak)
+    scores = bh * s * s
+    dropout = (2 * mc.act + 1) * scores  # read, write, 1-byte mask; the same backward
+    fwd = mc.gemm(s, s, d, bh) + mc.gemm(s, d, s, bh) + mc.mem(2 * mc.act * scores + dropout, 2)  # QKᵀ, PV, softmax
+    bwd = mc.gemm(s, s, d, bh) + 3 * mc.gemm(s, d, s, bh) + mc.mem(3 * mc.act * scores + dropout, 2)  # dP, dV, dQ, dK
+    return fwd, bwd
+
+
+def _elementwise(spec, layout, mc: Machine) -> float:
+    """Bytes the forward's memory-bound kernels move: two norms (4 B per (s, b, h) element), two residual
+    adds (6, and 1 more for a dropout mask), the MLP activation (4 B, SwiGLU 6, per (s, b, f/t)
+    element; an MoE MLP's in moe_cost.py), RoPE on q and k (4 B per element)."""
+    t, tokens = layout.tp, layout.micro_batch * spec.seq_len
+    x = tokens * spec.hidden / (t if layout.sequence_parallel else 1)
+    y = tokens * spec.ffn / t if spec.moe is None else 0
+    act = (3 if spec.activation == "swiglu" else 2) * mc.act * y
+    rope = 2 * mc.act * tokens * spec.head_dim * (spec.heads + spec.num_kv_heads) / t if spec.position == "rope" else 0
+    return (2 * 2 * mc.act + 2 * (3 * mc.act + (1 if spec.dropout > 0 else 0))) * x + act + rope
+
+
+def block_cost(spec, layout, mc: Machine, impl: Implementation) -> BlockCost:
+    """The `BlockCost` of one block of `spec` (speed.py's model; an MoE MLP's as moe_cost.py's, its
+    backward TP all-reduces exposed)."""
+    t, tokens = layout.tp, layout.micro_batch * spec.seq_len
+    shape = moe_shape(spec, layout)
+    gemms = block_gemms(spec, t, impl)
+    fwd_gemm = sum(mc.gemm(tokens, out, inp) for _, out, inp in gemms)
+    dgrad = {r: sum(mc.gemm(tokens, inp, out) for rr, out, inp in gemms if rr == r) for r in ("attn", "mlp", None)}
+    wgrad = {r: sum(mc.gemm(out, inp, tokens) for rr, out, inp in gemms if rr == r) for r in ("attn", "mlp", None)}
+    params = sum(out * inp for _, out, inp in gemms)
+    attn_f, attn_b = _attention(spec, layout, mc)
+    elem = _elementwise(spec, layout, mc)
+    # TP: two all-reduces of (s, b, h) forward and two backward; sequence parallelism: an all-gather
+    # and a reduce-scatter (each half an all-reduce's time) per all-reduce, plus backward's re-gather
+    # of each column region's saved input shard for its weight GEMMs
+    ar = mc.ring("all_reduce", tokens * spec.hidden * mc.act, t, mc.link(1, t))
+    regions = ("attn", "mlp") if shape is None else ("attn",)
+    if layout.sequence_parallel:  # row grads all-gathered (exposed); column grads reduce-scattered
+        half = ar / 2            # behind the weight GEMMs, the shard re-gathered behind the input GEMMs
+        exposed = 6 * half
+        hidden = 2 * half + sum(max(0.0, half - wgrad[r]) + max(0.0, half - dgrad[r]) for r in regions)
+    else:
+        exposed = len(regions) * ar
+        hidden = sum(max(0.0, ar - wgrad[r]) for r in regions)
+    fwd = {"gemm": fwd_gemm, "attention": attn_f, "elementwise": mc.mem(elem, 6), "tp_comm": len(regions) * ar}
+    recompute = {"full": sum(fwd.values()), "selective": attn_f}.get(layout.recompute, 0.0)
+    bwd = {"gemm": sum(dgrad.values()), "attention": attn_b, "elementwise": mc.mem(2 * elem, 8)}
+    wgrad_parts = {"gemm": sum(wgrad.values()), "elementwise": mc.mem(10 * params, len(gemms))}
+    if shape is None:
+        return BlockCost(fwd=fwd, bwd=bwd, wgrad=wgrad_parts, tp_bwd=exposed,
+                         tp_bwd_overlapped=hidden if impl.tp_overlap else exposed, recompute=recompute,
+                         params=params)
+    moe = moe_cost(shape, layout, mc)
+    moe_tp = moe.bwd.get("tp_comm", 0.0)
+    return BlockCost(fwd=add_parts(fwd, moe.fwd), bwd=add_parts(bwd, {k: v for k, v in moe.bwd.items() if k != "tp_comm"}),
+                     wgrad=add_parts(wgrad_parts, moe.wgrad), tp_bwd=exposed + moe_tp,
+                     tp_bwd_overlapped=(hidden if impl.tp_overlap else exposed) + moe_tp,
+                     recompute=recompute + (moe.recompute if layout.recompute == "full" else 0.0),
+                     params=params + moe.dense_params, expert_params=moe.expert_params)
+
+
+def embedding_head_cost(spec, layout, mc: Machine) -> tuple[dict, ...]:
+    """(embedding forward, embedding backward, head forward, head input-grad, head weight-grad) as
+    parts dicts (category embedding_head) for one micro-batch on one TP rank. The vocabulary-parallel
+    embedding all-reduces its output; the head's input grad is all-reduced (f); the loss all-reduces
+    three fp32 values per token; the logits cost 10 bytes per element forward and 6 backward (the
+    16-bit logits read, fp32 softmax statistics, the 16-bit grad written)."""
+    t, tokens, h = layout.tp, layout.micro_batch * spec.seq_len, spec.hidden
+    vocab = spec.padded_vocab(t) // t
+    x = tokens * h
+    ar = mc.ring("all_reduce", x * mc.act, t, mc.link(1, t))
+    pos = 3 * mc.act * x if spec.position == "learned" else 0
+    emb_f = mc.mem(2 * mc.act * x + pos, 2) + ar
+    emb_b = mc.mem(4 * mc.act * x + 4 * vocab * h, 2)  # scatter-add into the (dense, fp32) table gradient
+    logits = tokens * vocab
+    loss_ar = 3 * mc.ring("all_reduce", 4 * tokens, t, mc.link(1, t))
+    head_f = mc.gemm(tokens, vocab, h) + mc.mem(4 * mc.act * x + 10 * logits, 4) + loss_ar
+    head_b = mc.gemm(tokens, h, vocab) + mc.mem(6 * logits + 8 * mc.act * x, 4) + ar
+    head_w = mc.gemm(vocab, h, tokens) + mc.mem(10 * vocab * h)
+    return ({"embedding_head": emb_f}, {"embedding_head": emb_b}, {"embedding_head": head_f},
+            {"embedding_head": head_b}, {"embedding_head": head_w})

@@ -1,0 +1,130 @@
+"""The hardware as the step-time model sees it (pure: no torch): achievable fractions of the datasheet
+(`Efficiency`, two of them fitted, see speed.py), how the framework runs a block (`Implementation`), and
+`Machine`: the seconds of one GEMM, one memory-bound pass, one collective on a group of ranks.
+
+Rank order (megazero's `Topology`, pp outermost, tp innermost): rank = (pp·dp + d)·tp + t. A group of
+ranks `stride` apart stays on NVLink inside a node; a ring that spans nodes has k = gpus_per_node /
+stride members per node, whose k rings leave each node through k NICs: bus bandwidth
+min(NVLink, k·inter-node). An all-to-all over such a group sends each GPU's share for the members in
+its node on NVLink and the rest through its own NIC, both at once: the slower of the two.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achievable fractions of the datasheet figures. gemm_max, gemm_k_half: fitted (see
+    `DEFAULT_EFFICIENCY`); the rest are stated: hbm (a STREAM-like copy reaches ~0.8 of datasheet
+    HBM bandwidth), nvlink / internode (NCCL ring bus bandwidth over the per-direction link rate:
+    ~0.8 on NVLink, ~0.9 on InfiniBand), flash_fwd / flash_bwd (FlashAttention-2's reported causal
+    fraction of A100 peak, head dim 64-128), a fixed latency per kernel and per collective, and the
+    host side of offload (host memory bandwidth per GPU, PCIe Gen4 x16 effective)."""
+
+    gemm_max: float = 0.7721
+    gemm_k_half: float = 366.9
+    hbm: float = 0.8
+    nvlink: float = 0.8
+    internode: float = 0.9
+    flash_fwd: float = 0.55
+    flash_bwd: float = 0.45
+    kernel_us: float = 4.0
+    collective_us: float = 15.0
+    host_gbs: float = 25.0
+    pcie_gbs: float = 20.0
+
+    def replace(self, **changes) -> "Efficiency":
+        return replace(self, **changes)
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+"""Fitted by `calibrate` on A100 80GB (configs/hardware/a100-80gb.yaml) to the five rows of `CALIBRATION`
+(least squares on log TFLOP/s; the other fields are the stated defaults): gemm_max = 0.7721,
+gemm_k_half = 366.9. A large GEMM with k = 8192 then runs at 0.74 of peak (230 TFLOP/s), k = 2304 at
+0.67, k = 768 (the 18.4B row's out projection per TP rank) at 0.52, and the attention's QKᵀ over a
+head dim of 96-128 at 0.16-0.20 (unfused attention is expensive at small hidden sizes; the fit leans on
+that to separate the 1.7B and 3.6B rows from the 39.1B one). Residuals, predicted / published hardware
+TFLOP/s per GPU - 1: 1.7B -0.9%, 3.6B +0.2%, 7.5B +1.1%, 18.4B +2.1%, 39.1B -2.4% (135.7, 138.3,
+143.6, 137.9, 134.7 against 137, 138, 142, 135, 138). With gemm_k_half fixed at 64 and only gemm_max
+fitted (0.674) the residuals are +2.9%, +2.1%, +0.3%, +0.4%, -5.4%."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """How the framework runs a block: fused_qkv (one qkv GEMM, Megatron) or three (megazero);
+    tp_overlap: backward's input-grad all-reduce overlaps the weight-grad GEMMs; grad_bytes: bytes
+    per gradient element in the data-parallel reduction; p2p_scatter_gather: each TP rank sends 1/t
+    of a pipeline activation and the receivers all-gather it on NVLink (Megatron 2021)."""
+
+    name: str = "megazero"
+    fused_qkv: bool = False
+    tp_overlap: bool = True
+    grad_bytes: int = 4
+    p2p_scatter_gather: bool = False
+
+
+MEGAZERO = Implementation()
+MEGATRON_SC21 = Implementation("megatron-lm (SC21)", fused_qkv=True, tp_overlap=False, grad_bytes=2,
+                               p2p_scatter_gather=True)
+
+
+
+
+class Machine:
+    """The hardware as seen by the model: effective rates in bytes/s and FLOP/s."""
+
+    def __init__(self, hw, eff: Efficiency, layout):
+        self.hw, self.eff = hw, eff
+        self.peak = hw.peak_tflops * 1e12 * (0.5 if layout.precision == "fp32" else 1.0)  # fp32: TF32 rate
+        self.hbm = hw.hbm_bandwidth_tbs * 1e12 * eff.hbm
+        self.nvlink = hw.nvlink_gbs * 1e9 * eff.nvlink
+        self.internode = hw.internode_gbs * 1e9 * eff.internode
+        self.act = 4 if layout.precision == "fp32" else 2  # bytes per activation / parameter element
+
+    def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
+        """One (m x k)·(k x n) GEMM (`batch` of them in one batched kernel)."""
+        e = self.eff.gemm_max * k / (k + self.eff.gemm_k_half)
+        compute = 2.0 * m * n * k * batch / (e * self.peak)
+        memory = self.act * (m * k + k * n + m * n) * batch / self.hbm
+        return max(compute, memory) + self.eff.kernel_us * 1e-6
+
+    def mem(self, nbytes: float, kernels: int = 1) -> float:
+        return nbytes / self.hbm + kernels * self.eff.kernel_us * 1e-6
+
+    def link(self, stride: int, size: int) -> float:
+        """Bus bandwidth (bytes/s) of a ring over `size` ranks `stride` apart (see the module docstring)."""
+        g = self.hw.gpus_per_node
+        if stride * size <= g:
+            return self.nvlink
+        per_node = max(1, g // stride)
+        return min(self.nvlink, per_node * self.internode) if per_node > 1 else self.internode
+
+    def ring(self, kind: str, nbytes: float, size: int, bandwidth: float) -> float:
+        """all_reduce / reduce_scatter / all_gather of `nbytes` (the full tensor) over `size` ranks."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        factor = 2.0 if kind == "all_reduce" else 1.0
+        return factor * (size - 1) / size * nbytes / bandwidth + self.eff.collective_us * 1e-6
+
+    def all_to_all(self, sent: float, size: int, stride: int) -> float:
+        """An all-to-all in which this rank sends `sent` bytes, spread evenly over the other members of a
+        group of `size` ranks `stride` apart: the share for members in its node on NVLink, the rest
+        through its own inter-node link at the same time (the slower sets the time)."""
+        if size <= 1:
+            return 0.0
+        g = self.hw.gpus_per_node
+        near = size if stride * size <= g else max(1, g // stride)  # members per node
+        inside = sent * (near - 1) / (size - 1)
+        return max(inside / self.nvlink, (sent - inside) / self.internode) + self.eff.collective_us * 1e-6
+
+
+def add_parts(*parts: dict) -> dict:
+    out: dict = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def scale_parts(parts: dict, factor: float) -> dict:
+    return {k: v * factor for k, v in parts.items()}

@@ -1,0 +1,202 @@
+"""Per pipeline stage: parameters, data-parallel traffic, the optimizer step, transfers, and the cost of
+every instruction of its program (`StageCosts`, the simulator's cost function). Pure: no torch; the
+model is stated in speed.py's docstring."""
+from __future__ import annotations
+
+from megazero.core.instructions import (
+    P2P, Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep, ReduceGrads,
+    virtual_stage,
+)
+from megazero.core.simulate import Costs
+from megazero.planner.block_cost import block_cost, embedding_head_cost
+from megazero.planner.layout import PlanError
+from megazero.planner.machine import Machine, add_parts, scale_parts
+
+# -- parameters per stage --------------------------------------------------------------------------------
+
+def _stage_params(spec, layout, block_params: float, facts) -> list[tuple[float, float, int]]:
+    """Per pipeline rank: (parameters on one TP rank but the routed experts, of which tied embedding/head
+    copies, blocks). From `facts` (`ModelFacts`) when given, else counted from the spec: the block's
+    GEMM weights, biases and norms, the (padded, vocabulary-parallel) embedding and learned positions
+    on the first stage, the final norm and the head (a tied copy when pp > 1) on the last."""
+    if facts is not None:
+        if len(facts.stages) != layout.pp:
+            raise PlanError(f"facts describe {len(facts.stages)} pipeline stages, the layout has pp={layout.pp}")
+        return [(float(st.params - st.expert_params), float(st.tied_params), st.layers) for st in facts.stages]
+    t, h = layout.tp, spec.hidden
+    norm = (2 if spec.norm == "layernorm" else 1) * h
+    bias = 0
+    if spec.bias:  # column-parallel biases are split, the row-parallel ones (out, fc2) replicated
+        mlp_in = spec.ffn * (2 if spec.activation == "swiglu" else 1) if spec.moe is None else 0
+        bias = ((spec.heads + 2 * spec.num_kv_heads) * spec.head_dim + mlp_in) // t + (1 if spec.moe else 2) * h
+    per_layer = block_params + bias + 2 * norm
+    layers = spec.layers // layout.pp
+    vocab = spec.padded_vocab(t) // t * h
+    stages = []
+    for s in range(layout.pp):
+        params, tied = layers * per_layer, 0.0
+        if s == 0:
+            params += vocab + (spec.seq_len * h if spec.position == "learned" else 0)
+            tied += vocab if spec.tie_embeddings and layout.pp > 1 else 0
+        if s == layout.pp - 1:
+            params += norm
+            if not spec.tie_embeddings or layout.pp > 1:
+                params += vocab
+                tied += vocab if spec.tie_embeddings else 0
+        stages.append((params, tied, layers))
+    return stages
+
+
+# -- data parallel and the optimizer -----------------------------------------------------------------------
+
+def _hidden(total: float, window: float, last_fraction: float) -> float:
+    """Exposed part of `total` seconds of communication launched during `window` seconds of compute:
+    at least its last bucket (`last_fraction` of it) waits for the end."""
+    return max(total * min(1.0, last_fraction), total - window)
+
+
+def _shards(layout, mc: Machine, dense: float, experts: float) -> list[tuple[float, int, float]]:
+    """(parameters, ranks, bus bandwidth) of each data-parallel group a stage's gradients are reduced
+    over: the dense ones over dp (ranks tp apart), an MoE model's routed experts over the dp / ep ranks
+    holding the same experts (ranks ep·tp apart)."""
+    out = [(dense, layout.dp, mc.link(layout.tp, layout.dp))]
+    if experts:
+        out.append((experts, layout.edp, mc.link(layout.ep * layout.tp, layout.edp)))
+    return out
+
+
+def _dp_per_microbatch(layout, mc: Machine, impl, shards, f_time: float, b_time: float):
+    """Extra (forward, backward) seconds per micro-batch and chunk: ZeRO-2's reduce-scatter, ZeRO-3's
+    gathers and reduce-scatter, over each group of `shards` ((parameters of the chunk, ranks,
+    bandwidth)), hidden behind the chunk's compute when overlap_comm."""
+    z = layout.zero
+    psi_chunk = sum(psi for psi, _, _ in shards)
+    if z < 2 or all(n == 1 for _, n, _ in shards):
+        return 0.0, 0.0
+    rs = sum(mc.ring("reduce_scatter", psi * impl.grad_bytes, n, bw) for psi, n, bw in shards)
+    reduce_frac = layout.reduce_bucket_size / max(psi_chunk, 1.0)
+    if z == 2:
+        return 0.0, _hidden(rs, b_time, reduce_frac) if layout.overlaps else rs
+    ag = sum(mc.ring("all_gather", psi * mc.act, n, bw) for psi, n, bw in shards)
+    if layout.offload_param:  # the shard comes from host memory first
+        ag += sum(psi / n for psi, n, _ in shards) * mc.act / (mc.eff.pcie_gbs * 1e9)
+    if not layout.overlaps:
+        return ag, ag + rs
+    pre = layout.prefetch_bucket_size / max(psi_chunk, 1.0)
+    return _hidden(ag, f_time, pre), _hidden(ag + rs, b_time, pre)
+
+
+def _reduce_and_step(layout, mc: Machine, impl, shards, tied: float, last_backward: float):
+    """({category: s} of ReduceGrads, of OptimizerStep) on one stage whose gradients are reduced over
+    the groups of `shards` ((parameters, ranks, bandwidth))."""
+    dp, z = layout.dp, layout.zero
+    psi = sum(p for p, _, _ in shards)
+    reduce = 0.0
+    if z <= 1:
+        kind = "all_reduce" if z == 0 else "reduce_scatter"
+        total = sum(mc.ring(kind, p * impl.grad_bytes, n, bw) for p, n, bw in shards)
+        reduce = _hidden(total, last_backward, layout.reduce_bucket_size / max(psi, 1.0)) if layout.overlaps else total
+    if tied and layout.pp > 1:  # embedding and head copies (their dp shards at stages 1-3), first and last
+        tied_bytes = tied * impl.grad_bytes / (dp if z >= 1 else 1)  # stage: ranks (pp-1)·dp·tp apart
+        reduce += mc.ring("all_reduce", tied_bytes, 2, mc.link((layout.pp - 1) * dp * layout.tp, 2))
+    shard = sum(p / n for p, n, _ in shards) if z >= 1 else psi
+    if layout.offload_optimizer:
+        adam = shard * 28 / (mc.eff.host_gbs * 1e9) + shard * 6 / (mc.eff.pcie_gbs * 1e9)
+    else:
+        adam = mc.mem(shard * (34 if mc.act == 2 else 32), kernels=4)
+    gather = sum(mc.ring("all_gather", p * mc.act, n, bw) for p, n, bw in shards) if z in (1, 2) else 0.0
+    return {"dp_comm": reduce}, {"optimizer": adam, "dp_comm": gather}
+
+
+# -- the pipeline ----------------------------------------------------------------------------------------
+
+def _p2p_time(spec, layout, mc: Machine, impl, a: int, b: int) -> float:
+    """One activation (or its grad) between pipeline ranks a and b: NVLink when all the ranks of
+    both stages share a node, else the inter-node link of each GPU."""
+    tokens, t, g = layout.micro_batch * spec.seq_len, layout.tp, mc.hw.gpus_per_node
+    nbytes = tokens * spec.hidden * mc.act / (t if layout.sequence_parallel else 1)
+    ranks = layout.dp * t
+    lo, hi = min(a, b), max(a, b)
+    same_node = (lo * ranks) // g == ((hi + 1) * ranks - 1) // g  # nodes hold consecutive ranks
+    bw = mc.nvlink if same_node else mc.internode
+    if impl.p2p_scatter_gather and not layout.sequence_parallel and t > 1 and not same_node:
+        return nbytes / t / bw + mc.eff.collective_us * 1e-6 + mc.ring("all_gather", nbytes, t, mc.link(1, t))
+    return nbytes / bw + mc.eff.collective_us * 1e-6
+
+
+class StageCosts:
+    """Parts dicts of every compute instruction kind per (stage, chunk); the simulator's cost function."""
+
+    @classmethod
+    def of(cls, spec, layout, hardware, facts, efficiency, impl) -> "StageCosts":
+        """The costs of `layout` (checked against `spec`) on `hardware`; backward split for ZB-H1."""
+        layout.check(spec)
+        return cls(spec, layout, Machine(hardware, efficiency, layout), impl, facts, layout.schedule == "zb-h1")
+
+    def __init__(self, spec, layout, mc: Machine, impl, facts, split: bool):
+        self.mc, self.split = mc, split
+        p, v = layout.pp, layout.chunks
+        blk = block_cost(spec, layout, mc, impl)
+        emb_f, emb_b, head_f, head_b, head_w = embedding_head_cost(spec, layout, mc)
+        stages = _stage_params(spec, layout, blk.params, facts)
+        last = p * v - 1
+        self.parts: dict = {}
+        self.p2p = {}
+        for s, (psi, tied, layers) in enumerate(stages):
+            per_chunk = layers / v
+            shards = _shards(layout, mc, psi, blk.expert_params * layers)
+            for c in range(v):
+                vs = virtual_stage(s, c, p)
+                f = add_parts(scale_parts(blk.fwd, per_chunk), emb_f if vs == 0 else {}, head_f if vs == last else {})
+                b = add_parts(scale_parts(blk.bwd, per_chunk), {"recompute": blk.recompute * per_chunk},
+                         {"tp_comm": (blk.tp_bwd if split else blk.tp_bwd_overlapped) * per_chunk},
+                         emb_b if vs == 0 else {}, head_b if vs == last else {})
+                w = add_parts(scale_parts(blk.wgrad, per_chunk), head_w if vs == last else {})
+                dp_f, dp_b = _dp_per_microbatch(layout, mc, impl, [(x / v, n, bw) for x, n, bw in shards],
+                                                sum(f.values()),
+                                                sum(b.values()) + sum(w.values()))
+                f = add_parts(f, {"dp_comm": dp_f})
+                if split:
+                    w = add_parts(w, {"dp_comm": dp_b})
+                else:
+                    b, w = add_parts(b, w, {"dp_comm": dp_b}), {}
+                self.parts[(s, "F", c)], self.parts[(s, "B", c)], self.parts[(s, "W", c)] = f, b, w
+            last_backward = sum(sum(self.parts[(s, k, c)].values()) for c in range(v) for k in "BW")
+            self.parts[(s, "R", 0)], self.parts[(s, "O", 0)] = _reduce_and_step(layout, mc, impl, shards, tied,
+                                                                                  last_backward)
+            for peer in {(s - 1) % p, (s + 1) % p} - {s}:
+                self.p2p[(s, peer)] = _p2p_time(spec, layout, mc, impl, s, peer)
+
+    def key(self, stage: int, ins):
+        if isinstance(ins, Forward):
+            return (stage, "F", ins.chunk)
+        if isinstance(ins, (Backward, BackwardInput)):
+            return (stage, "B", ins.chunk)
+        if isinstance(ins, BackwardWeight):
+            return (stage, "W", ins.chunk)
+        if isinstance(ins, ReduceGrads):
+            return (stage, "R", 0)
+        if isinstance(ins, OptimizerStep):
+            return (stage, "O", 0)
+        return None
+
+    def __call__(self, stage: int, ins) -> float:
+        if isinstance(ins, P2P):
+            return self.p2p[(stage, ins.peer)]
+        if isinstance(ins, LoadMicroBatch):
+            return 0.0
+        return sum(self.parts[self.key(stage, ins)].values())
+
+    def per_stage(self, stage: int, v: int) -> tuple[float, float, float]:
+        return tuple(sum(sum(self.parts[(stage, k, c)].values()) for c in range(v)) for k in "FBW")
+
+
+def tuning(costs: StageCosts, layout) -> Costs:
+    """Uniform unit costs (F = 1) that the blocking transfer order is built for (`build_programs`),
+    rounded to eighths so that similar layouts share the cached programs."""
+    f, b, w = costs.per_stage(layout.pp // 2, layout.chunks)
+
+    def eighths(x: float) -> float:
+        return max(1, round(8 * x / f)) / 8
+
+    return Costs(forward=1.0, backward_input=eighths(b), backward_weight=eighths(w) if w else 0.0)
