@@ -63,9 +63,10 @@ def _train(cfg, steps, save_at=None, ckpt=None, resume=None):
 
     engine, optimizer, data, _ = megazero.initialize(config=cfg)
     if resume is not None:
+        from megazero.engine import data_iterator, load_run_config
+
         engine.load_checkpoint(resume)
-        data = megazero.engine.data_iterator(engine.cfg if hasattr(engine, "cfg") else cfg, engine,
-                                             engine.global_steps) if False else data
+        data = data_iterator(load_run_config(cfg), engine, engine.global_steps)  # the batches after the save
     losses, per_step = [], []
     for step in range(steps):
         before = engine.pctx.stats.total(axis="dp").bytes
@@ -104,6 +105,5 @@ def test_onebit_adam_resumes_exactly(corpus, tmp_path):
     """Saved after the warm-up (errors, frozen variance, momentum), the run continues bit for bit."""
     cfg = _config(corpus, {"type": "onebit_adam", "freeze_step": 4})
     whole, _ = run_ranks(_train, 2, cfg, 12, 8, str(tmp_path), timeout=300)[0]
-    cfg_resume = dict(cfg, checkpoint={"dir": str(tmp_path)})
-    rest, _ = run_ranks(_train, 2, cfg_resume, 4, None, None, str(tmp_path), timeout=300)[0]
+    rest, _ = run_ranks(_train, 2, cfg, 4, None, None, str(tmp_path), timeout=300)[0]
     assert rest == whole[8:], (rest, whole[8:])

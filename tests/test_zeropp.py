@@ -47,10 +47,10 @@ def _collectives(shard: int):
     # the bound of the reduce-scatter: every rank's quantization error of my chunk, max|block| / 254 each
     chunks = torch.cat([grads.view(8, shard), torch.zeros(8, (-shard) % BLOCK)], 1)
     _, scales = quantize(chunks)
-    mine_scales = torch.zeros(8 * scales.numel()).view(8, -1)
-    mine_scales[rank] = scales.view(8, -1)[rank]  # rank r's scales of my chunk, summed over r below
-    comm.all_reduce(mine_scales, pctx.world_group)  # (8 ranks, my chunk's blocks)
-    rs_bound = torch.repeat_interleave(mine_scales.sum(0) / 2, BLOCK)[:shard]
+    table = torch.zeros(8, 8, scales.numel() // 8)  # (rank r, chunk j, block): r's scales of chunk j
+    table[rank] = scales.view(8, -1)
+    comm.all_reduce(table, pctx.world_group)
+    rs_bound = torch.repeat_interleave(table[:, rank].sum(0) / 2, BLOCK)[:shard]  # every rank's error of my chunk
     return (got - exact).abs().numpy(), exact.numpy(), (mine - want).abs().numpy(), rs_bound.numpy(), a2a
 
 
@@ -143,9 +143,16 @@ def test_hpz_trains_exactly_with_backward_gathers_inside_the_node(plain):
         moved, crossed = hpz[r][3], hpz[r][4]
         assert moved["hpz/all_gather"] > 0 and crossed.get("hpz/all_gather", 0) == 0
         assert moved["dp/all_gather"] < plain[r][3]["dp/all_gather"]
-        assert crossed["dp/all_gather"] + crossed.get("hpz/all_gather", 0) < plain[r][4]["dp/all_gather"]
         secondary = hpz[r][8] // K * 4  # every sharded bucket's part, fp32
         assert hpz[r][5][0] == plain[r][5][0] + secondary
+    crossing = {name: sum(run[r][4].get(f"{axis}/all_gather", 0) for r in range(8) for axis in ("dp", "hpz"))
+                for name, run in (("plain", plain), ("hpz", hpz))}
+    over_dp = {name: sum(run[r][3]["dp/all_gather"] for r in range(8)) for name, run in (("plain", plain), ("hpz", hpz))}
+    # only each bucket's first gather of a step goes over dp, crossing nodes as plain's gathers do
+    assert crossing["hpz"] == pytest.approx(crossing["plain"] * over_dp["hpz"] / over_dp["plain"], rel=1e-9)
+    for r in range(8):  # once per bucket and step, (n-1)·4·S bytes: 3 steps and the final full_parameters()
+        buckets = plain[r][6]["gather"]
+        assert hpz[r][3]["dp/all_gather"] == (3 + 1) * sum(7 * 4 * plain[r][7][k] for k in buckets)
 
 
 def test_qwz_moves_int8_weights_and_stays_within_the_derived_error(plain):

@@ -293,7 +293,7 @@ class FlatGroup:
         if self.separate_master:  # offloaded: the master is pinned, the copies to the device asynchronous
             for m, w in zip(self.master, self.param_owned):
                 w.copy_(m, non_blocking=True)
-        self._secondary.clear()  # hpZ: the parts kept were of the old parameters
+        self.forget_secondary()  # hpZ: the parts kept were of the old parameters
         if self.stage not in (1, 2) or self.shard_params:
             return
         in_flight: list[tuple[object, int]] = []  # (work, bucket numel)
@@ -334,6 +334,10 @@ class FlatGroup:
         if hpz is not None:
             work = after(work, lambda: self._keep_secondary(b, full))
         return work, full
+
+    def forget_secondary(self) -> None:
+        """hpZ: drop the parts kept (the parameters changed); the next gather of each bucket goes over dp."""
+        self._secondary.clear()
 
     def _keep_secondary(self, b: int, full: torch.Tensor) -> None:
         """hpZ: keep this rank's part of gathered bucket b (part i of k for rank i of the hpZ group)."""

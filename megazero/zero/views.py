@@ -46,6 +46,7 @@ def full_parameters(opt, writeback: bool = False, params=None, modifier_rank: in
                 lo, hi = group.owned[b]
                 group.param_owned[b].copy_(full[lo - start:hi - start])
             for group in opt.groups:
+                group.forget_secondary()  # ZeRO++ hpZ: the parts kept hold the old values
                 if group.separate_master:
                     for m, w in zip(group.master, group.param_owned):
                         m.copy_(w)
