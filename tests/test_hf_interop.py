@@ -171,3 +171,9 @@ def test_mixtral_at_tp2_and_what_mixtral_cannot_hold():
         hf_export_plan(spec.replace(moe_score="sigmoid"))
     with pytest.raises(SpecError, match="sliding_window=16 is not supported"):
         spec_from_hf_config(transformers.MixtralConfig(sliding_window=16))
+    with pytest.raises(SpecError, match="moe_capacity_factor=1.25 has no Hugging Face Mixtral equivalent"):
+        hf_export_plan(spec.replace(moe_capacity_factor=1.25))  # Mixtral never drops a token
+    with pytest.raises(SpecError, match="moe_top_k=1 has no Hugging Face Mixtral equivalent"):
+        hf_export_plan(spec.replace(moe_top_k=1))  # its one weight would be 1, megazero's the score
+    with pytest.raises(SpecError, match="num_experts_per_tok=1 is not supported"):
+        spec_from_hf_config(transformers.MixtralConfig(num_experts_per_tok=1))

@@ -252,8 +252,7 @@ def test_aux_loss_spreads_a_skewed_router():
     before, aux_before = busiest()
     for _ in range(200):
         opt.zero_grad()
-        layer(x)
-        layer.last_routing.aux_loss.backward()
+        (layer(x).sum() * 0).backward()  # the output's gradient 0: the router learns from the aux loss alone
         opt.step()
     after, aux_after = busiest()
     # every token starts with expert 0 among its two (share 1/2); balanced is 1/8 each, aux's minimum 1
@@ -296,11 +295,42 @@ def _skewed_worker(seed):
 
 def test_an_ep_rank_that_receives_no_rows():
     ranks = run_ranks(_skewed_worker, 2, 0, timeout=120)
+    _check_no_rows(ranks)
+
+
+def _check_no_rows(ranks):
     total = sum(t for t, _ in ranks)
     assert total[4:].sum() == 0 and total[:2].sum() > 0  # experts 4-7 (ep rank 1) got nothing
     for _, grads in ranks:
         assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert torch.count_nonzero(ranks[1][1]["experts.gate"]) == 0  # its experts: zero gradient, no hang
+
+
+def _skewed_tp_worker(seed):
+    """`_skewed_worker` at ep 2 x expert tp 2: the TP pair of ep rank 1 holds experts 4-7, split over it,
+    and receives no rows (the expert TP all-reduces then move nothing and must not hang)."""
+    from megazero.core.topology import Topology
+    from megazero.runtime.parallel_context import ParallelContext
+
+    pctx = ParallelContext(Topology(dp=2, tp=2), ep=2)
+    spec = _spec(capacity_factor=None)
+    x, g = _inputs(seed)
+    layer = MoELayer(spec, H, pctx.ep_group, "layers.0.mlp", seed=3, expert_tp_group=pctx.tp_group, bias=True)
+    with torch.no_grad():
+        layer.router[0] += 40.0 * x.mean((0, 1)) / x.mean((0, 1)).norm()
+        layer.router[1] += 30.0 * x.mean((0, 1)) / x.mean((0, 1)).norm()
+    d = pctx.dp_rank
+    xs = (x[:, d * B // 2:(d + 1) * B // 2] + 4 * x.mean((0, 1))).clone().requires_grad_()
+    out = layer(xs)
+    (out * g[:, d * B // 2:(d + 1) * B // 2]).mean().backward()
+    return layer.last_routing.tokens_per_expert, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def test_an_ep_rank_that_receives_no_rows_with_expert_tensor_parallelism():
+    ranks = run_ranks(_skewed_tp_worker, 4, 0, timeout=120)  # ranks (dp 0: tp 0, 1), (dp 1: tp 0, 1)
+    assert all(torch.count_nonzero(grads["experts.gate"]) == 0 for _, grads in ranks[2:])
+    assert all(torch.count_nonzero(grads["experts.gate"]) > 0 for _, grads in ranks[:2])
+    assert all(torch.isfinite(g).all() for _, grads in ranks for g in grads.values())
 
 
 def test_model_flops_count_what_a_token_runs():

@@ -2,6 +2,8 @@
 on the debug GPT against Adam, exact resumption, pipelines, and DeepSpeed's config keys."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -107,3 +109,47 @@ def test_onebit_adam_resumes_exactly(corpus, tmp_path):
     whole, _ = run_ranks(_train, 2, cfg, 12, 8, str(tmp_path), timeout=300)[0]
     rest, _ = run_ranks(_train, 2, cfg, 4, None, None, str(tmp_path), timeout=300)[0]
     assert rest == whole[8:], (rest, whole[8:])
+
+
+def _memory_and_losses(cfg, steps):
+    import megazero
+
+    engine, optimizer, data, _ = megazero.initialize(config=cfg)
+    losses = [engine.train_batch(data) for _ in range(steps)]
+    padded = sum(avg.padded for avgs in optimizer._onebit.values() for avg in avgs) if optimizer._onebit else 0
+    return losses, optimizer.memory_breakdown()["optimizer_states"], padded, engine.pctx.dp_size
+
+
+def test_onebit_adam_runs_with_a_pipeline_and_counts_its_errors(corpus):
+    """pp 2 x dp 2 (DeepSpeed's 1-bit Adam also runs with pipelines): the warm-up steps are AdamW's, the
+    compressed ones keep the loss falling, and the error feedback is in the memory breakdown:
+    4·(P + P/dp) bytes more per stage for P padded elements."""
+    adam = run_ranks(_memory_and_losses, 4, _config(corpus, {"type": "adamw"}, pp=2), 12, timeout=300)
+    bit = run_ranks(_memory_and_losses, 4, _config(corpus, {"type": "onebit_adam", "freeze_step": 4}, pp=2), 12,
+                    timeout=300)
+    assert bit[0][0][:4] == pytest.approx(adam[0][0][:4], rel=1e-5)
+    assert bit[0][0][-1] < bit[0][0][4] and all(math.isfinite(x) for x in bit[0][0])
+    for (_, states, padded, dp), (_, plain, _, _) in zip(bit, adam):
+        assert states - plain == 4 * (padded + padded // dp)
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["optimizer.type=onebit_adam", "zero.stage=1"], "optimizer.type=onebit_adam: needs zero.stage 0"),
+    (["optimizer.freeze_step=-1"], "optimizer.freeze_step: must be >= 0"),
+])
+def test_bad_onebit_settings_are_refused_before_any_process_group(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config({"model": {"spec": "model_specs/gpt.py:debug"}}, overrides, world_size=2)
+
+
+def test_deepspeeds_onebitadam_config_maps_key_by_key():
+    cfg = from_deepspeed({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "OneBitAdam", "params": {
+        "lr": 2e-4, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 0.01, "freeze_step": 400,
+        "cuda_aware": False, "comm_backend_name": "nccl"}}, "zero_optimization": {"stage": 0}})
+    o = cfg.optimizer
+    assert (o.type, o.lr, o.freeze_step, o.bias_correction, o.weight_decay) == ("onebit_adam", 2e-4, 400, False, 0.01)
+    for params, key in (({"cuda_aware": True}, "optimizer.params.cuda_aware"),
+                        ({"comm_backend_name": "mpi"}, "optimizer.params.comm_backend_name")):
+        with pytest.raises(ConfigError, match="not supported yet") as info:
+            from_deepspeed({"optimizer": {"type": "OneBitAdam", "params": params}})
+        assert str(info.value).startswith(key)

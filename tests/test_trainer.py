@@ -52,6 +52,10 @@ def test_short_run_writes_metrics_checkpoint_and_trace(corpus, tmp_path):
     for key in ("loss", "grad_norm", "lr", "loss_scale", "tokens_per_s", "time_ms"):
         assert all(r[key] is not None for r in rows), key
     assert {"forward", "backward", "pipeline_p2p", "dp_reduction", "optimizer"} <= set(rows[0]["time_ms"])
+    # rank 0's bytes of each step by axis and collective: ZeRO-2's gradient reduce-scatters and parameter
+    # all-gathers over dp, TP's all-reduces, the pipeline's sends (one node: nothing crosses)
+    assert {"dp/reduce_scatter", "dp/all_gather", "tp/all_reduce", "pp/send"} <= set(rows[1]["comm"])
+    assert all(v["bytes"] > 0 and v["inter_node_bytes"] == 0 for v in rows[1]["comm"].values())
     assert "layout   pp=2 x tp=2 x dp=2 = 8 ranks, ZeRO-2" in p.stdout
     assert "memory params=" in p.stdout and p.stdout.count("[rank ") == 2  # rank 0 only
     assert sorted(os.listdir(run / "checkpoints" / "step4")) == ["manifest.json"] + sorted(

@@ -183,3 +183,25 @@ def test_qgz_moves_int8_gradients(plain):
         expect = sum(calls[k] * 7 * (-(-shards[k] // BLOCK) * BLOCK + 4 * -(-shards[k] // BLOCK)) for k in sharded)
         assert q[r][3]["dp/all_to_all"] == expect
         assert "dp/reduce_scatter" not in q[r][3] or q[r][3]["dp/reduce_scatter"] < plain[r][3]["dp/reduce_scatter"]
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["zero.stage=2", "zero.quantized_weights=true"], "zero.quantized_weights: ZeRO++ needs zero.stage=3"),
+    (["zero.stage=1", "zero.hpz_partition_size=4"], "zero.hpz_partition_size: ZeRO++ needs zero.stage=3"),
+    (["zero.stage=3", "zero.hpz_partition_size=3"], "zero.hpz_partition_size=3 does not divide the data-parallel"),
+    (["parallel.ranks_per_node=3"], "parallel.ranks_per_node=3 does not divide the world size 8"),
+])
+def test_bad_zeropp_and_node_settings_are_refused_before_any_process_group(overrides, words):
+    from megazero.core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config({"model": {"spec": "model_specs/gpt.py:debug"}}, overrides, world_size=8)
+    assert words in str(info.value), str(info.value)
+
+
+def test_deepspeeds_zeropp_keys_map():
+    from megazero.core.config import from_deepspeed
+
+    z = from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 8,
+                                              "zero_quantized_gradients": True}}).zero
+    assert (z.quantized_weights, z.hpz_partition_size, z.quantized_gradients) == (True, 8, True)

@@ -126,9 +126,9 @@ class Decisions:
             return make()
         if not self._replaying:
             value = make()
-            frame.decisions.setdefault(key, []).append(value)
+            frame.made.setdefault(key, []).append(value)
             return value
-        made, i = frame.decisions.get(key, []), self._replayed.get(key, 0)
+        made, i = frame.made.get(key, []), self._replayed.get(key, 0)
         if i >= len(made):
             raise RuntimeError(f"checkpoint {frame.name}: the recompute asked for decision {key!r} #{i}, which its "
                                f"forward did not make (the region must run the same operations)")
@@ -157,7 +157,7 @@ class Frame:
         self.replay, self.store, self.stored, self.rng, self.name = replay, store, stored, rng, name
         self.stats, self.synchronize, self.observers = stats, synchronize, observers
         self.log = log if log is not None else Decisions()
-        self.decisions: dict[str, list] = {}  # key -> what the forward decided, in call order
+        self.made: dict[str, list] = {}  # key -> what the forward decided, in call order (`Decisions`)
         self.count = 0
         self.recomputed: dict[int, tuple] = {}  # handle -> (tensor, observers' holders)
 
@@ -204,6 +204,7 @@ class Frame:
                                f"the forward saved {self.count}; the region must run the same operations "
                                f"(no data-dependent control flow)")
         self.recomputed = {i: (t, [o.hold(t) for o in self.observers]) for i, t in enumerate(kept)}
+        self.made = {}  # replayed once: the decisions are done with
         self.stats.recomputed(self.stats.now(device) - start)
 
     def release_input(self) -> None:

@@ -63,6 +63,17 @@ class MoESpec:
             raise MoESpecError(f"model.moe.num_experts={self.num_experts} does not split over parallel.ep={ep} "
                                f"ranks; use an ep that divides it")
 
+    @property
+    def matrices(self) -> int:
+        """Weight matrices per expert: 3 for SwiGLU (gate, up, down), else 2."""
+        return 3 if self.activation == "swiglu" else 2
+
+    def active_mlp_params(self, hidden: int) -> int:
+        """Weights one token runs through in the MoE MLP (biases aside): the router (E·h), its top_k
+        routed experts and the shared experts, whole (not a TP rank's part)."""
+        shared = (self.shared_ffn or self.ffn) * self.shared_experts
+        return hidden * (self.num_experts + self.matrices * (self.top_k * self.ffn + shared))
+
     def capacity(self, seq_len: int) -> int | None:
         """Assignments one expert takes per sequence (None: no dropping)."""
         if self.capacity_factor is None:

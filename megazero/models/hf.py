@@ -81,6 +81,9 @@ def _mixtral_moe(config) -> dict:
         return {}
     if getattr(config, "router_jitter_noise", 0.0):
         raise SpecError(f"Mixtral router_jitter_noise={config.router_jitter_noise} is not supported; only 0.0")
+    if config.num_experts_per_tok < 2:
+        raise SpecError(f"Mixtral num_experts_per_tok={config.num_experts_per_tok} is not supported; valid: 2 or "
+                        f"more (Mixtral's one weight is always 1, megazero's is the router's score)")
     if getattr(config, "sliding_window", None) is not None:
         raise SpecError(f"Mixtral sliding_window={config.sliding_window} is not supported; only None (full attention)")
     # Mixtral drops no tokens and has no router z-loss; its aux loss coefficient is router_aux_loss_coef
@@ -134,7 +137,11 @@ def _mixtral_config(spec: ModelSpec, need) -> dict:
     """MixtralForCausalLM's config.json of an MoE spec (checked by `hf_config_dict`'s `need`)."""
     moe = spec.moe
     need("moe_score", moe.score == "softmax", "softmax")
-    need("moe_normalize_topk", moe.normalize_topk or moe.top_k == 1, "True")
+    need("moe_normalize_topk", moe.normalize_topk, "True")
+    # Mixtral renormalises the k weights even at k = 1 (weight 1); megazero weights by the score there (Switch)
+    need("moe_top_k", moe.top_k > 1, "2 or more")
+    # Mixtral never drops a token; megazero's capacity drops at evaluation too
+    need("moe_capacity_factor", moe.capacity_factor is None, "None")
     need("moe_shared_experts", moe.shared_experts == 0, "0")
     need("bias", not spec.bias, "False")
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": spec.hidden,

@@ -87,7 +87,9 @@ class GroupedExperts(nn.Module):
         it: they hold the same rows): f on the rows (identity forward, all-reduce of their gradient
         backward) and g on the outputs (all-reduce of the partial sums forward, identity backward), so
         the outputs are whole and the rows' gradient equal on every TP rank; the output bias is added
-        after the all-reduce."""
+        after the all-reduce. The TP ranks must hold the same rows (they route the same tokens with the
+        same replicated router, so they do as long as its GEMM gives every TP rank the same logits, as
+        deterministic kernels on identical inputs do): the all-reduces' shapes follow `rows`."""
         tp = self.tp_group
         split = tp.size > 1 and rows.shape[0] > 0
         if split:
@@ -107,8 +109,7 @@ class GroupedExperts(nn.Module):
             y = reduce_from_tp_region(y, tp)
         out_bias = getattr(self, self.out_bias_name)
         if out_bias is not None:
-            repeats = torch.tensor(counts, device=y.device)
-            y = y + out_bias.repeat_interleave(repeats, dim=0, output_size=y.shape[0])  # (N, h): each row its expert's
+            y = y + torch.cat([out_bias[e].expand(n, -1) for e, n in enumerate(counts)])  # (N, h): each row its expert's
         return y
 
 

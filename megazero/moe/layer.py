@@ -31,6 +31,7 @@ shared experts' (b·s, h) likewise.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -180,8 +181,9 @@ class MoELayer(nn.Module):
         else:  # recorded in a checkpointed forward, replayed in its recompute
             plan = self.decisions.remember(self.name, lambda: self._plan(logits, s))
         r = route(logits, s, self.spec, plan.decision)
-        if not getattr(self.decisions, "replaying", False):
-            self.last_routing = r
+        if self.decisions is None or not self.decisions.replaying:  # statistics of the forward, not its recompute
+            self.last_routing = dataclasses.replace(r, weights=r.weights.detach(), aux_loss=r.aux_loss.detach(),
+                                                    z_loss=r.z_loss.detach())  # holds no graph
         token, slot = plan.token, plan.slot
         y = self._run_experts(tokens[token], plan)  # (N, h), in the same order
         weighted = y * r.weights[token, slot].unsqueeze(-1).to(y.dtype)

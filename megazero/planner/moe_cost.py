@@ -67,7 +67,7 @@ def moe_cost(m: MoEShape, layout, mc: Machine) -> MoECost:
     ex = _experts(mc, M, m.local, m.ffn, h, m.mats)
     sh = _experts(mc, R, 1 if m.shared else 0, m.shared, h, m.mats)
     router = (mc.gemm(R, m.num_experts, h), mc.gemm(R, h, m.num_experts), mc.gemm(m.num_experts, h, R))
-    per_act = (3 if m.mats == 3 else 2) * act
+    per_act = m.mats * act
     elem = (per_act * (M * m.ffn + R * m.shared) + 16 * R * m.num_experts + 2 * act * N * h
             + (4 * act * M * h if P > 1 else 0) + 6 * act * N * h)
     stride = layout.tp  # ep ranks are consecutive dp ranks: tp apart

@@ -13,10 +13,10 @@ logits and their logsumexp for the z-loss (4·R·E + 4·R); the kept assignments
 (8·N); the rows the experts read: gathered (w·N·h, ep = 1) or, with ep > 1, the received rows
 regrouped by expert (w·M·h) and the regrouping and its inverse (8·M each); the experts'
 intermediates as the dense MLP's (SwiGLU 4, GeLU 2, ReLU 1 times w·M·f_e; f_e = f / t_e under
-expert tensor parallelism, whose f and g keep nothing); with the MLP biases the output bias's
-row index (8·M: `repeat_interleave`); the slot index (8·N), the routing weights (w·N), the
-expert outputs (w·N·h) and the weighted outputs the combine keeps (w·N·h); the shared experts keep
-the tokens (w·R·h), their own intermediates over R rows and, with biases, 8·R.
+expert tensor parallelism, whose f and g keep nothing; the output bias, added per expert's rows,
+keeps nothing); the slot index (8·N), the routing weights (w·N), the expert outputs (w·N·h) and
+the weighted outputs the combine keeps (w·N·h); the shared experts keep the tokens (w·R·h) and
+their own intermediates over R rows.
 """
 from __future__ import annotations
 
@@ -55,8 +55,6 @@ def moe_saves(L, c, p: str) -> None:
         L.save(p + ".regroup", 8 * M)
         L.save(p + ".arrived", w * M * h)
     L.save(p + ".experts", intermediates(c.activation) * w * M * m.ffn)
-    if m.bias:
-        L.save(p + ".bias_rows", 8 * M)
     if m.ep > 1:
         L.save(p + ".inverse", 8 * M)
     for name, n in (("slot", 8 * N), ("weight", w * N), ("y", w * N * h), ("weighted", w * N * h)):
@@ -64,8 +62,6 @@ def moe_saves(L, c, p: str) -> None:
     if m.shared:
         L.save(tok, w * R * h)
         L.save(p + ".shared", intermediates(c.activation) * w * R * m.shared)
-        if m.bias:
-            L.save(p + ".shared_bias_rows", 8 * R)
 
 
 __all__ = ["intermediates", "moe_saves"]

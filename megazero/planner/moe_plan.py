@@ -89,10 +89,6 @@ def all_to_all_per_step(shape: MoEShape, layout, blocks: int) -> tuple[int, int]
     return n * (rows + counts), n * (rows * w + counts * 8)
 
 
-def _mats(activation: str) -> int:
-    return 3 if activation == "swiglu" else 2
-
-
 def moe_shape(spec, layout) -> MoEShape | None:
     """The `MoEShape` of `spec`'s MoE layers on `layout` (None for a dense model)."""
     moe = getattr(spec, "moe", None)
@@ -105,7 +101,7 @@ def moe_shape(spec, layout) -> MoEShape | None:
     received = sent if P == 1 else math.ceil(round(b * min(layout.moe_imbalance * k * s, cap_rows), 9))
     etp = layout.etp
     return MoEShape(num_experts=E, local=E // P, top_k=k, ffn=moe.ffn // etp,
-                    shared=(moe.shared_ffn or moe.ffn) * moe.shared_experts // etp, mats=_mats(moe.activation),
+                    shared=(moe.shared_ffn or moe.ffn) * moe.shared_experts // etp, mats=moe.matrices,
                     hidden=spec.hidden, tokens=b * s, sent=int(sent), received=int(received), ep=P, etp=etp,
                     score=moe.score, normalize=moe.normalize_topk, bias=spec.bias)
 
@@ -113,9 +109,7 @@ def moe_shape(spec, layout) -> MoEShape | None:
 def active_mlp_params(spec) -> int:
     """Parameters one token runs through in an MoE MLP: router, top-k routed experts, shared experts
     (the whole widths, not a TP rank's)."""
-    moe = spec.moe
-    shared = (moe.shared_ffn or moe.ffn) * moe.shared_experts
-    return spec.hidden * (moe.num_experts + _mats(moe.activation) * (moe.top_k * moe.ffn + shared))
+    return spec.moe.active_mlp_params(spec.hidden)
 
 
 def active_params(spec, total: int) -> int:
@@ -125,7 +119,7 @@ def active_params(spec, total: int) -> int:
     moe = spec.moe
     if moe is None:
         return total
-    mats = _mats(moe.activation)
+    mats = moe.matrices
     per_expert = mats * moe.ffn * spec.hidden + ((mats - 1) * moe.ffn + spec.hidden if spec.bias else 0)
     return total - spec.layers * (moe.num_experts - moe.top_k) * per_expert
 

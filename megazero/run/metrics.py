@@ -54,12 +54,21 @@ def mlp_forward_flops(spec) -> float:
     """One layer's MLP forward GEMM FLOPs per token of `spec` (a ModelSpec): 2·h·ffn per weight matrix
     (SwiGLU has 3, others 2). A Mixture-of-Experts layer counts what a token runs, not what is held:
     the router (2·h·E), its top_k routed experts and the shared experts."""
-    mats = 3 if spec.activation == "swiglu" else 2
-    moe = spec.moe
-    if moe is None:
-        return 2 * spec.hidden * spec.ffn * mats
-    shared = (moe.shared_ffn or moe.ffn) * moe.shared_experts
-    return 2 * spec.hidden * (moe.num_experts + mats * (moe.top_k * moe.ffn + shared))
+    if spec.moe is None:
+        return 2 * spec.hidden * spec.ffn * (3 if spec.activation == "swiglu" else 2)
+    return 2 * spec.moe.active_mlp_params(spec.hidden)
+
+
+def comm_delta(before: dict, after: dict) -> dict:
+    """What a step moved: {"axis/op": {"bytes", "inter_node_bytes"}} between two `CommStats.snapshot`s
+    (entries that moved nothing left out)."""
+    out = {}
+    for key, now in after.items():
+        was = before.get(key, {})
+        moved = {k: now[k] - was.get(k, 0.0) for k in ("bytes", "inter_node_bytes")}
+        if moved["bytes"]:
+            out[key] = moved
+    return out
 
 
 def mfu(flops_per_step: float, step_time_s: float, devices: int, peak_tflops: float | None) -> float | None:

@@ -32,8 +32,8 @@ from megazero.planner.from_config import memory_lines, predicted_memory
 from megazero.planner.layout import PlanError
 from megazero.run import checkpoint
 from megazero.run.memory import SavedActivationMeter, memory_report
-from megazero.run.metrics import (MetricsWriter, StepClock, Timers, format_bytes, mfu, mlp_forward_flops,
-                                  model_flops_per_step)
+from megazero.run.metrics import (MetricsWriter, StepClock, Timers, comm_delta, format_bytes, mfu,
+                                  mlp_forward_flops, model_flops_per_step)
 from megazero.run.trace import Tracer
 from megazero.runtime import comm
 from megazero.viz.compare import compare
@@ -114,6 +114,7 @@ def run(cfg: Config, rank: int) -> int:
     clock = StepClock()
     checkpointer = engine.module.activation_checkpointer
     meter = SavedActivationMeter(engine.module, checkpointer=checkpointer) if cfg.log.memory_breakdown else None
+    moved = pctx.stats.snapshot()
     for step in range(start_step + 1, cfg.train.steps + 1):
         if tracer is not None:
             tracer.begin_step(step)
@@ -137,6 +138,8 @@ def run(cfg: Config, rank: int) -> int:
                   "skipped_steps": info.get("skipped_steps", 0),
                   "tokens_per_s": tokens / dt, "step_time_s": dt,
                   "mfu": mfu(flops, dt, pctx.topology.world_size, cfg.log.peak_tflops)}
+        now = pctx.stats.snapshot()
+        record["comm"], moved = comm_delta(moved, now), now  # this rank's bytes by axis/op, inter-node apart
         if info.get("moe") is not None:  # MoE load balance of the step (megazero.moe.stats)
             record["moe"] = info["moe"]
         if cfg.log.wall_clock_breakdown:

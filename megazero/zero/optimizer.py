@@ -480,11 +480,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         load_hyperparameters(self.param_groups, saved)
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds right now: params, grads, master, optimizer_states, comm_buffers."""
+        """Bytes this rank holds right now: params, grads, master, optimizer_states (1-bit Adam's worker and
+        server errors included: 4·(P + P/dp) bytes per bucket of P elements, P padded to 8·dp), comm_buffers."""
         total: dict[str, int] = {}
         for group in self.groups:
             for k, v in group.memory().items():
                 total[k] = total.get(k, 0) + v
+        errors = sum(4 * (avg.worker_error.numel() + avg.server_error.numel())  # 1-bit Adam's error feedback
+                     for avgs in (self._onebit or {}).values() for avg in avgs)
+        total["optimizer_states"] = total.get("optimizer_states", 0) + errors
         return total
 
     def reduced_gradients(self) -> dict:
