@@ -30,7 +30,7 @@ $(DEMO_DATA).idx: $(STAMP)
 demo: $(STAMP) $(DEMO_DATA).idx
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m megazero.run.train configs/demo.yaml $(ARGS)
 
-# The README's schedule pictures, drawn by the tool (the measured two from the last `make demo`).
+# The README's schedule pictures, drawn by the tool (the measured two from the last `make demo`), and 1-bit Adam's curves.
 pictures: $(STAMP)
 	mkdir -p docs/images
 	$(PY) -m megazero.viz --schedule zb-h1 -p 4 -m 8 --costs 1,1,1,0.1 --out docs/images/planned-zb-h1.svg
@@ -38,6 +38,7 @@ pictures: $(STAMP)
 		--out docs/images/predicted-gpt3-175b.png
 	$(PY) -m megazero.viz --run runs/demo --out docs/images/measured-demo.svg
 	$(PY) -m megazero.viz --run runs/demo --compare --out docs/images/compare-demo.svg
+	$(PY) benchmarks/onebit_curves.py --out docs/images/onebit-adam
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

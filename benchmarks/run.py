@@ -3,7 +3,8 @@ torch's AdamW), installed by `pip install -e .[bench]`.
 
     python benchmarks/run.py [--only NAME ...] [--repeats N] [--tiny] --json OUT.json
 
-Cases (benchmarks/cases/<name>.py): cpu_adam, zero_step, pipeline_step, peak_memory, scaling, gpu.
+Cases (benchmarks/cases/<name>.py): cpu_adam, zero_step, pipeline_step, peak_memory, scaling, comm_options,
+gpu.
 Each case runs its contestants interleaved (A/B/A/B) after warm-up, checks that megazero and the
 peer computed the same thing before it reports a ratio (megazero / peer, per repeat pair; then
 median and min-max), and records why a peer could not run. Writes OUT.json (machine info and
@@ -55,10 +56,11 @@ def gpu_case(args) -> dict:
 
 
 def _cases() -> dict:
-    from benchmarks.cases import cpu_adam, peak_memory, pipeline_step, scaling, zero_step
+    from benchmarks.cases import comm_options, cpu_adam, peak_memory, pipeline_step, scaling, zero_step
 
     return {"cpu_adam": cpu_adam.case, "zero_step": zero_step.case, "pipeline_step": pipeline_step.case,
-            "peak_memory": peak_memory.case, "scaling": scaling.case, "gpu": gpu_case}
+            "peak_memory": peak_memory.case, "scaling": scaling.case, "comm_options": comm_options.case,
+            "gpu": gpu_case}
 
 
 def main(argv=None) -> int:
