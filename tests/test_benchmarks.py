@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,3 +38,19 @@ def test_benchmark_runner_writes_results_and_reasons(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "| case | what | megazero | peer | megazero / peer | check |" in table
     assert "zero_step" in table
+
+
+def test_comm_options_case_reports_time_and_bytes(tmp_path):
+    """benchmarks/run.py --only comm_options --tiny: every option ran against its baseline, its losses
+    agreed within the stated tolerance, and the bytes show its saving (hierarchical: 1/1.75 across nodes;
+    1-bit Adam: over 16x fewer over dp; hpZ: exact, fewer across nodes; qwZ, qgZ: fewer over dp)."""
+    out = tmp_path / "comm.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--only", "comm_options", "--tiny",
+                           "--repeats", "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())["cases"]["comm_options"]["results"]
+    assert all(r["check"]["ok"] for r in res.values()), res
+    assert res["hierarchical"]["internode_bytes_ratio"] == pytest.approx(1 / 1.75, rel=2e-3)
+    assert res["onebit_adam"]["dp_bytes_ratio"] < 1 / 16
+    assert res["hpZ"]["check"]["max_rel_diff"] == 0 and res["hpZ"]["internode_bytes_ratio"] < 0.6
+    assert res["qwZ"]["dp_bytes_ratio"] < 0.6 and res["qgZ"]["dp_bytes_ratio"] < 0.9
