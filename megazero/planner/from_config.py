@@ -44,8 +44,22 @@ def layout_of(cfg) -> tuple[Layout | None, str]:
                     offload_optimizer=z.offload_optimizer.device == "cpu", offload_param=z.offload_param.device == "cpu",
                     precision=cfg.precision, reduce_bucket_size=z.reduce_bucket_size,
                     allgather_bucket_size=z.allgather_bucket_size, prefetch_bucket_size=z.prefetch_bucket_size,
-                    overlap_comm=z.overlap_comm)
+                    overlap_comm=z.overlap_comm, **comm_options_of(cfg))
     return layout, ""
+
+
+def comm_options_of(cfg) -> dict:
+    """The Layout's communication options from ``comm.hierarchical``, ``parallel.ranks_per_node``,
+    ``optimizer.type`` (onebit_adam: modelled past its warm-up) and ``zero.quantized_weights`` /
+    ``hpz_partition_size`` / ``quantized_gradients``; read with getattr, so a schema without a key
+    gives the option's default."""
+    z = cfg.zero
+    return {"hierarchical": bool(getattr(getattr(cfg, "comm", None), "hierarchical", False)),
+            "ranks_per_node": getattr(cfg.parallel, "ranks_per_node", None),
+            "onebit": getattr(getattr(cfg, "optimizer", None), "type", None) == "onebit_adam",
+            "quantized_weights": bool(getattr(z, "quantized_weights", False)),
+            "hpz": getattr(z, "hpz_partition_size", 1) or 1,
+            "quantized_gradients": bool(getattr(z, "quantized_gradients", False))}
 
 
 def predicted_memory(cfg, facts=None, device: str = "cuda"):

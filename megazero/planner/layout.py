@@ -37,6 +37,14 @@ class Layout:
     dim split over the TP group with its outputs all-reduced (None: tp, Megatron's default; see
     `etp`); `moe_imbalance`: the busiest ep rank's received rows over the balanced k·b·s (>= 1; 1.0
     assumes balanced routing; capped by the capacity when the model sets a capacity factor).
+
+    Communication options (comm_volume.py: their bytes; stage_costs.py: their time): `hierarchical`
+    (``comm.hierarchical``): data-parallel reductions and gathers inside each node, then between nodes;
+    `ranks_per_node` (``parallel.ranks_per_node``; None: the hardware's gpus_per_node); `onebit`
+    (``optimizer.type: onebit_adam`` past its ``freeze_step`` warm-up, zero 0: the momentum averaged in
+    1 bit instead of the gradient all-reduce); ZeRO++ at zero 3: `quantized_weights` (qwZ, int8
+    gathers), `hpz` (``zero.hpz_partition_size``: the step's later gathers over hpz consecutive dp
+    ranks; divides dp), `quantized_gradients` (qgZ, int8 reduce-scatter by all-to-all).
     """
 
     tp: int = 1
@@ -59,6 +67,12 @@ class Layout:
     ep: int = 1
     expert_tp: int | None = None  # None: = tp
     moe_imbalance: float = 1.0
+    hierarchical: bool = False
+    ranks_per_node: int | None = None  # None: the hardware's gpus_per_node
+    onebit: bool = False
+    quantized_weights: bool = False
+    hpz: int = 1
+    quantized_gradients: bool = False
 
     @property
     def gpus(self) -> int:
@@ -98,8 +112,12 @@ class Layout:
                                   ("offload-param", self.offload_param)) if on]
         moe = [x for x, on in ((f"ep{self.ep}", self.ep != 1), (f"expert-tp{self.expert_tp}", self.etp != self.tp),
                                (f"imbalance={self.moe_imbalance:g}", self.moe_imbalance != 1.0)) if on]
+        comm = [x for x, on in (("hierarchical", self.hierarchical),
+                                (f"ranks-per-node={self.ranks_per_node}", self.ranks_per_node is not None),
+                                ("onebit-adam", self.onebit), ("qwZ", self.quantized_weights),
+                                (f"hpZ{self.hpz}", self.hpz != 1), ("qgZ", self.quantized_gradients)) if on]
         return " ".join([f"tp{self.tp} pp{self.pp} dp{self.dp}"] + moe + [f"mb{self.micro_batch} zero{self.zero}",
-                         f"recompute={self.recompute} {sched}"] + extras)
+                         f"recompute={self.recompute} {sched}"] + extras + comm)
 
     def problems(self, spec) -> list[str]:
         """Every reason this layout cannot run `spec` (a `megazero.core.spec.ModelSpec`), one line each."""
@@ -133,6 +151,7 @@ class Layout:
         if self.sequence_parallel and spec.seq_len % self.tp:
             errs.append(f"sequence_parallel needs seq_len={spec.seq_len} divisible by tp={self.tp}")
         errs += self._moe_problems(spec)
+        errs += self._comm_problems()
         if self.global_batch % (self.micro_batch * self.dp):
             errs.append(f"global_batch={self.global_batch} is not divisible by micro_batch x dp = "
                         f"{self.micro_batch} x {self.dp}")
@@ -167,6 +186,27 @@ class Layout:
         if self.sequence_parallel and self.tp > 1:
             errs.append("sequence_parallel is not supported with Mixture-of-Experts layers (the router counts "
                         "capacity and losses per whole sequence)")
+        return errs
+
+    def _comm_problems(self) -> list[str]:
+        """The rules the config enforces on the communication options (core/config/checks.py, validate.py)."""
+        errs = []
+        rpn = self.ranks_per_node
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1 or self.gpus % rpn):
+            errs.append(f"ranks_per_node={rpn!r} does not divide the world size {self.gpus}: nodes hold the same "
+                        f"number of consecutive ranks")
+        if self.onebit and self.zero != 0:
+            errs.append(f"onebit (optimizer.type=onebit_adam) needs zero 0 (got {self.zero}): its ranks average the "
+                        f"momentum of whole gradients, which stages 1-3 shard")
+        zeropp = [k for k, on in (("quantized_weights", self.quantized_weights),
+                                  ("quantized_gradients", self.quantized_gradients), ("hpz", self.hpz != 1)) if on]
+        if zeropp and self.zero != 3:
+            errs.append(f"{zeropp[0]}: ZeRO++ needs zero=3 (got {self.zero})")
+        if isinstance(self.hpz, bool) or not isinstance(self.hpz, int) or self.hpz < 1:
+            errs.append(f"hpz={self.hpz!r} must be a positive integer (1: off)")
+        elif self.dp % self.hpz:
+            errs.append(f"hpz={self.hpz} does not divide the data-parallel size dp={self.dp}: the secondary "
+                        f"partition is over runs of that many dp ranks")
         return errs
 
     def check(self, spec) -> None:

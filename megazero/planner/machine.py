@@ -6,7 +6,17 @@ Rank order (megazero's `Topology`, pp outermost, tp innermost): rank = (pp·dp +
 ranks `stride` apart stays on NVLink inside a node; a ring that spans nodes has k = gpus_per_node /
 stride members per node, whose k rings leave each node through k NICs: bus bandwidth
 min(NVLink, k·inter-node). An all-to-all over such a group sends each GPU's share for the members in
-its node on NVLink and the rest through its own NIC, both at once: the slower of the two.
+its node on NVLink and the rest through its own NIC, both at once: the slower of the two. Nodes hold
+the layout's ``ranks_per_node`` ranks (None: the hardware's gpus_per_node).
+
+Hierarchical data-parallel collectives (``comm.hierarchical``, `Machine.dp_collective`), for a group
+with k > 1 members in each of N > 1 nodes: inside the node on NVLink, between the nodes a ring over
+one member per node carrying 1/k of the bytes, the k members' rings through their own NICs in
+parallel; the levels run one after another, as megazero's runtime runs them (synchronously: never
+hidden behind compute). An all-reduce of T bytes: 2(k−1)/k·T / NVLink + 2(N−1)/N·T/k / inter-node;
+a reduce-scatter or all-gather half of that. The flat ring's bus bandwidth is min(NVLink,
+k·inter-node): the two-level form gains when the inter-node links are slow next to NVLink (few NICs
+per node), and always sends fewer bytes across nodes (comm_volume.py).
 """
 from __future__ import annotations
 
@@ -80,6 +90,8 @@ class Machine:
         self.nvlink = hw.nvlink_gbs * 1e9 * eff.nvlink
         self.internode = hw.internode_gbs * 1e9 * eff.internode
         self.act = 4 if layout.precision == "fp32" else 2  # bytes per activation / parameter element
+        self.node = layout.ranks_per_node or hw.gpus_per_node  # ranks per node
+        self.hierarchical = layout.hierarchical
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
         """One (m x k)·(k x n) GEMM (`batch` of them in one batched kernel)."""
@@ -93,7 +105,7 @@ class Machine:
 
     def link(self, stride: int, size: int) -> float:
         """Bus bandwidth (bytes/s) of a ring over `size` ranks `stride` apart (see the module docstring)."""
-        g = self.hw.gpus_per_node
+        g = self.node
         if stride * size <= g:
             return self.nvlink
         per_node = max(1, g // stride)
@@ -106,13 +118,34 @@ class Machine:
         factor = 2.0 if kind == "all_reduce" else 1.0
         return factor * (size - 1) / size * nbytes / bandwidth + self.eff.collective_us * 1e-6
 
+    def two_level(self, stride: int, size: int) -> tuple[int, int] | None:
+        """(k members per node, N nodes) when a data-parallel group of `size` ranks `stride` apart runs
+        its collectives in two levels (hierarchical, k > 1 and N > 1), else None."""
+        k = self.node // stride if stride <= self.node else 1
+        if not self.hierarchical or stride * size <= self.node or k <= 1 or size % k:
+            return None
+        return k, size // k
+
+    def dp_collective(self, kind: str, nbytes: float, size: int, stride: int) -> float:
+        """A data-parallel all_reduce / reduce_scatter / all_gather of `nbytes` (the full tensor) over
+        `size` ranks `stride` apart: the flat ring, or two levels (module docstring)."""
+        levels = self.two_level(stride, size)
+        if levels is None:
+            return self.ring(kind, nbytes, size, self.link(stride, size))
+        k, nodes = levels
+        inter = self.ring(kind, nbytes / k, nodes, self.internode)
+        if kind == "all_reduce":
+            return self.ring("reduce_scatter", nbytes, k, self.nvlink) + inter + self.ring("all_gather", nbytes, k,
+                                                                                             self.nvlink)
+        return self.ring(kind, nbytes, k, self.nvlink) + inter
+
     def all_to_all(self, sent: float, size: int, stride: int) -> float:
         """An all-to-all in which this rank sends `sent` bytes, spread evenly over the other members of a
         group of `size` ranks `stride` apart: the share for members in its node on NVLink, the rest
         through its own inter-node link at the same time (the slower sets the time)."""
         if size <= 1:
             return 0.0
-        g = self.hw.gpus_per_node
+        g = self.node
         near = size if stride * size <= g else max(1, g // stride)  # members per node
         inside = sent * (near - 1) / (size - 1)
         return max(inside / self.nvlink, (sent - inside) / self.internode) + self.eff.collective_us * 1e-6

@@ -32,7 +32,9 @@ outputs), ``gathered_params`` (ZeRO-3: the unit running plus what prefetch gathe
 (zero bubble: the inputs and output gradients kept between B and W, and the small weight gradients B
 computed and holds). Each is what it adds to the stage's peak: ``logits`` and ``wgrad_pending`` the rise
 of the walked peak above the activation peak, the other two whole (they may meet it). Those are
-derived from the code's behaviour, not compared with measurements.
+derived from the code's behaviour, not compared with measurements. The communication options add
+1-bit Adam's error buffers to ``optimizer_states`` and the transients ``hpz_secondary`` and
+``zeropp_int8`` (comm_memory.py).
 
 The device total of a stage is what is not in host memory (offloaded master, moments and staging) plus
 the transients, times (1 + `fragmentation`): a stated allowance for the caching allocator's rounding
@@ -48,6 +50,7 @@ from megazero.core.flat_buffer import FlatLayout, build_layout
 from megazero.core.partition import LayerInfo, partition
 from megazero.planner.programs import schedule_programs
 from megazero.planner.activation_ledger import activation_chunks, walk_program
+from megazero.planner.comm_memory import option_memory
 from megazero.planner.layout import Layout, PlanError
 from megazero.planner.moe_plan import moe_shape
 
@@ -113,11 +116,9 @@ def layer_params(spec, kind: str, t: int, layout=None) -> list[Param]:
     def linear(n_out, n_in, bias_numel):
         return [Param(n_out * n_in, True)] + ([Param(bias_numel, False)] if spec.bias else [])
 
-    if kind == "embedding":
-        out = [Param(vocab * h, True, tied)]
-        if spec.position == "learned":
-            out.append(Param(spec.seq_len * h, True))
-        return out + (norm() if spec.embedding_norm else [])
+    if kind == "embedding":  # the module's own position table first, then its submodules' (nn.Module order)
+        out = [Param(spec.seq_len * h, True)] if spec.position == "learned" else []
+        return out + [Param(vocab * h, True, tied)] + (norm() if spec.embedding_norm else [])
     if kind == "head":
         return norm() + [Param(vocab * h, True, tied)]
     q, kv, f = spec.heads * spec.head_dim // t, spec.num_kv_heads * spec.head_dim // t, spec.ffn // t
@@ -159,6 +160,7 @@ class _Group:
     stage: int  # the ZeRO stage the group runs at (stage 3's persistent group: 2)
     shard_params: bool
     offload: bool
+    shared_bucket: int | None = None  # stage 3, pp = 1: the bucket of the tied embedding, used by two units
 
 
 def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group]:
@@ -196,8 +198,9 @@ def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group
         sharded, cuts = _by_unit([x for x in rest if x[0].numel >= persistence_threshold])
         persistent = [x for x in rest if x[0].numel < persistence_threshold]
         if sharded:
-            groups.append(_Group("sharded", build_layout([x[0].numel for x in sharded], dp, bucket, cuts), 3,
-                                 True, layout.offload_param or opt))
+            lay = build_layout([x[0].numel for x in sharded], dp, bucket, cuts)
+            shared = next((lay.bucket_of(i) for i, x in enumerate(sharded) if x[0].tied), None)
+            groups.append(_Group("sharded", lay, 3, True, layout.offload_param or opt, shared))
         if persistent:
             groups.append(_Group("persistent", build_layout([x[0].numel for x in persistent[::-1]], dp, bucket),
                                  2, False, opt))
@@ -396,6 +399,9 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
             transient["grad_buckets"] += comm_bucket_peak(g, layout.overlaps)
             if g.shard_params:
                 transient["gathered_params"] += gathered_peak(g, layout.prefetch_bucket_size, w)
+        states, more = option_memory(groups, layout, w)  # 1-bit Adam, ZeRO++ (comm_memory.py)
+        breakdown["optimizer_states"] += states
+        transient.update(more)
         ledger = activation_chunks(spec, layout, chunks, device, counts)
         peaks = walk_program(programs[s], ledger)
         breakdown["activations"] = peaks.metered

@@ -50,7 +50,7 @@ def candidates(spec, gpus: int, global_batch: int, gpus_per_node: int, fixed: di
                            for mb in options("micro_batch", MICRO_BATCHES)):
                 if global_batch % (mb * dp):
                     continue
-                for zero in options("zero", (1, 2, 3) if dp > 1 else (1,)):
+                for zero in options("zero", _zero_stages(dp, fixed)):
                     for recompute in options("recompute", ("none", "selective", "full")):
                         for schedule, chunks in _schedules(spec, pp, fixed):
                             for sp in options("sequence_parallel", (tp > 1 and spec.moe is None,)):
@@ -61,9 +61,23 @@ def candidates(spec, gpus: int, global_batch: int, gpus_per_node: int, fixed: di
                                                     offload_optimizer=off_opt, offload_param=off_param,
                                                     precision=fixed.get("precision", precision), ep=ep,
                                                     expert_tp=fixed.get("expert_tp"),
-                                                    moe_imbalance=fixed.get("moe_imbalance", 1.0))
+                                                    moe_imbalance=fixed.get("moe_imbalance", 1.0),
+                                                    **{k: fixed[k] for k in COMM_FIELDS if k in fixed})
                                     if not layout.problems(spec):
                                         yield layout
+
+
+COMM_FIELDS = ("hierarchical", "ranks_per_node", "onebit", "quantized_weights", "hpz", "quantized_gradients")
+"""Layout fields a search holds as given (never searched)."""
+
+
+def _zero_stages(dp: int, fixed: dict) -> tuple[int, ...]:
+    """ZeRO stages to try: 1-3 (1 alone when dp = 1); 0 with 1-bit Adam; 3 with a ZeRO++ option."""
+    if fixed.get("onebit"):
+        return (0,)
+    if fixed.get("quantized_weights") or fixed.get("quantized_gradients") or fixed.get("hpz", 1) != 1:
+        return (3,)
+    return (1, 2, 3) if dp > 1 else (1,)
 
 
 def _eps(spec, dp: int) -> list[int]:

@@ -51,6 +51,16 @@
   experts' all-reduces over TP. The routed experts' gradients are reduced, their optimizer states
   sharded, over the dp / ep ranks holding the same experts (ranks ep·tp apart), the rest over dp.
   Model FLOPs (and MFU) count the active parameters: top-k routed experts, shared experts, router.
+* Communication options (machine.py, stage_costs.py): hierarchical data-parallel collectives in two
+  levels (NVLink inside the node, 1/k of the bytes between nodes over each member's own NIC, not
+  overlapped); 1-bit Adam past its warm-up replaces the zero-0 gradient all-reduce by the compressed
+  average in the optimizer step (the all-to-all and all-gather of packed signs, (n−1)/n·P/8 bytes
+  each, the scales' latency, and its memory-bound passes); ZeRO++ at zero 3: qwZ gathers int8 blocks
+  (1 + 4/256 bytes per element) plus quantize / dequantize passes, hpZ puts every gather of a step but
+  the first forward one on the hpz group (ranks tp apart, NVLink when hpz·tp fits a node; averaged over
+  the micro-batches), qgZ reduce-scatters as an all-to-all of 1 + 4/256 bytes per element plus its
+  passes. `StepPlan.dp_bytes` and `internode_bytes`: what each GPU sends over its data-parallel groups
+  in a step and of that what leaves its node (comm_volume.py, as megazero's CommStats counts them).
 * Optimizer: Adam is memory-bound, 34 bytes per parameter of the shard (read fp32 master, moments and
   gradient, write them back and the 16-bit copy, read the gradient again for the norm) at HBM bandwidth;
   offloaded, 28 bytes per parameter at `host_gbs` of host memory bandwidth per GPU plus 6 bytes per
@@ -84,6 +94,7 @@ from dataclasses import dataclass, field
 from megazero.core.instructions import P2P, LoadMicroBatch
 from megazero.core.simulate import simulate
 from megazero.planner.block_cost import block_gemms
+from megazero.planner.comm_volume import predict_volume
 from megazero.planner.machine import (DEFAULT_EFFICIENCY, MEGATRON_SC21, MEGAZERO, Efficiency, Implementation,  # noqa: F401
                                       Machine)
 from megazero.planner.moe_plan import active_mlp_params
@@ -99,7 +110,9 @@ CATEGORIES = ("gemm", "attention", "elementwise", "tp_comm", "all_to_all", "reco
 class StepPlan:
     """The prediction for one step. breakdown: seconds per `CATEGORIES` name on `critical_stage`
     (they sum to step_time_s); stage_costs: per stage (F, B, W) seconds of one micro-batch through
-    all its chunks (W = 0 when backward is not split)."""
+    all its chunks (W = 0 when backward is not split); dp_bytes, internode_bytes: the bytes one GPU
+    sends per step over its data-parallel groups (mean over the GPUs) and of them those that leave its
+    node, the tied embedding's reduction included (comm_volume.py)."""
 
     step_time_s: float
     tokens_per_s: float
@@ -110,6 +123,8 @@ class StepPlan:
     breakdown: dict
     critical_stage: int
     stage_costs: tuple = field(default=())
+    dp_bytes: float = 0.0
+    internode_bytes: float = 0.0
 
 
 
@@ -163,11 +178,14 @@ def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DE
     breakdown["pipeline_bubble"] = step - sum(breakdown.values())
     model, hw_flops = step_flops(spec, layout)
     gpus = layout.gpus
+    volumes = predict_volume(spec, layout, hardware)
     return StepPlan(
         step_time_s=step, tokens_per_s=layout.global_batch * spec.seq_len / step,
         model_tflops_per_gpu=model / step / gpus / 1e12, hardware_tflops_per_gpu=hw_flops / step / gpus / 1e12,
         mfu=model / (step * gpus * mc.peak), bubble_fraction=sim.bubble_fraction, breakdown=breakdown,
-        critical_stage=crit, stage_costs=tuple(costs.per_stage(s, layout.chunks) for s in range(layout.pp)))
+        critical_stage=crit, stage_costs=tuple(costs.per_stage(s, layout.chunks) for s in range(layout.pp)),
+        dp_bytes=sum(v.dp_bytes for v in volumes) / layout.pp,
+        internode_bytes=sum(v.internode_bytes for v in volumes) / layout.pp)
 
 
 def estimate_step_time(spec, layout, hardware, facts=None, efficiency: Efficiency = DEFAULT_EFFICIENCY,

@@ -55,57 +55,115 @@ def _hidden(total: float, window: float, last_fraction: float) -> float:
     return max(total * min(1.0, last_fraction), total - window)
 
 
-def _shards(layout, mc: Machine, dense: float, experts: float) -> list[tuple[float, int, float]]:
-    """(parameters, ranks, bus bandwidth) of each data-parallel group a stage's gradients are reduced
-    over: the dense ones over dp (ranks tp apart), an MoE model's routed experts over the dp / ep ranks
-    holding the same experts (ranks ep·tp apart)."""
-    out = [(dense, layout.dp, mc.link(layout.tp, layout.dp))]
+ONEBIT_PASS_BYTES = 140
+"""Bytes per element of a bucket that 1-bit Adam's compressed average (``zero/onebit.py``) reads and writes
+in memory-bound passes, counted from its unfused PyTorch ops: the worker's compression of momentum plus
+error (padding copy, sum, norms, signs, scales spread per element, error update: ~60), packing, the
+server's unpacking and mean of the n chunks (~35), and the final unpacking and copy (~40)."""
+
+QUANT_PASS_BYTES = 30
+"""Bytes per element that int8 block quantization (``zero/zeropp.py:quantize``: abs-max, divide, round,
+clamp, cast) or dequantization (cast, scale, stack, copy into the bucket) reads and writes."""
+
+INT8 = 1 + 4 / 256
+"""Bytes per element of an int8 collective of ZeRO++ (one fp32 scale per 256-element block)."""
+
+
+def _shards(layout, mc: Machine, dense: float, experts: float) -> list[tuple[float, int, int, bool]]:
+    """(parameters, ranks, stride, ZeRO++ applies) of each data-parallel group a stage's gradients are
+    reduced over: the dense ones over dp (ranks tp apart), an MoE model's routed experts over the dp / ep
+    ranks holding the same experts (ranks ep·tp apart; ZeRO++ leaves them alone, as the runtime does)."""
+    out = [(dense, layout.dp, layout.tp, True)]
     if experts:
-        out.append((experts, layout.edp, mc.link(layout.ep * layout.tp, layout.edp)))
+        out.append((experts, layout.edp, layout.ep * layout.tp, False))
     return out
+
+
+def _stage3_gathers(layout, mc: Machine, psi: float, n: int, stride: int, zpp: bool) -> tuple[float, float]:
+    """(first, later) seconds of one stage-3 gather of `psi` parameters: qwZ gathers int8 blocks (INT8 bytes
+    per element) and quantizes the shard and dequantizes the bucket; with hpZ the later gathers of a step
+    go over the hpz group (k ranks `stride` apart, on NVLink when k·stride fits a node), in the working
+    dtype."""
+    first = later = mc.dp_collective("all_gather", psi * mc.act, n, stride)
+    if zpp and layout.quantized_weights:
+        first = later = (mc.dp_collective("all_gather", psi * INT8, n, stride)
+                         + mc.mem(QUANT_PASS_BYTES * psi * (1 + 1 / n), kernels=8))
+    if zpp and layout.hpz > 1:
+        later = mc.ring("all_gather", psi * mc.act, layout.hpz, mc.link(stride, layout.hpz))
+    return first, later
+
+
+def _reduce_scatter(layout, mc: Machine, impl, psi: float, n: int, stride: int, zpp: bool) -> float:
+    """One reduce-scatter of `psi` gradients; qgZ (stage 3): an all-to-all of INT8 bytes per element with the
+    quantization of the bucket and the dequantization and sum of the chunks received."""
+    if zpp and layout.zero == 3 and layout.quantized_gradients:
+        return mc.all_to_all((n - 1) / n * psi * INT8, n, stride) + mc.mem(2 * QUANT_PASS_BYTES * psi, kernels=8)
+    return mc.dp_collective("reduce_scatter", psi * impl.grad_bytes, n, stride)
+
+
+def _onebit_average(layout, mc: Machine, psi: float, n: int, stride: int) -> float:
+    """1-bit Adam's compressed average of `psi` momentum elements over n ranks: the all-to-all and the
+    all-gather of packed signs ((n−1)/n·psi/8 bytes each), two small collectives of the scales (their
+    latency), and ONEBIT_PASS_BYTES per element of memory-bound passes."""
+    if n <= 1:
+        return 0.0
+    buckets = max(1.0, psi / layout.reduce_bucket_size)
+    return (mc.all_to_all((n - 1) / n * psi / 8, n, stride) + mc.dp_collective("all_gather", psi / 8, n, stride)
+            + 2 * buckets * mc.eff.collective_us * 1e-6 + mc.mem(ONEBIT_PASS_BYTES * psi, kernels=int(30 * buckets)))
 
 
 def _dp_per_microbatch(layout, mc: Machine, impl, shards, f_time: float, b_time: float):
     """Extra (forward, backward) seconds per micro-batch and chunk: ZeRO-2's reduce-scatter, ZeRO-3's
-    gathers and reduce-scatter, over each group of `shards` ((parameters of the chunk, ranks,
-    bandwidth)), hidden behind the chunk's compute when overlap_comm."""
-    z = layout.zero
-    psi_chunk = sum(psi for psi, _, _ in shards)
-    if z < 2 or all(n == 1 for _, n, _ in shards):
+    gathers and reduce-scatter, over each group of `shards` ((parameters of the chunk, ranks, stride,
+    ZeRO++)), hidden behind the chunk's compute when overlap_comm (never in two levels: synchronous).
+    hpZ: of the m micro-batches' forward gathers only the first goes over dp (averaged over them)."""
+    z, m = layout.zero, layout.num_microbatches
+    psi_chunk = sum(sh[0] for sh in shards)
+    if z < 2 or all(sh[1] == 1 for sh in shards):
         return 0.0, 0.0
-    rs = sum(mc.ring("reduce_scatter", psi * impl.grad_bytes, n, bw) for psi, n, bw in shards)
+    rs = sum(_reduce_scatter(layout, mc, impl, *sh) for sh in shards)
+    overlaps = layout.overlaps and not any(mc.two_level(st, n) for _, n, st, _ in shards)
     reduce_frac = layout.reduce_bucket_size / max(psi_chunk, 1.0)
     if z == 2:
-        return 0.0, _hidden(rs, b_time, reduce_frac) if layout.overlaps else rs
-    ag = sum(mc.ring("all_gather", psi * mc.act, n, bw) for psi, n, bw in shards)
+        return 0.0, _hidden(rs, b_time, reduce_frac) if overlaps else rs
+    ag_f = ag_b = 0.0
+    for sh in shards:
+        first, later = _stage3_gathers(layout, mc, *sh)
+        ag_f += (first + (m - 1) * later) / m
+        ag_b += later
     if layout.offload_param:  # the shard comes from host memory first
-        ag += sum(psi / n for psi, n, _ in shards) * mc.act / (mc.eff.pcie_gbs * 1e9)
-    if not layout.overlaps:
-        return ag, ag + rs
+        host = sum(psi / n for psi, n, _, _ in shards) * mc.act / (mc.eff.pcie_gbs * 1e9)
+        ag_f, ag_b = ag_f + host, ag_b + host
+    if not overlaps:
+        return ag_f, ag_b + rs
     pre = layout.prefetch_bucket_size / max(psi_chunk, 1.0)
-    return _hidden(ag, f_time, pre), _hidden(ag + rs, b_time, pre)
+    return _hidden(ag_f, f_time, pre), _hidden(ag_b + rs, b_time, pre)
 
 
 def _reduce_and_step(layout, mc: Machine, impl, shards, tied: float, last_backward: float):
     """({category: s} of ReduceGrads, of OptimizerStep) on one stage whose gradients are reduced over
-    the groups of `shards` ((parameters, ranks, bandwidth))."""
+    the groups of `shards` ((parameters, ranks, stride, ZeRO++)). 1-bit Adam (zero 0, past its warm-up):
+    no gradient reduction; the step averages the momentum in 1 bit (`_onebit_average`)."""
     dp, z = layout.dp, layout.zero
-    psi = sum(p for p, _, _ in shards)
-    reduce = 0.0
-    if z <= 1:
+    psi = sum(sh[0] for sh in shards)
+    reduce, onebit = 0.0, 0.0
+    if z <= 1 and layout.onebit:
+        onebit = sum(_onebit_average(layout, mc, p, n, st) for p, n, st, _ in shards)
+    elif z <= 1:
         kind = "all_reduce" if z == 0 else "reduce_scatter"
-        total = sum(mc.ring(kind, p * impl.grad_bytes, n, bw) for p, n, bw in shards)
-        reduce = _hidden(total, last_backward, layout.reduce_bucket_size / max(psi, 1.0)) if layout.overlaps else total
+        total = sum(mc.dp_collective(kind, p * impl.grad_bytes, n, st) for p, n, st, _ in shards)
+        overlaps = layout.overlaps and not any(mc.two_level(st, n) for _, n, st, _ in shards)
+        reduce = _hidden(total, last_backward, layout.reduce_bucket_size / max(psi, 1.0)) if overlaps else total
     if tied and layout.pp > 1:  # embedding and head copies (their dp shards at stages 1-3), first and last
         tied_bytes = tied * impl.grad_bytes / (dp if z >= 1 else 1)  # stage: ranks (pp-1)·dp·tp apart
         reduce += mc.ring("all_reduce", tied_bytes, 2, mc.link((layout.pp - 1) * dp * layout.tp, 2))
-    shard = sum(p / n for p, n, _ in shards) if z >= 1 else psi
+    shard = sum(p / n for p, n, _, _ in shards) if z >= 1 else psi
     if layout.offload_optimizer:
         adam = shard * 28 / (mc.eff.host_gbs * 1e9) + shard * 6 / (mc.eff.pcie_gbs * 1e9)
     else:
         adam = mc.mem(shard * (34 if mc.act == 2 else 32), kernels=4)
-    gather = sum(mc.ring("all_gather", p * mc.act, n, bw) for p, n, bw in shards) if z in (1, 2) else 0.0
-    return {"dp_comm": reduce}, {"optimizer": adam, "dp_comm": gather}
+    gather = sum(mc.dp_collective("all_gather", p * mc.act, n, st) for p, n, st, _ in shards) if z in (1, 2) else 0.0
+    return {"dp_comm": reduce}, {"optimizer": adam, "dp_comm": gather + onebit}
 
 
 # -- the pipeline ----------------------------------------------------------------------------------------
@@ -113,7 +171,7 @@ def _reduce_and_step(layout, mc: Machine, impl, shards, tied: float, last_backwa
 def _p2p_time(spec, layout, mc: Machine, impl, a: int, b: int) -> float:
     """One activation (or its grad) between pipeline ranks a and b: NVLink when all the ranks of
     both stages share a node, else the inter-node link of each GPU."""
-    tokens, t, g = layout.micro_batch * spec.seq_len, layout.tp, mc.hw.gpus_per_node
+    tokens, t, g = layout.micro_batch * spec.seq_len, layout.tp, mc.node
     nbytes = tokens * spec.hidden * mc.act / (t if layout.sequence_parallel else 1)
     ranks = layout.dp * t
     lo, hi = min(a, b), max(a, b)
@@ -152,7 +210,7 @@ class StageCosts:
                          {"tp_comm": (blk.tp_bwd if split else blk.tp_bwd_overlapped) * per_chunk},
                          emb_b if vs == 0 else {}, head_b if vs == last else {})
                 w = add_parts(scale_parts(blk.wgrad, per_chunk), head_w if vs == last else {})
-                dp_f, dp_b = _dp_per_microbatch(layout, mc, impl, [(x / v, n, bw) for x, n, bw in shards],
+                dp_f, dp_b = _dp_per_microbatch(layout, mc, impl, [(x / v, *rest) for x, *rest in shards],
                                                 sum(f.values()),
                                                 sum(b.values()) + sum(w.values()))
                 f = add_parts(f, {"dp_comm": dp_f})

@@ -75,6 +75,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-optimizer", action="store_true", default=None)
     p.add_argument("--offload-param", action="store_true", default=None)
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--hierarchical", action="store_true", default=None,
+                   help="comm.hierarchical: data-parallel reductions and gathers inside each node, then between nodes")
+    p.add_argument("--ranks-per-node", type=int, help="parallel.ranks_per_node (default: the hardware's gpus_per_node)")
+    p.add_argument("--onebit", action="store_true", default=None,
+                   help="1-bit Adam (optimizer.type=onebit_adam) past its warm-up; needs --zero 0")
+    p.add_argument("--qwz", action="store_true", default=None, help="ZeRO++ zero.quantized_weights (int8 gathers; zero 3)")
+    p.add_argument("--hpz", type=int, help="ZeRO++ zero.hpz_partition_size K (secondary partition over K dp ranks; zero 3)")
+    p.add_argument("--qgz", action="store_true", default=None,
+                   help="ZeRO++ zero.quantized_gradients (int8 reduce-scatter by all-to-all; zero 3)")
     p.add_argument("--search", action="store_true", help="rank every layout that fits (the given flags are held)")
     p.add_argument("--top", type=int, default=10, help="layouts shown by --search (default 10)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -87,7 +96,9 @@ def fixed_choices(args) -> dict:
     for arg, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("ep", "ep"), ("expert_tp", "expert_tp"),
                        ("micro_batch", "micro_batch"), ("zero", "zero"),
                        ("recompute", "recompute"), ("sequence_parallel", "sequence_parallel"),
-                       ("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+                       ("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param"),
+                       ("hierarchical", "hierarchical"), ("ranks_per_node", "ranks_per_node"), ("onebit", "onebit"),
+                       ("qwz", "quantized_weights"), ("hpz", "hpz"), ("qgz", "quantized_gradients")):
         if getattr(args, arg) is not None:
             fixed[field] = getattr(args, arg)
     if args.schedule is not None:
@@ -141,7 +152,9 @@ class Planner:
             "layout_fields": {k: getattr(layout, k) for k in ("tp", "pp", "dp", "ep", "expert_tp", "moe_imbalance",
                                                               "micro_batch", "global_batch", "zero",
                                                               "recompute", "schedule", "chunks", "sequence_parallel",
-                                                              "offload_optimizer", "offload_param", "precision")},
+                                                              "offload_optimizer", "offload_param", "precision",
+                                                              "hierarchical", "ranks_per_node", "onebit",
+                                                              "quantized_weights", "hpz", "quantized_gradients")},
             "params": facts.total_params, "active_params": active_params(self.spec, facts.total_params),
             "memory_gb_per_gpu": tight.total / GB, "tightest_stage": tight.stage,
             "memory_gb_per_stage": [st.total / GB for st in memory.stages],
@@ -153,7 +166,8 @@ class Planner:
             "step_time_s": step.step_time_s, "tokens_per_s": step.tokens_per_s,
             "model_tflops_per_gpu": step.model_tflops_per_gpu, "hardware_tflops_per_gpu": step.hardware_tflops_per_gpu,
             "mfu": step.mfu, "bubble_fraction": step.bubble_fraction, "critical_stage": step.critical_stage,
-            "breakdown": dict(step.breakdown), "_memory": memory,
+            "breakdown": dict(step.breakdown), "dp_bytes_per_gpu": step.dp_bytes,
+            "internode_bytes_per_gpu": step.internode_bytes, "_memory": memory,
         }
 
 
@@ -174,7 +188,9 @@ def describe(spec, hardware, result: dict) -> str:
              f"hardware TFLOP/s per GPU (recompute counted), MFU {result['mfu']:.1%}, bubble "
              f"{result['bubble_fraction']:.1%}",
              f"         breakdown on stage {result['critical_stage']}: " + ", ".join(
-                 f"{k} {v:.3f} s" for k, v in result["breakdown"].items() if abs(v) > 5e-4)]
+                 f"{k} {v:.3f} s" for k, v in result["breakdown"].items() if abs(v) > 5e-4),
+             f"comm     {result['dp_bytes_per_gpu'] / GB:.3f} GB per GPU per step over data parallel; across nodes "
+             f"{result['internode_bytes_per_gpu'] / GB:.3f} GB (data parallel and tied embeddings)"]
     return "\n".join(lines)
 
 
@@ -184,7 +200,8 @@ def search(planner: Planner, args, fixed: dict) -> tuple[list[dict], list[tuple[
     max(3 x top, 30) of them are timed through the simulator (`predict_step`) and ranked by it."""
     fitting, rejected = [], []
     hw = planner.hardware
-    for layout in candidates(planner.spec, args.gpus, args.global_batch, hw.gpus_per_node, fixed,
+    for layout in candidates(planner.spec, args.gpus, args.global_batch, fixed.get("ranks_per_node") or hw.gpus_per_node,
+                             fixed,
                              offload=bool(fixed.get("offload_optimizer")), precision=args.precision):
         memory = planner.memory(layout)
         if memory.fits:
