@@ -135,7 +135,9 @@ def test_onebit_adam_runs_with_a_pipeline_and_counts_its_errors(corpus):
 
 @pytest.mark.parametrize("overrides,words", [
     (["optimizer.type=onebit_adam", "zero.stage=1"], "optimizer.type=onebit_adam: needs zero.stage 0"),
-    (["optimizer.freeze_step=-1"], "optimizer.freeze_step: must be >= 0"),
+    (["optimizer.freeze_step=0"], "optimizer.freeze_step: must be >= 1"),
+    (["optimizer.type=onebit_adam", "zero.stage=0", "parallel.ep=2", "model.spec=model_specs/llama.py:debug-moe"],
+     "optimizer.type=onebit_adam: not with parallel.ep=2"),
 ])
 def test_bad_onebit_settings_are_refused_before_any_process_group(overrides, words):
     with pytest.raises(ConfigError, match=words):
@@ -153,3 +155,32 @@ def test_deepspeeds_onebitadam_config_maps_key_by_key():
         with pytest.raises(ConfigError, match="not supported yet") as info:
             from_deepspeed({"optimizer": {"type": "OneBitAdam", "params": params}})
         assert str(info.value).startswith(key)
+
+
+def _nan_on_rank1(cfg, steps, poisoned):
+    """1-bit Adam past its warm-up; at step `poisoned` rank 1's gradient is NaN."""
+    import megazero
+
+    engine, optimizer, data, _ = megazero.initialize(config=cfg)
+    state = {"step": 0}
+    p = next(iter(engine.module.parameters()))
+    p.register_hook(lambda g: g * float("nan") if dist.get_rank() == 1 and state["step"] == poisoned else g)
+    skipped, norms = [], []
+    for step in range(1, steps + 1):
+        state["step"] = step
+        engine.train_batch(data)
+        skipped.append(bool(engine.last_info["skipped"]))
+        norms.append(engine.get_global_grad_norm())
+    checksum = sum(float(t.double().sum()) for group in optimizer.groups for t in group.master)
+    return skipped, norms, checksum
+
+
+def test_a_nonfinite_gradient_on_any_rank_is_seen_by_all_after_the_warm_up(corpus):
+    """The norm of unreduced gradients counts every rank's own (the mean of their squares): a NaN on rank 1
+    alone skips the step on both ranks, which keep equal weights; other steps clip by a finite norm."""
+    cfg = dict(_config(corpus, {"type": "onebit_adam", "freeze_step": 2}), gradient_clipping=1e-3)
+    ranks = run_ranks(_nan_on_rank1, 2, cfg, 5, 4, timeout=300)
+    for skipped, norms, _ in ranks:
+        assert skipped == [False, False, False, True, False], skipped
+        assert all(math.isfinite(n) and n > 1e-3 for i, n in enumerate(norms) if i != 3)
+    assert ranks[0][2] == ranks[1][2] and math.isfinite(ranks[0][2])

@@ -382,8 +382,8 @@ def test_batch_isend_irecv_counts_each_op_like_send_and_recv(monkeypatch):
     comm.send(a, 1, plain)
     comm.recv(b, 1, plain)
     assert batch_stats.snapshot() == plain_stats.snapshot() == {
-        "pp/recv": {"calls": 1, "elements": 5.0, "bytes": 20.0},
-        "pp/send": {"calls": 1, "elements": 12.0, "bytes": 24.0}}
+        "pp/recv": {"calls": 1, "elements": 5.0, "bytes": 20.0, "inter_node_bytes": 0.0},
+        "pp/send": {"calls": 1, "elements": 12.0, "bytes": 24.0, "inter_node_bytes": 0.0}}
     assert comm.batch_isend_irecv([], group) == [] and len(calls) == 1
     with pytest.raises(ValueError, match="'sned'"):
         PeerOp("sned", a, 1)
@@ -439,5 +439,5 @@ def test_batch_isend_irecv_runs_over_a_real_process_group():
     from tests.harness import run_ranks
     (got0, stats0), (got1, stats1) = run_ranks(one_op_batches_worker, 2, timeout=60)
     assert torch.equal(got0, torch.arange(6.0).view(2, 3) + 10) and torch.equal(got1, torch.arange(6.0).view(2, 3))
-    assert stats0 == stats1 == {"world/recv": {"calls": 1, "elements": 6.0, "bytes": 24.0},
-                                "world/send": {"calls": 1, "elements": 6.0, "bytes": 24.0}}
+    assert stats0 == stats1 == {"world/recv": {"calls": 1, "elements": 6.0, "bytes": 24.0, "inter_node_bytes": 0.0},
+                                "world/send": {"calls": 1, "elements": 6.0, "bytes": 24.0, "inter_node_bytes": 0.0}}

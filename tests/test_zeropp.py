@@ -86,7 +86,8 @@ def _train(cfg: dict, steps: int = 3):
     for gi, group in enumerate(optimizer.groups):
         def counted(fn, kind, gi=gi):
             def wrapped(b, *a, **k):
-                calls[kind][(gi, b)] = calls[kind].get((gi, b), 0) + 1
+                key = kind + ("_exact" if k.get("exact") else "")  # views gather exactly (full_parameters)
+                calls.setdefault(key, {})[(gi, b)] = calls.setdefault(key, {}).get((gi, b), 0) + 1
                 return fn(b, *a, **k)
             return wrapped
         group.gather_bucket = counted(group.gather_bucket, "gather")
@@ -162,10 +163,13 @@ def test_qwz_moves_int8_weights_and_stays_within_the_derived_error(plain):
     q = run_ranks(_train, 8, _zero(quantized_weights=True), timeout=300)
     for r in range(8):
         calls, shards = q[r][6]["gather"], q[r][7]
+        exact = sum(c * 7 * 4 * shards[k] for k, c in q[r][6].get("gather_exact", {}).items())  # full_parameters()
         expect = sum(c * 7 * (-(-shards[k] // BLOCK) * BLOCK * 1 + 4 * -(-shards[k] // BLOCK)) for k, c in calls.items())
         plain_expect = sum(c * 7 * 4 * shards[k] for k, c in plain[r][6]["gather"].items())
+        plain_expect += sum(c * 7 * 4 * shards[k] for k, c in plain[r][6].get("gather_exact", {}).items())
+        expect, plain_int8 = expect + exact, expect
         assert q[r][3]["dp/all_gather"] == expect and plain[r][3]["dp/all_gather"] == plain_expect
-        assert plain_expect / expect > 3.8
+        assert (plain_expect - exact) / plain_int8 > 3.8  # the training gathers: int8 against fp32
     dw = q[0][9]  # ‖ΔW‖ of the first gathers: the int8 error of the initial weights, measured
     assert 0 < abs(q[0][0][0] - plain[0][0][0]) <= 2 * plain[0][1][0] * dw
     assert abs(q[0][0][-1] - plain[0][0][-1]) <= 0.01 * plain[0][0][-1]
@@ -205,3 +209,32 @@ def test_deepspeeds_zeropp_keys_map():
     z = from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 8,
                                               "zero_quantized_gradients": True}}).zero
     assert (z.quantized_weights, z.hpz_partition_size, z.quantized_gradients) == (True, 8, True)
+
+
+def test_an_hpz_group_that_spans_nodes_is_refused_before_any_process_group():
+    """tp 2 on nodes of 4 ranks: only 2 dp ranks share a node, so an hpZ group of 4 would span two."""
+    from megazero.core.config import ConfigError
+    from megazero.engine import initialize_from_config, load_run_config
+
+    cfg = load_run_config(_zero(hpz_partition_size=4), ["parallel.tp=2"], world_size=8)
+    with pytest.raises(ConfigError, match="zero.hpz_partition_size=4: its groups span nodes of 4 ranks .dp ranks are "
+                                          "2 ranks apart.; use at most 2"):
+        initialize_from_config(cfg)
+
+
+def _gathered_under_qwz(modify: bool):
+    """qwZ: full_parameters / GatheredParameters see (and write back) the exact weights, not int8 ones."""
+    import megazero
+    from megazero.zero import GatheredParameters
+
+    engine, optimizer, data, _ = megazero.initialize(config=_zero(quantized_weights=True))
+    engine.train_batch(data)
+    masters = [m.clone() for group in optimizer.groups for m in group.master]
+    p = next(iter(engine.module.parameters()))
+    with GatheredParameters([p], modifier_rank=0 if modify else None):
+        pass  # nothing written: every master must stay as it was, bit for bit
+    return all(torch.equal(a, m) for a, m in zip(masters, (m for group in optimizer.groups for m in group.master)))
+
+
+def test_views_under_qwz_write_back_the_exact_weights():
+    assert all(run_ranks(_gathered_under_qwz, 8, True, timeout=300))

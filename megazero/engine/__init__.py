@@ -130,6 +130,7 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
         raise ConfigError(f"activation_checkpointing.policy={policy}: the model was passed in already built, so "
                           f"initialize cannot checkpoint it; build it with build_pipeline_model(..., "
                           f"activation_checkpointer=ActivationCheckpointer.from_config(...)) or pass a model spec")
+    _check_hpz_in_a_node(cfg, topology)
     info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
     pctx = ParallelContext(topology, timeout_s=cfg.comm.timeout_s, ep=cfg.parallel.ep,
                            ranks_per_node=cfg.parallel.ranks_per_node or info.local_world_size,
@@ -160,6 +161,21 @@ def data_iterator(cfg: Config, engine, start_step: int):
     """The configured data of a spec model from global step `start_step` on (a resumed run's data
     position: batches depend only on the step), as `initialize` builds it for step 0."""
     return _dataloader(cfg, engine.pctx, engine.module, engine, start_step)
+
+
+def _check_hpz_in_a_node(cfg: Config, topology: Topology) -> None:
+    """ZeRO++'s hpZ groups (runs of zero.hpz_partition_size consecutive dp ranks) must each sit in one node,
+    or the secondary partition costs memory and saves no inter-node byte (before any process group)."""
+    k = cfg.zero.hpz_partition_size
+    if k <= 1:
+        return
+    per_node = cfg.parallel.ranks_per_node or detect()[3]
+    for run in topology.data_parallel_runs(k):
+        if len({r // per_node for r in run}) > 1:
+            stride = run[1] - run[0]  # consecutive dp ranks this far apart (tp, or pp x tp in another order)
+            raise ConfigError(f"zero.hpz_partition_size={k}: its groups span nodes of {per_node} ranks (dp ranks are "
+                              f"{stride} ranks apart); use at most {max(1, per_node // stride)}, the dp ranks of one "
+                              f"node, or set parallel.ranks_per_node")
 
 
 def _check_pipeline_module(module: PipelineModule, cfg: Config) -> None:

@@ -308,9 +308,11 @@ class FlatGroup:
             if work is not None:
                 work.wait()
 
-    def gather_bucket(self, b: int, async_op: bool = False):
+    def gather_bucket(self, b: int, async_op: bool = False, exact: bool = False):
         """Stage 3: all-gather bucket b's parameters over dp into the bucket's full buffer. Returns
-        (work, buffer); `attach_bucket` then points the parameters at it.
+        (work, buffer); `attach_bucket` then points the parameters at it. With ZeRO++ (`zeropp`) the
+        gather is int8 (qwZ) and, once the bucket was gathered this step, over the hpZ group; `exact`
+        gathers the shards as they are over dp (views that may write them back).
 
         Each bucket keeps one buffer for the whole run whose *storage* is freed on release (resized
         to 0 bytes) and re-grown here. Autograd keeps views of a gathered weight for backward (e.g.
@@ -323,11 +325,11 @@ class FlatGroup:
             full = self._gathered[b] = torch.empty(bk.numel, dtype=self.dtype, device=self.device)
         else:
             full.untyped_storage().resize_(bk.numel * full.element_size())
-        hpz = self.zeropp.hpz_group
+        hpz = None if exact else self.zeropp.hpz_group  # exact: the owned shards as they are, over dp (views)
         if hpz is not None and b in self._secondary:  # hpZ: gathered once this step, the rest stays in the node
             return comm.all_gather(full, self._secondary[b], hpz, async_op=async_op), full
         shard = self.param_owned[b].to(self.device, non_blocking=True)
-        if self.zeropp.quantized_weights:  # qwZ: int8 blocks, dequantized when the gather lands
+        if self.zeropp.quantized_weights and not exact:  # qwZ: int8 blocks, dequantized when the gather lands
             work = quantized_all_gather(full, shard, self.dp, async_op=async_op)
         else:
             work = comm.all_gather(full, shard, self.dp, async_op=async_op)

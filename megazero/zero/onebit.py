@@ -26,17 +26,21 @@ import torch
 from megazero.runtime import comm
 from megazero.runtime.comm import GroupHandle
 
-_BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+_BITS = (128, 64, 32, 16, 8, 4, 2, 1)  # the value of each sign's bit in its byte, most significant first
+
+
+def _bits(device) -> torch.Tensor:
+    return torch.tensor(_BITS, dtype=torch.uint8, device=device)
 
 
 def pack_signs(nonnegative: torch.Tensor) -> torch.Tensor:
     """(8k,) bool -> (k,) uint8, 8 signs per byte (most significant bit first; 1 = non-negative)."""
-    return (nonnegative.view(-1, 8).to(torch.uint8) * _BITS.to(nonnegative.device)).sum(1, dtype=torch.uint8)
+    return (nonnegative.view(-1, 8).to(torch.uint8) * _bits(nonnegative.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     """(k,) uint8 -> (8k,) float32 of ±1 (the inverse of `pack_signs`)."""
-    bits = packed.unsqueeze(1).bitwise_and(_BITS.to(packed.device)).ne(0)  # (k, 8)
+    bits = packed.unsqueeze(1).bitwise_and(_bits(packed.device)).ne(0)  # (k, 8)
     return bits.view(-1).to(torch.float32).mul_(2).sub_(1)
 
 

@@ -70,7 +70,7 @@ class OptimizerSpec:
     weight_decay: float = 0.0
     momentum: float = 0.0
     bias_correction: bool = True
-    freeze_step: int = 0  # onebit_adam: the Adam steps before the momentum is averaged in 1 bit
+    freeze_step: int = 100  # onebit_adam: the Adam steps before the momentum is averaged in 1 bit
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -91,6 +91,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if spec.type == "onebit_adam" and stage != 0:
             raise ValueError(f"optimizer.type=onebit_adam needs zero.stage 0 (got {stage}): its ranks average the "
                              f"momentum of whole gradients, which stages 1-3 shard")
+        if spec.type == "onebit_adam" and spec.freeze_step < 1:
+            raise ValueError(f"optimizer.freeze_step={spec.freeze_step}: 1-bit Adam needs at least 1 warm-up step "
+                             f"(the variance it freezes)")
         if offload_param and stage != 3:
             raise ValueError("zero.offload_param needs zero.stage 3")
         if nonfinite not in NONFINITE:
@@ -132,9 +135,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.device = unique[0].device if unique else torch.device("cpu")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for group in self.groups for p in group.params]
         self._counted = [self._counted_ranges(group) for group in self.groups]
+        self._counted_own = [self._counted_ranges(group, every_dp_rank=True) for group in self.groups]
         self._sp_ranges = [group.owned_ranges(lambda p: getattr(p, "sequence_parallel", False))
                            for group in self.groups]
         self._runs = [group_runs(group, self._group_index) for group in self.groups]
+        if spec.type == "onebit_adam" and any(group.grad_divisor != group.dp.size for group in self.groups):
+            raise ValueError("optimizer.type=onebit_adam: not with expert parallelism (parallel.ep > 1), whose experts "
+                             "average over a smaller group than their momentum would")
         # 1-bit Adam: one compressed average (and its error feedback) per flat bucket, over the group's dp
         self._onebit = {id(group): [CompressedAverage(m.numel(), group.dp, self.device,
                                                       [seg.buf_start - bk.start for seg in group.segments[bk.index]])
@@ -162,13 +169,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups.append(checked_group(param_group, self.param_groups, self.defaults))
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _counted_ranges(self, group: FlatGroup) -> list[list[tuple[int, int]]]:
+    def _counted_ranges(self, group: FlatGroup, every_dp_rank: bool = False) -> list[list[tuple[int, int]]]:
         """Per bucket, local ranges of the owned slice that count in the global gradient norm:
         each parameter exactly once over its group's dp (stage 0: its rank 0; experts: the expert-data-
         parallel group, each ep rank counting its own experts), tp (replicated: tp rank 0) and pp (tied
-        copies: first stage)."""
+        copies: first stage). `every_dp_rank`: at stage 0 every dp rank counts its own (1-bit Adam's
+        unreduced gradients)."""
         pctx = self.pctx
-        if (group.stage == 0 and group.dp.rank != 0) or (group.name == "tied" and not pctx.is_first_stage):
+        if (group.stage == 0 and group.dp.rank != 0 and not every_dp_rank) or \
+                (group.name == "tied" and not pctx.is_first_stage):
             return [[] for _ in group.layout.buckets]
         return group.owned_ranges(lambda p: getattr(p, "tp_dim", None) is not None or pctx.tp_rank == 0)
 
@@ -284,14 +293,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The squared global gradient norm as a (1,) fp64 tensor on the optimizer's device, all-reduced
         over pctx.world_group: one fused pass (`torch._foreach_norm`: one multi-tensor kernel on CUDA)
         over this rank's counted ranges, no host synchronisation."""
-        views = [t[a:e] for group, counted in zip(self.groups, self._counted)
-                 for t, ranges in zip(group.grad_owned, counted) for a, e in ranges]
+        counted = self._counted_own if self.compressing else self._counted
+        views = [t[a:e] for group, per_group in zip(self.groups, counted)
+                 for t, ranges in zip(group.grad_owned, per_group) for a, e in ranges]
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         if views:  # the gradient shards live on the optimizer's device, offloaded or not
             sq += torch.stack(torch._foreach_norm(views, 2)).double().square().sum()  # one fp32 norm per range
         comm.all_reduce(sq, self.pctx.world_group)
-        if self.compressing:  # unreduced gradients: the mean over dp of each rank's own squared norm
-            sq /= self.pctx.dp_size
+        if self.compressing:  # unreduced gradients: the mean over dp of each rank's own squared norm (an
+            sq /= self.pctx.dp_size  # inf or NaN on any rank makes it non-finite everywhere)
         return sq
 
     @property
@@ -467,8 +477,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.groups):
             for b, avg in enumerate((self._onebit or {}).get(id(group), [])):
                 keys = {k: f"onebit/{gi}/{b}/{k}" for k in ("worker_error", "server_error")}
-                if all(key in saved for key in keys.values()):
-                    avg.load_state_dict({k: saved[key] for k, key in keys.items()})
+                mine = avg.state_dict()
+                if all(key in saved and saved[key].shape == mine[k].shape for k, key in keys.items()):
+                    avg.load_state_dict({k: saved[key] for k, key in keys.items()})  # else: another bucketing
 
     def hyperparameters(self) -> list[dict]:
         """Each parameter group's settings without its parameters, for checkpoints."""

@@ -28,7 +28,7 @@ def full_parameters(opt, writeback: bool = False, params=None, modifier_rank: in
             if group.shard_params:
                 for b, bk in enumerate(group.layout.buckets):
                     if wanted is None or any(id(group.params[i]) in wanted for i in bk.params):
-                        _, full = group.gather_bucket(b)
+                        _, full = group.gather_bucket(b, exact=True)  # never int8 (ZeRO++ qwZ): written back
                         group.attach_bucket(b, full)
                         held.append((group, b, full))
         yield

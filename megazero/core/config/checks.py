@@ -152,10 +152,13 @@ def check_optimizer(cfg: Config) -> list[str]:
                     f"Adam's momentum is optimizer.betas")
     if o.type == "adamw" and o.adamw_mode is False:
         errs.append("optimizer.adamw_mode: false contradicts optimizer.type=adamw (use type=adam for L2 decay)")
-    errs += at_least("optimizer.freeze_step", o.freeze_step, 0)
+    errs += at_least("optimizer.freeze_step", o.freeze_step, 1, " (1-bit Adam's warm-up: the variance it freezes)")
     if o.type == "onebit_adam" and cfg.zero.stage != 0:
         errs.append(f"optimizer.type=onebit_adam: needs zero.stage 0 (got {cfg.zero.stage}), as DeepSpeed's 1-bit "
                     f"Adam: its ranks average the momentum of whole gradients, which stages 1-3 shard")
+    if o.type == "onebit_adam" and cfg.parallel.ep > 1:
+        errs.append(f"optimizer.type=onebit_adam: not with parallel.ep={cfg.parallel.ep} (experts average over a "
+                    f"smaller group than their momentum would); use parallel.ep=1 or another optimizer")
     if o.type == "sgd" and o.adamw_mode is not None:
         errs.append("optimizer.adamw_mode: applies to adam/adamw, not optimizer.type=sgd")
     return errs
