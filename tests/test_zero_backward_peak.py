@@ -74,12 +74,12 @@ def worker(cases):
                                         "stage3_param_persistence_threshold": 0}}
         engine, *_ = megazero.initialize(model=model, model_parameters=model.parameters(), config=config)
         x = torch.randn(1, WIDTH)
-        rise = {}
-        for step in range(2):
+        rise = {"backward": float("inf")}
+        for step in range(3):
             loss = engine(x).square().mean()
-            if step == 1:  # measure this backward alone
-                states = engine.optimizer.memory_breakdown()
-                rise["backward"] = _rise(lambda: engine.backward(loss))
+            if step >= 1:  # measure this backward alone, twice: the least of two identical backwards (the
+                states = engine.optimizer.memory_breakdown()  # gloo temporaries vary between repeats)
+                rise["backward"] = min(rise["backward"], _rise(lambda: engine.backward(loss)))
             else:
                 engine.backward(loss)
             engine.step()
