@@ -22,6 +22,18 @@ def train_worker(config: dict, steps: int, overrides=()):
     return losses, norms, params
 
 
+def steps_and_params(engine, optimizer, data, steps: int):
+    """Train `steps` steps: (losses, grad norms, every full parameter by logical name as numpy, gathered
+    over dp at stage 3 and over TP: every rank gets them)."""
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(engine.train_batch(data))
+        norms.append(engine.get_global_grad_norm())
+    with optimizer.full_parameters():
+        params = {k: v.float().numpy() for k, v in gather_full_params(engine.module, engine.pctx.tp_group).items()}
+    return losses, norms, params
+
+
 def grad_worker(config: dict, overrides=()):
     """One step's loss (on this rank) and the reduced gradients gathered to full shape by logical
     name (this rank's stage; dp rank 0, tp rank 0 report). Needs zero.stage 0 or 1."""

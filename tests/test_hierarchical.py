@@ -86,15 +86,10 @@ TRAIN = {"model": {"spec": "model_specs/gpt.py:debug"},
 def _train(cfg: dict, steps: int = 2):
     """Losses, grad norms, the full parameters (rank 0) and this rank's dp bytes (all, inter-node)."""
     import megazero
-    from megazero.tensor_parallel import gather_full_params
+    from tests.parity import steps_and_params
 
     engine, optimizer, data, _ = megazero.initialize(config=cfg)
-    losses, norms = [], []
-    for _ in range(steps):
-        losses.append(engine.train_batch(data))
-        norms.append(engine.get_global_grad_norm())
-    with optimizer.full_parameters():
-        params = {k: v.float().numpy() for k, v in gather_full_params(engine.module, engine.pctx.tp_group).items()}
+    losses, norms, params = steps_and_params(engine, optimizer, data, steps)
     stats = engine.pctx.stats
     moved = sum(stats.total(axis=a).bytes for a in ("dp", "dp.intra", "dp.inter"))
     crossed = sum(stats.total(axis=a, inter_node=True).bytes for a in ("dp", "dp.intra", "dp.inter"))

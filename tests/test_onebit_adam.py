@@ -116,7 +116,7 @@ def _memory_and_losses(cfg, steps):
 
     engine, optimizer, data, _ = megazero.initialize(config=cfg)
     losses = [engine.train_batch(data) for _ in range(steps)]
-    padded = sum(avg.padded for avgs in optimizer._onebit.values() for avg in avgs) if optimizer._onebit else 0
+    padded = sum(avg.padded for avgs in optimizer.onebit.averages.values() for avg in avgs) if optimizer.onebit else 0
     return losses, optimizer.memory_breakdown()["optimizer_states"], padded, engine.pctx.dp_size
 
 

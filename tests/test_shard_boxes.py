@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megazero.core.shard_boxes import flat_range_boxes, numel, slice_boxes
-from megazero.run.checkpoint import copy_overlaps
+from megazero.run.checkpoint_read import copy_overlaps
 
 
 def _index(box):

@@ -79,7 +79,7 @@ def _train(cfg: dict, steps: int = 3):
     the bytes the ZeRO-3 groups hold in `params` when the step starts, and each bucket's gathers and
     reductions with their shard sizes."""
     import megazero
-    from megazero.tensor_parallel import gather_full_params
+    from tests.parity import steps_and_params
 
     engine, optimizer, data, _ = megazero.initialize(config=cfg)
     calls = {"gather": {}, "reduce": {}}
@@ -108,12 +108,7 @@ def _train(cfg: dict, steps: int = 3):
     held = []
     step = optimizer.step
     optimizer.step = lambda: (held.append(optimizer.memory_breakdown()["params"]), step())[1]
-    losses, norms = [], []
-    for _ in range(steps):
-        losses.append(engine.train_batch(data))
-        norms.append(engine.get_global_grad_norm())
-    with optimizer.full_parameters():
-        params = {k: v.float().numpy() for k, v in gather_full_params(engine.module, engine.pctx.tp_group).items()}
+    losses, norms, params = steps_and_params(engine, optimizer, data, steps)
     counts = engine.pctx.stats.counts
     moved = {f"{a}/{o}": c.bytes for (a, o), c in counts.items()}
     crossed = {f"{a}/{o}": c.bytes for (a, o), c in engine.pctx.stats.inter_node.items()}

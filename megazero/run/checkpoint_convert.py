@@ -25,7 +25,8 @@ import torch
 from megazero.core.spec import ModelSpec, SpecError
 from megazero.models.hf import hf_config_dict, hf_export_plan, hf_import_plan, run_plan, spec_from_hf_config
 from megazero.run import safetensors_io
-from megazero.run.checkpoint import FORMAT, CheckpointError, Readers, copy_overlaps, read_manifest, write_and_commit
+from megazero.run.checkpoint import FORMAT, read_manifest, write_and_commit
+from megazero.run.checkpoint_read import CheckpointError, Readers, copy_overlaps
 from megazero.runtime.comm import single_rank_group
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -135,6 +135,31 @@ class GroupHandle:
         return f"GroupHandle({self.axis}, ranks={list(self.ranks)}, rank={self.rank})"
 
 
+class Pending:
+    """Work handles of one logical collective made of several, and what to do once they land (`finish`,
+    run once at the first `wait`); `Pending([])` is one that has completed."""
+
+    def __init__(self, works, finish=None):
+        self.works, self.finish = [w for w in works if w is not None], finish
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+        return True
+
+
+def after(work, finish):
+    """`finish()` once `work` (a handle, or None: already done) has landed: now, or at its wait."""
+    if work is None:
+        finish()
+        return None
+    return Pending([work], finish)
+
+
 def single_rank_group(axis: str = "world", stats: CommStats | None = None) -> GroupHandle:
     """A trivial group of this process alone: every op is a local no-op. For single-process runs."""
     return GroupHandle(axis, (0,), 0, None, stats or CommStats())

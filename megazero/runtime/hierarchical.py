@@ -29,16 +29,6 @@ from megazero.runtime import comm
 from megazero.runtime.comm import GroupHandle
 
 
-class _Done:
-    """The work handle of a collective that has already completed."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
 def node_split(ranks: list[int] | tuple[int, ...], ranks_per_node: int) -> tuple[list[list[int]], list[list[int]]] | None:
     """The intra-node groups (each node's members of `ranks`, in order) and inter-node groups (the i-th
     member of every node) of a group, or None when the nodes do not hold the same number of its members
@@ -74,7 +64,7 @@ class Hierarchy:
         comm.all_reduce(piece, self.inter)
         comm.all_gather(work, piece, self.intra)
         flat.copy_(work[:flat.numel()])
-        return _Done()
+        return comm.Pending([])
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
         """Sum `input` (n·S elements, S = numel(output)) over the group; group rank j·k + i keeps shard
@@ -85,7 +75,7 @@ class Hierarchy:
         mine = output.new_empty(N * s)
         comm.reduce_scatter(mine, by_local.view(-1), self.intra)  # (N·S,): blocks (·, i)
         comm.reduce_scatter(output.view(-1), mine, self.inter)  # block (j, i)
-        return _Done()
+        return comm.Pending([])
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor):
         """Every member's `input` (S elements) into `output` (n·S, group order). Returns a completed handle."""
@@ -96,7 +86,7 @@ class Hierarchy:
         by_local = input.new_empty(k * N * s)
         comm.all_gather(by_local, mine, self.intra)  # (k, N, S)
         output.view(N, k, s).copy_(by_local.view(k, N, s).transpose(0, 1))  # back to group order (N, k, S)
-        return _Done()
+        return comm.Pending([])
 
 
 __all__ = ["Hierarchy", "node_split"]

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 
 from megazero.runtime import comm
-from megazero.runtime.comm import GroupHandle
+from megazero.runtime.comm import GroupHandle, after
 from megazero.core.flat_buffer import FlatLayout, build_layout
 from megazero.zero.partitioned_init import full_shape, full_value, is_partitioned
-from megazero.zero.zeropp import ZeroPlusPlus, after, quantized_all_gather, quantized_reduce_scatter
+from megazero.zero.zeropp import ZeroPlusPlus, quantized_all_gather, quantized_reduce_scatter
 
 
 def _flat_views(flat: torch.Tensor, ranges: list[tuple[int, int]], base: int = 0) -> list[torch.Tensor]:

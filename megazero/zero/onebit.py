@@ -116,4 +116,86 @@ class CompressedAverage:
         self.server_error.copy_(sd["server_error"])
 
 
-__all__ = ["CompressedAverage", "pack_signs", "unpack_signs"]
+class OneBitAdam:
+    """1-bit Adam (DeepSpeed's OneBitAdam) for a `ZeroOptimizer`'s stage-0 flat `groups`: one
+    `CompressedAverage` per flat bucket over its group's dp (scales per parameter), and the update.
+
+    Adam step t: m = β1·m + (1−β1)·g; during the `freeze_step` warm-up steps also v = β2·v + (1−β2)·g²
+    (g the reduced gradient). After it v stays frozen, and m, of this rank's own unreduced gradient,
+    is averaged over dp in 1 bit, then zeroed where v is 0 (DeepSpeed's exp_avg_mask, which its users
+    pass by hand for such parameters: padded vocabulary rows, unused tokens). The update is
+    p −= lr·(m̂ / (√v̂ + eps) + wd·p) with Adam's bias corrections m̂ = m/(1−β1^t) and v̂ = v/(1−β2^t')
+    (t' = min(t, freeze_step): the frozen v keeps its correction); without `bias_correction` m̂ = m and
+    v̂ = v, as DeepSpeed's (which applies none)."""
+
+    def __init__(self, groups, freeze_step: int, bias_correction: bool = True, device=None):
+        if any(g.stage != 0 for g in groups):
+            raise ValueError("optimizer.type=onebit_adam needs zero.stage 0: its ranks average the momentum of "
+                             "whole gradients, which stages 1-3 shard")
+        if any(g.grad_divisor != g.dp.size for g in groups):
+            raise ValueError("optimizer.type=onebit_adam: not with expert parallelism (parallel.ep > 1), whose experts "
+                             "average over a smaller group than their momentum would")
+        if freeze_step < 1:
+            raise ValueError(f"optimizer.freeze_step={freeze_step}: 1-bit Adam needs at least 1 warm-up step "
+                             f"(the variance it freezes)")
+        self.freeze_step, self.bias_correction = freeze_step, bias_correction
+        self.groups = list(groups)
+        self.averages = {id(g): [CompressedAverage(m.numel(), g.dp, device,
+                                                   [seg.buf_start - bk.start for seg in g.segments[bk.index]])
+                                 for m, bk in zip(g.exp_avg, g.layout.buckets)] for g in self.groups}
+
+    def compressing(self, steps_taken: int) -> bool:
+        """Whether the next step (after `steps_taken`) is past the warm-up: gradients stay unreduced."""
+        return steps_taken >= self.freeze_step
+
+    def update(self, group, runs, buckets, grads, step: int, param_groups) -> None:
+        """The update of `group`'s `buckets` at Adam step `step` (class docstring): `runs[b]` the
+        (start, end, parameter group) runs of bucket b, `grads[b]` its gradient; after the warm-up one
+        compressed average per bucket over the group's dp."""
+        frozen = step > self.freeze_step
+        for b in buckets:
+            for a, e, g in runs[b]:
+                beta1, beta2 = param_groups[g]["betas"]
+                m, v, gr = group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e], grads[b][a:e]
+                m.mul_(beta1).add_(gr, alpha=1 - beta1)
+                if not frozen:
+                    v.mul_(beta2).addcmul_(gr, gr, value=1 - beta2)
+            if frozen:
+                self.averages[id(group)][b](group.exp_avg[b])
+            for a, e, g in runs[b]:
+                h = param_groups[g]
+                beta1, beta2 = h["betas"]
+                p, m, v = group.master[b][a:e], group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e]
+                if frozen:
+                    m.masked_fill_(v == 0, 0.0)
+                c1 = 1 - beta1 ** step if self.bias_correction else 1.0
+                c2 = 1 - beta2 ** min(step, self.freeze_step) if self.bias_correction else 1.0
+                update = (m / c1) / ((v / c2).sqrt() + h["eps"])
+                if h["weight_decay"]:
+                    update.add_(p, alpha=h["weight_decay"])
+                p.add_(update, alpha=-h["lr"])
+
+    def _keys(self):
+        for gi, g in enumerate(self.groups):
+            for b, avg in enumerate(self.averages[id(g)]):
+                yield f"onebit/{gi}/{b}/", avg
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """This rank's worker and server errors, ``onebit/<group>/<bucket>/<name>``: copies."""
+        return {prefix + k: t for prefix, avg in self._keys() for k, t in avg.state_dict().items()}
+
+    def load_state(self, saved: dict[str, torch.Tensor]) -> None:
+        """Restore what `state()` saved in the same layout. What was not saved, or saved for another
+        bucketing, starts afresh (zero errors: 1-bit Adam resumed from an Adam checkpoint)."""
+        for prefix, avg in self._keys():
+            mine = avg.state_dict()
+            if all(prefix + k in saved and saved[prefix + k].shape == t.shape for k, t in mine.items()):
+                avg.load_state_dict({k: saved[prefix + k] for k in mine})
+
+    def error_bytes(self) -> int:
+        """Bytes of error feedback held: 4·(P + P/dp) per bucket of P elements padded to 8·dp."""
+        return sum(4 * (avg.worker_error.numel() + avg.server_error.numel())
+                   for avgs in self.averages.values() for avg in avgs)
+
+
+__all__ = ["CompressedAverage", "OneBitAdam", "pack_signs", "unpack_signs"]

@@ -43,7 +43,7 @@ from megazero.zero.flat_group import FlatGroup
 from megazero.zero.grouping import make_groups
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.offload_overlap import EarlyUpdates
-from megazero.zero.onebit import CompressedAverage
+from megazero.zero.onebit import OneBitAdam
 from megazero.zero.zeropp import ZeroPlusPlus
 from megazero.zero.param_groups import checked_group, group_runs, hyperparameters, load_hyperparameters
 from megazero.zero import views
@@ -88,12 +88,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {stage}")
         if spec.type not in ("adam", "adamw", "sgd", "onebit_adam"):
             raise ValueError(f"optimizer.type {spec.type!r} is not one of adam, adamw, sgd, onebit_adam")
-        if spec.type == "onebit_adam" and stage != 0:
-            raise ValueError(f"optimizer.type=onebit_adam needs zero.stage 0 (got {stage}): its ranks average the "
-                             f"momentum of whole gradients, which stages 1-3 shard")
-        if spec.type == "onebit_adam" and spec.freeze_step < 1:
-            raise ValueError(f"optimizer.freeze_step={spec.freeze_step}: 1-bit Adam needs at least 1 warm-up step "
-                             f"(the variance it freezes)")
         if offload_param and stage != 3:
             raise ValueError("zero.offload_param needs zero.stage 3")
         if nonfinite not in NONFINITE:
@@ -139,14 +133,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._sp_ranges = [group.owned_ranges(lambda p: getattr(p, "sequence_parallel", False))
                            for group in self.groups]
         self._runs = [group_runs(group, self._group_index) for group in self.groups]
-        if spec.type == "onebit_adam" and any(group.grad_divisor != group.dp.size for group in self.groups):
-            raise ValueError("optimizer.type=onebit_adam: not with expert parallelism (parallel.ep > 1), whose experts "
-                             "average over a smaller group than their momentum would")
-        # 1-bit Adam: one compressed average (and its error feedback) per flat bucket, over the group's dp
-        self._onebit = {id(group): [CompressedAverage(m.numel(), group.dp, self.device,
-                                                      [seg.buf_start - bk.start for seg in group.segments[bk.index]])
-                                    for m, bk in zip(group.exp_avg, group.layout.buckets)]
-                        for group in self.groups} if spec.type == "onebit_adam" else None
+        self.onebit = OneBitAdam(self.groups, spec.freeze_step, spec.bias_correction, self.device) \
+            if spec.type == "onebit_adam" else None
         self.gatherer = None
         if stage == 3 and units:
             self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size)
@@ -308,7 +296,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def compressing(self) -> bool:
         """1-bit Adam past its warm-up (the step being taken is after `freeze_step`): gradients stay
         unreduced; the momentum is averaged in 1 bit (`megazero.zero.onebit`)."""
-        return self._onebit is not None and self.step_count >= self.spec.freeze_step
+        return self.onebit is not None and self.onebit.compressing(self.step_count)
 
     def _update_all(self, coef: float) -> None:
         """Update every flat group (the buckets an early update did not take) and publish the new
@@ -374,8 +362,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             grads = dict(zip(buckets, group.host_grads(buckets)))
         if coef != 1.0:
             torch._foreach_mul_([grads[b] for b in buckets], coef)  # clipping, in place: zeroed after the step
-        if s.type == "onebit_adam":
-            self._onebit_update(group, runs, buckets, grads, step)
+        if self.onebit is not None:
+            self.onebit.update(group, runs, buckets, grads, step, self.param_groups)
             return
         calls: dict[tuple[float, float, float], tuple[list, ...]] = {}  # (beta1, beta2, eps) -> the lists
         for b in buckets:
@@ -391,39 +379,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for (beta1, beta2, eps), (ps, gs, ms, vs, lrs, wds) in calls.items():
             kernels.adam_step(ps, gs, ms, vs, step=step, lr=lrs, beta1=beta1, beta2=beta2, eps=eps,
                               weight_decay=wds, adamw_mode=s.type == "adamw", bias_correction=s.bias_correction)
-
-    def _onebit_update(self, group: FlatGroup, runs, buckets, grads, step: int) -> None:
-        """1-bit Adam (DeepSpeed's OneBitAdam) on `group`'s `buckets` at Adam step `step`:
-        m = β1·m + (1−β1)·g; during the `freeze_step` warm-up steps also v = β2·v + (1−β2)·g² (g the
-        reduced gradient). After it, v stays frozen and m, of this rank's own gradient, is averaged over
-        the group's dp in 1 bit, then zeroed where v is 0 (DeepSpeed's exp_avg_mask, which its users pass
-        by hand for such parameters: padded vocabulary rows, unused tokens). The update is
-        p −= lr·(m̂ / (√v̂ + eps) + wd·p) with Adam's bias corrections m̂ = m/(1−β1^t) and
-        v̂ = v/(1−β2^t') (t' = min(t, freeze_step): the frozen v keeps its correction); with
-        `bias_correction` off, m̂ = m and v̂ = v, as DeepSpeed's OneBitAdam (which applies none)."""
-        s = self.spec
-        frozen = step > s.freeze_step
-        for b in buckets:
-            for a, e, g in runs[b]:
-                beta1, beta2 = self.param_groups[g]["betas"]
-                m, v, gr = group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e], grads[b][a:e]
-                m.mul_(beta1).add_(gr, alpha=1 - beta1)
-                if not frozen:
-                    v.mul_(beta2).addcmul_(gr, gr, value=1 - beta2)
-            if frozen:
-                self._onebit[id(group)][b](group.exp_avg[b])
-            for a, e, g in runs[b]:
-                h = self.param_groups[g]
-                beta1, beta2 = h["betas"]
-                p, m, v = group.master[b][a:e], group.exp_avg[b][a:e], group.exp_avg_sq[b][a:e]
-                if frozen:
-                    m.masked_fill_(v == 0, 0.0)
-                c1 = 1 - beta1 ** step if s.bias_correction else 1.0
-                c2 = 1 - beta2 ** min(step, s.freeze_step) if s.bias_correction else 1.0
-                update = (m / c1) / ((v / c2).sqrt() + h["eps"])
-                if h["weight_decay"]:
-                    update.add_(p, alpha=h["weight_decay"])
-                p.add_(update, alpha=-h["lr"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False
@@ -462,24 +417,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.load_rank_state(sd.get("rank", {}))
 
     def rank_state(self) -> dict[str, torch.Tensor]:
-        """State of this rank's own that no other layout could use, as {key: copy}: 1-bit Adam's worker and
-        server errors per flat bucket (``onebit/<group>/<bucket>/worker_error``); empty otherwise."""
-        out = {}
-        for gi, group in enumerate(self.groups):
-            for b, avg in enumerate((self._onebit or {}).get(id(group), [])):
-                for k, t in avg.state_dict().items():
-                    out[f"onebit/{gi}/{b}/{k}"] = t
-        return out
+        """State of this rank's own that no other layout could use, as {key: copy}: 1-bit Adam's error
+        feedback (`OneBitAdam.state`); empty otherwise."""
+        return self.onebit.state() if self.onebit is not None else {}
 
     def load_rank_state(self, saved: dict[str, torch.Tensor]) -> None:
-        """Restore what `rank_state()` saved in the same layout. What was not saved starts afresh (1-bit
-        Adam resumed from an Adam checkpoint: zero errors); what this optimizer does not use is ignored."""
-        for gi, group in enumerate(self.groups):
-            for b, avg in enumerate((self._onebit or {}).get(id(group), [])):
-                keys = {k: f"onebit/{gi}/{b}/{k}" for k in ("worker_error", "server_error")}
-                mine = avg.state_dict()
-                if all(key in saved and saved[key].shape == mine[k].shape for k, key in keys.items()):
-                    avg.load_state_dict({k: saved[key] for k, key in keys.items()})  # else: another bucketing
+        """Restore what `rank_state()` saved in the same layout (`OneBitAdam.load_state`)."""
+        if self.onebit is not None:
+            self.onebit.load_state(saved)
 
     def hyperparameters(self) -> list[dict]:
         """Each parameter group's settings without its parameters, for checkpoints."""
@@ -496,9 +441,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for group in self.groups:
             for k, v in group.memory().items():
                 total[k] = total.get(k, 0) + v
-        errors = sum(4 * (avg.worker_error.numel() + avg.server_error.numel())  # 1-bit Adam's error feedback
-                     for avgs in (self._onebit or {}).values() for avg in avgs)
-        total["optimizer_states"] = total.get("optimizer_states", 0) + errors
+        if self.onebit is not None:  # its error feedback
+            total["optimizer_states"] = total.get("optimizer_states", 0) + self.onebit.error_bytes()
         return total
 
     def reduced_gradients(self) -> dict:

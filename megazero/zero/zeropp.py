@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from megazero.runtime import comm
-from megazero.runtime.comm import GroupHandle
+from megazero.runtime.comm import GroupHandle, Pending
 
 BLOCK = 256
 """Elements per quantization block (one fp32 scale each: 4/BLOCK bytes of overhead per element)."""
@@ -57,30 +57,6 @@ def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.T
 def dequantize(q: torch.Tensor, scales: torch.Tensor, numel: int, block: int = BLOCK) -> torch.Tensor:
     """fp32 (numel,) of `quantize`'s output."""
     return (q.view(-1, block).float() * scales.unsqueeze(1)).view(-1)[:numel]
-
-
-class Pending:
-    """Work handles of one logical collective and what to do once they land (`finish`, run once)."""
-
-    def __init__(self, works, finish=None):
-        self.works, self.finish = [w for w in works if w is not None], finish
-
-    def wait(self, timeout=None) -> bool:
-        for w in self.works:
-            w.wait()
-        self.works = []
-        if self.finish is not None:
-            finish, self.finish = self.finish, None
-            finish()
-        return True
-
-
-def after(work, finish):
-    """`finish()` once `work` (a handle, or None: already done) has landed: now, or at its wait."""
-    if work is None:
-        finish()
-        return None
-    return Pending([work], finish)
 
 
 def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: GroupHandle, async_op: bool = False):
@@ -119,5 +95,5 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: G
     output.view(-1).copy_(total[:s])
 
 
-__all__ = ["BLOCK", "Pending", "ZeroPlusPlus", "after", "dequantize", "quantize", "quantized_all_gather",
+__all__ = ["BLOCK", "ZeroPlusPlus", "dequantize", "quantize", "quantized_all_gather",
            "quantized_reduce_scatter"]
