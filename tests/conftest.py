@@ -6,6 +6,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest
 
+# every multi-rank run of the suite (run_ranks, torchrun subprocesses, the parity matrix) checks that the
+# members of each group issue the same collectives in the same order (megazero/runtime/order_check.py)
+os.environ.setdefault("MEGAZERO_VERIFY_ORDER", "1")
+
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):

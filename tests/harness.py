@@ -4,7 +4,8 @@
 preloaded, so a start costs a fork, not an import), initialises a gloo process group on a free port, calls
 `fn(*args, **kwargs)` on each rank and returns the list of results in rank order. Any rank's
 exception is re-raised here with its rank and traceback; a rank that dies or a run that exceeds
-`timeout` kills every rank and raises — no test can hang the suite. Each rank gets
+`timeout` kills every rank and raises — no test can hang the suite; a rank that dies is reported with
+the end of what it wrote to stderr. The order check is on (``MEGAZERO_VERIFY_ORDER=1``) in every rank. Each rank gets
 max(1, cores // n) torch threads, and ends with os._exit(0) once its result is sent (torch 2.13
 with gloo sometimes aborts at interpreter exit).
 """
@@ -13,8 +14,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -55,7 +58,10 @@ def _context():
     return ctx
 
 
-def _rank_main(fn, rank, world, port, args, kwargs, conn, timeout):
+def _rank_main(fn, rank, world, port, args, kwargs, conn, timeout, stderr_path):
+    with open(stderr_path, "w") as err:  # what the rank writes to fd 2 (a rank stopped by the order check
+        os.dup2(err.fileno(), 2)         # says why there), quoted in the error when it dies
+    os.environ.setdefault("MEGAZERO_VERIFY_ORDER", "1")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if sys.platform.startswith("linux"):
@@ -96,13 +102,25 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> l
     raise AssertionError("unreachable")
 
 
+def _stderr_tail(path: str, chars: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return f"; its stderr ends:\n{text[-chars:]}" if text.strip() else ""
+
+
 def _run_once(fn, world, args, kwargs, timeout):
     ctx = _context()
     port = free_port()
     procs, conns = [], []
+    logs = tempfile.mkdtemp(prefix="megazero-ranks-")
+    stderr_paths = [os.path.join(logs, f"rank{r}.stderr") for r in range(world)]
     for rank in range(world):
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_main, args=(fn, rank, world, port, args, kwargs, child, timeout),
+        p = ctx.Process(target=_rank_main, args=(fn, rank, world, port, args, kwargs, child, timeout,
+                                                 stderr_paths[rank]),
                         name=f"rank{rank}", daemon=True)
         p.start()
         child.close()
@@ -124,13 +142,15 @@ def _run_once(fn, world, args, kwargs, timeout):
                         status, payload = pickle.loads(obj.recv_bytes())
                     except EOFError:
                         procs[rank].join(timeout=2)
-                        status, payload = "error", f"died with exit code {procs[rank].exitcode} before reporting"
+                        status, payload = "error", (f"died with exit code {procs[rank].exitcode} before reporting"
+                                                    + _stderr_tail(stderr_paths[rank]))
                     (results if status == "ok" else errors)[rank] = payload
                     if errors and grace_end is None:
                         grace_end = time.monotonic() + 3.0
             for conn, rank in list(pending.items()):
                 if procs[rank].exitcode is not None and not conn.poll():
-                    errors[rank] = f"died with exit code {procs[rank].exitcode} before reporting"
+                    errors[rank] = (f"died with exit code {procs[rank].exitcode} before reporting"
+                                    + _stderr_tail(stderr_paths[rank]))
                     pending.pop(conn)
                     grace_end = grace_end or time.monotonic() + 3.0
         if errors:
@@ -150,3 +170,4 @@ def _run_once(fn, world, args, kwargs, timeout):
             p.join(timeout=5)
         for c in conns:
             c.close()
+        shutil.rmtree(logs, ignore_errors=True)

@@ -134,7 +134,8 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
     pctx = ParallelContext(topology, timeout_s=cfg.comm.timeout_s, ep=cfg.parallel.ep,
                            ranks_per_node=cfg.parallel.ranks_per_node or info.local_world_size,
-                           hierarchical=cfg.comm.hierarchical, hpz=cfg.zero.hpz_partition_size)
+                           hierarchical=cfg.comm.hierarchical, hpz=cfg.zero.hpz_partition_size,
+                           verify_order=cfg.comm.verify_order or None)
     if isinstance(model, PipelineModule):
         _agree_on_stage(model, pctx, info.device)
     module = _model(model, cfg, pctx, info.device)

@@ -25,6 +25,10 @@ A group with a `hierarchy` (`megazero.runtime.hierarchical`) runs all_reduce, re
 all_gather in two levels, inside each node and then between nodes; the steps are counted on the
 hierarchy's own groups (axes ``<axis>.intra`` and ``<axis>.inter``).
 
+A group with an `order` check (`megazero.runtime.order_check`, `comm.verify_order`) posts every
+operation to it before issuing it, so members that would issue different collectives, or the same
+ones in another order, stop with one error instead of hanging or summing the wrong buffers on NCCL.
+
 Point-to-point uses blocking `send`/`recv` (or single `isend`/`irecv`) on gloo, never
 `batch_isend_irecv`, which can hang there (pytorch#132644). `batch_isend_irecv` is for NCCL
 (`backend` tells a group's backend): it counts each of its sends and receives as `send` and `recv`
@@ -108,7 +112,9 @@ class GroupHandle:
 
     `pg` is None when the group has one member (or this rank is not a member). `nodes`: the node of
     each member (None: unknown, counted as one node); `hierarchy`: the two-level form of this group's
-    all_reduce, reduce_scatter and all_gather (`megazero.runtime.hierarchical.Hierarchy`), or None.
+    all_reduce, reduce_scatter and all_gather (`megazero.runtime.hierarchical.Hierarchy`), or None;
+    `order`: the order check every operation on this group posts to before it is issued
+    (`megazero.runtime.order_check.OrderCheck`), or None (off).
     """
 
     axis: str
@@ -119,6 +125,7 @@ class GroupHandle:
     timeout_s: float = 300.0
     nodes: tuple[int, ...] | None = None
     hierarchy: object | None = None
+    order: object | None = None
 
     def crosses(self, group_rank: int) -> bool:
         """Whether traffic from this rank to member `group_rank` leaves the node."""
@@ -181,6 +188,23 @@ def _op(name: str):
     return op
 
 
+def _verify(group: GroupHandle, kind: str, t: torch.Tensor | None = None, numel: int | None = None,
+            extra: str = "", tag: str | None = None) -> None:
+    """Post this collective to the group's order check (when on): every member must issue the same
+    `kind` on the same dtype and element count (and `extra`: op, root, `tag`) at the same position."""
+    if group.order is None:
+        return
+    what = "" if t is None else f"{t.dtype} x{t.numel() if numel is None else numel}"
+    group.order.collective(group, kind, " ".join(x for x in (what, extra, f"[{tag}]" if tag else "") if x))
+
+
+def _verify_p2p(group: GroupHandle, kind: str, t: torch.Tensor, peer: int) -> None:
+    """Post a send to / receive from group rank `peer` to the order check: matched with the peer's
+    receive / send in order, on dtype and shape."""
+    if group.order is not None:
+        group.order.p2p(group, kind, peer, f"{t.dtype} {tuple(t.shape)}")
+
+
 def _record(group: GroupHandle, op: str, elements: float, t: torch.Tensor, peer: int | None = None) -> None:
     """Count one call; its elements cross nodes when `peer` (default: the next rank of the ring) is
     on another node."""
@@ -188,11 +212,14 @@ def _record(group: GroupHandle, op: str, elements: float, t: torch.Tensor, peer:
     group.stats.record(group.axis, op, elements, t.element_size(), elements if group.crosses(peer) else 0.0)
 
 
-def all_reduce(tensor: torch.Tensor, group: GroupHandle, op: str = "sum", async_op: bool = False):
-    """All-reduce `tensor` in place over `group` (in two levels when the group has a hierarchy)."""
+def all_reduce(tensor: torch.Tensor, group: GroupHandle, op: str = "sum", async_op: bool = False,
+               tag: str | None = None):
+    """All-reduce `tensor` in place over `group` (in two levels when the group has a hierarchy).
+    `tag` (e.g. "bucket 3") tells the order check this call from others of the same size."""
     n = group.size
     if n == 1:
         return None
+    _verify(group, "all_reduce", tensor, extra=op, tag=tag)
     if group.hierarchy is not None and op == "sum":
         return group.hierarchy.all_reduce(tensor)
     _record(group, "all_reduce", 2 * (n - 1) / n * tensor.numel(), tensor)
@@ -200,7 +227,7 @@ def all_reduce(tensor: torch.Tensor, group: GroupHandle, op: str = "sum", async_
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, op: str = "sum",
-                   async_op: bool = False):
+                   async_op: bool = False, tag: str | None = None):
     """Reduce `input` (numel = n·numel(output)) over `group`; rank i keeps reduced shard i in `output`."""
     n = group.size
     if input.numel() != n * output.numel():
@@ -209,6 +236,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: GroupHandle
     if n == 1:
         output.copy_(input.view_as(output))
         return None
+    _verify(group, "reduce_scatter", input, extra=op, tag=tag)
     if group.hierarchy is not None and op == "sum":
         return group.hierarchy.reduce_scatter(output, input)
     _record(group, "reduce_scatter", (n - 1) * output.numel(), output)
@@ -216,7 +244,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: GroupHandle
     return fn(output, input, op=_op(op), group=group.pg, async_op=async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, async_op: bool = False):
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, async_op: bool = False,
+               tag: str | None = None):
     """Gather every rank's `input` over `group` into `output` (numel = n·numel(input)), rank order."""
     n = group.size
     if output.numel() != n * input.numel():
@@ -225,6 +254,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, as
     if n == 1:
         output.view_as(input).copy_(input)
         return None
+    _verify(group, "all_gather", input, tag=tag)
     if group.hierarchy is not None:
         return group.hierarchy.all_gather(output, input)
     _record(group, "all_gather", (n - 1) * input.numel(), input)
@@ -232,11 +262,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, as
     return fn(output, input, group=group.pg, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: GroupHandle, async_op: bool = False):
+def broadcast(tensor: torch.Tensor, src: int, group: GroupHandle, async_op: bool = False, tag: str | None = None):
     """Broadcast `tensor` from group rank `src` to every member of `group`."""
     n = group.size
     if n == 1:
         return None
+    _verify(group, "broadcast", tensor, extra=f"from {src}", tag=tag)
     _record(group, "broadcast", (n - 1) / n * tensor.numel(), tensor)
     return dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=async_op)
 
@@ -246,6 +277,7 @@ def reduce(tensor: torch.Tensor, dst: int, group: GroupHandle, op: str = "sum", 
     n = group.size
     if n == 1:
         return None
+    _verify(group, "reduce", tensor, extra=f"{op} to {dst}")
     _record(group, "reduce", (n - 1) / n * tensor.numel(), tensor)
     return dist.reduce(tensor, dst=group.global_rank(dst), op=_op(op), group=group.pg, async_op=async_op)
 
@@ -256,6 +288,7 @@ def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, g
     if n == 1:
         output.copy_(inputs[0])
         return None
+    _verify(group, "scatter", output, extra=f"from {src}")
     _record(group, "scatter", (n - 1) * output.numel(), output)
     return dist.scatter(output, inputs if group.rank == src else None, src=group.global_rank(src),
                         group=group.pg)
@@ -267,6 +300,7 @@ def gather(input: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, gr
     if n == 1:
         outputs[0].copy_(input)
         return None
+    _verify(group, "gather", input, extra=f"to {dst}")
     _record(group, "gather", (n - 1) * input.numel(), input)
     return dist.gather(input, outputs if group.rank == dst else None, dst=group.global_rank(dst),
                        group=group.pg)
@@ -284,6 +318,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: GroupHan
     rows = input.shape[0]
     splits = list(input_splits) if input_splits is not None else [rows // n] * n
     width = input.numel() // rows if rows else 0
+    _verify(group, "all_to_all", extra=f"{input.dtype} rows of {tuple(input.shape[1:])}")
     away = sum(splits[j] for j in range(n) if group.crosses(j))  # rows for other nodes' ranks
     group.stats.record(group.axis, "all_to_all", (rows - splits[group.rank]) * width, input.element_size(),
                        away * width)
@@ -293,24 +328,28 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: GroupHan
 
 def send(tensor: torch.Tensor, dst: int, group: GroupHandle) -> None:
     """Blocking send of `tensor` to group rank `dst`."""
+    _verify_p2p(group, "send", tensor, dst)
     _record(group, "send", tensor.numel(), tensor, peer=dst)
     dist.send(tensor.contiguous(), dst=group.global_rank(dst), group=group.pg)
 
 
 def recv(tensor: torch.Tensor, src: int, group: GroupHandle) -> None:
     """Blocking receive into `tensor` from group rank `src`."""
+    _verify_p2p(group, "recv", tensor, src)
     _record(group, "recv", tensor.numel(), tensor, peer=src)
     dist.recv(tensor, src=group.global_rank(src), group=group.pg)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: GroupHandle):
     """Non-blocking single send to group rank `dst`; returns the work handle."""
+    _verify_p2p(group, "send", tensor, dst)
     _record(group, "send", tensor.numel(), tensor, peer=dst)
     return dist.isend(tensor, dst=group.global_rank(dst), group=group.pg)
 
 
 def irecv(tensor: torch.Tensor, src: int, group: GroupHandle):
     """Non-blocking single receive from group rank `src`; returns the work handle."""
+    _verify_p2p(group, "recv", tensor, src)
     _record(group, "recv", tensor.numel(), tensor, peer=src)
     return dist.irecv(tensor, src=group.global_rank(src), group=group.pg)
 
@@ -339,6 +378,7 @@ def batch_isend_irecv(ops: Sequence[PeerOp], group: GroupHandle) -> list:
         return []
     p2p_ops = []
     for op in ops:
+        _verify_p2p(group, op.kind, op.tensor, op.peer)
         _record(group, op.kind, op.tensor.numel(), op.tensor, peer=op.peer)
         fn, tensor = (dist.isend, op.tensor.contiguous()) if op.kind == "send" else (dist.irecv, op.tensor)
         p2p_ops.append(dist.P2POp(fn, tensor, group.global_rank(op.peer), group.pg))
@@ -368,6 +408,7 @@ def all_gather_object(obj, group: GroupHandle) -> list:
     """Every member's picklable `obj`, in group rank order (not counted: metadata, not tensors)."""
     if group.size == 1:
         return [obj]
+    _verify(group, "all_gather_object")
     out = [None] * group.size
     dist.all_gather_object(out, obj, group=group.pg)
     return out
@@ -376,4 +417,5 @@ def all_gather_object(obj, group: GroupHandle) -> list:
 def barrier(group: GroupHandle) -> None:
     """Wait until every member of `group` reaches this point (not counted)."""
     if group.size > 1:
+        _verify(group, "barrier")
         dist.barrier(group=group.pg)

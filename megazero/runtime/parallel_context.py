@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megazero.runtime.comm import CommStats, GroupHandle
 from megazero.runtime.hierarchical import Hierarchy, node_split
+from megazero.runtime.order_check import OrderCheck, enabled_by_env
 from megazero.core.topology import Topology
 
 
@@ -38,11 +39,14 @@ class ParallelContext:
     (dp and edp) reduce and gather inside each node first, then between nodes
     (`megazero.runtime.hierarchical`), where every node holds the same number of their members.
     `hpz`: the size of ``hpz_group``, runs of that many consecutive dp ranks (ZeRO++'s secondary
-    partition, `megazero.zero.zeropp`; 1: one rank each).
+    partition, `megazero.zero.zeropp`; 1: one rank each). `verify_order`: every group's operations go
+    through one `OrderCheck` over the job's store (`comm.verify_order`); None: on when the environment
+    sets ``MEGAZERO_VERIFY_ORDER=1`` (the test suite does).
     """
 
     def __init__(self, topology: Topology, timeout_s: float = 300.0, stats: CommStats | None = None, ep: int = 1,
-                 ranks_per_node: int | None = None, hierarchical: bool = False, hpz: int = 1):
+                 ranks_per_node: int | None = None, hierarchical: bool = False, hpz: int = 1,
+                 verify_order: bool | None = None):
         initialized = dist.is_available() and dist.is_initialized()
         if not initialized and topology.world_size != 1:
             raise RuntimeError(f"the layout {topology} needs torch.distributed to be initialized first "
@@ -62,6 +66,9 @@ class ParallelContext:
         self.ranks_per_node = ranks_per_node or world
         self.hierarchical = hierarchical
         self._pg_cache: dict[tuple[int, ...], object] = {}
+        check = enabled_by_env() if verify_order is None else verify_order
+        self.order = (OrderCheck(dist.distributed_c10d._get_default_store(), self.global_rank,
+                                 hang_s=max(10.0, timeout_s / 2)) if check and world > 1 else None)
         self.tp_group = self._build("tp", topology.axis_groups("tp"))
         self.dp_group = self._build_data_parallel("dp", topology.axis_groups("dp"))
         self.pp_group = self._build("pp", topology.axis_groups("pp"))
@@ -90,7 +97,8 @@ class ParallelContext:
         if len(mine) == 1:  # not a member of any group of this axis (embedding groups on middle stages)
             return GroupHandle(axis, (self.global_rank,), 0, None, self.stats, self.timeout_s)
         return GroupHandle(axis, mine, mine.index(self.global_rank), self._pg_cache.get(mine),
-                           self.stats, self.timeout_s, nodes=tuple(r // self.ranks_per_node for r in mine))
+                           self.stats, self.timeout_s, nodes=tuple(r // self.ranks_per_node for r in mine),
+                           order=self.order)
 
     def _build_data_parallel(self, axis: str, groups: list[list[int]]) -> GroupHandle:
         """`_build`, plus, when hierarchical and the group spans several nodes evenly, its intra- and
@@ -112,7 +120,8 @@ class ParallelContext:
         if world > 1:
             pg = dist.new_group(list(range(world)), timeout=timedelta(seconds=self.timeout_s), backend="gloo")
             self._pg_cache[("background",)] = pg
-        return GroupHandle("background", tuple(range(world)), self.global_rank, pg, CommStats(), self.timeout_s)
+        return GroupHandle("background", tuple(range(world)), self.global_rank, pg, CommStats(), self.timeout_s,
+                           order=self.order)
 
     # -- convenience --------------------------------------------------------------------
     tp_rank = property(lambda self: self.tp_group.rank)
@@ -139,7 +148,9 @@ class ParallelContext:
         return f"rank {self.global_rank} (pp={c.pp}, dp={c.dp}, tp={c.tp})"
 
     def destroy(self) -> None:
-        """Destroy this context's process groups (the default group stays)."""
+        """Destroy this context's process groups (the default group stays) and stop its order check."""
+        if self.order is not None:
+            self.order.close()
         for pg in self._pg_cache.values():
             dist.destroy_process_group(pg)
         self._pg_cache.clear()

@@ -306,6 +306,7 @@ class CommConfig:
     timeout_s: int = 300
     backend: str = "auto"  # auto = nccl on CUDA, gloo otherwise
     hierarchical: bool = False  # data-parallel reductions and gathers inside each node first, then between nodes
+    verify_order: bool = False  # every group's members compare each collective/p2p before issuing it (debugging; the tests' MEGAZERO_VERIFY_ORDER=1)
 
 
 @dataclass(frozen=True)

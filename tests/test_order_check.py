@@ -1,0 +1,97 @@
+"""The order check (megazero/runtime/order_check.py): planted divergences stop every rank at once, naming
+the group, the position and both sides, instead of hanging (gloo) or summing the wrong buffers (NCCL)."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megazero.runtime import comm
+from megazero.runtime.parallel_context import ParallelContext
+from megazero.core.topology import Topology
+from tests.harness import RankError, run_ranks
+
+
+def _buckets(skip_rank, tagged):
+    """Four equal-size 'bucket' reduce-scatters over dp, then a one-element norm all-reduce; `skip_rank`
+    leaves out bucket 1, as a rank without gradients in it used to."""
+    pctx = ParallelContext(Topology(dp=4), verify_order=True)
+    out = torch.empty(2)
+    for i in range(4):
+        if dist.get_rank() == skip_rank and i == 1:
+            continue
+        comm.reduce_scatter(out, torch.ones(8), pctx.dp_group, tag=f"bucket {i}" if tagged else None)
+    comm.all_reduce(torch.ones(1, dtype=torch.float64), pctx.dp_group)
+    return out.tolist()
+
+
+def _expect_error(fn, world, *args, within=40.0):
+    start = time.monotonic()
+    with pytest.raises(RankError) as err:
+        run_ranks(fn, world, *args, timeout=90)
+    elapsed = time.monotonic() - start
+    assert elapsed < within, f"the divergence took {elapsed:.0f}s to stop the ranks"
+    return str(err.value)
+
+
+def test_skipped_bucket_named_at_its_position():
+    msg = _expect_error(_buckets, 4, 2, True)
+    assert "group dp (ranks [0, 1, 2, 3]) diverges at operation #1" in msg
+    assert "reduce_scatter torch.float32 x8 sum [bucket 1]" in msg
+    assert "rank 2: reduce_scatter torch.float32 x8 sum [bucket 2]" in msg
+    assert "test_order_check.py" in msg  # the call site
+
+
+def test_skipped_untagged_collective_found_where_the_sequences_part():
+    msg = _expect_error(_buckets, 4, 3, False)
+    # the skipping rank's norm all-reduce meets the others' last reduce-scatter
+    assert "diverges at operation #3" in msg
+    assert "rank 3: all_reduce torch.float64 x1 sum" in msg and "reduce_scatter torch.float32 x8" in msg
+
+
+def test_same_program_passes_and_costs_no_result():
+    assert run_ranks(_buckets, 4, -1, True, timeout=90) == [[4.0, 4.0]] * 4
+
+
+def _boundary(shape_on_rank1):
+    pctx = ParallelContext(Topology(pp=2), verify_order=True)
+    if dist.get_rank() == 0:
+        comm.send(torch.ones(2, 3), 1, pctx.pp_group)
+    else:
+        comm.recv(torch.empty(shape_on_rank1), 0, pctx.pp_group)
+    return True
+
+
+def test_boundary_of_another_shape_named():
+    msg = _expect_error(_boundary, 2, (3, 2))
+    assert "p2p 0 -> 1 on group pp diverges at operation #0" in msg
+    assert "rank 0: send torch.float32 (2, 3)" in msg and "rank 1: recv torch.float32 (3, 2)" in msg
+    assert run_ranks(_boundary, 2, (2, 3), timeout=60) == [True, True]
+
+
+def _crossed_groups():
+    """Rank 0 reduces over the world group then the background group (another communicator of the same
+    ranks); rank 1 the other way round: on NCCL and gloo both wait forever. Both ranks end up blocked
+    inside a collective, so the watchdog stops them."""
+    pctx = ParallelContext(Topology(dp=2), verify_order=True, timeout_s=120)
+    pair = [pctx.world_group, pctx.background_group]
+    if dist.get_rank() == 1:
+        pair.reverse()
+    for g in pair:
+        comm.all_reduce(torch.ones(4), g)
+    return True
+
+
+def test_crossed_order_across_groups_is_a_deadlock_not_a_hang():
+    msg = _expect_error(_crossed_groups, 2, within=45)
+    assert "deadlock" in msg and "group world" in msg and "group background" in msg
+    assert "died with exit code 70" in msg  # blocked in gloo: the watchdog stopped it, saying why
+
+
+def _off():
+    pctx = ParallelContext(Topology(dp=2), verify_order=False)
+    return pctx.order is None and pctx.dp_group.order is None
+
+
+def test_off_when_asked():
+    assert run_ranks(_off, 2, timeout=60) == [True, True]
