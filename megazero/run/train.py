@@ -166,7 +166,7 @@ def run(cfg: Config, rank: int) -> int:
     writer.close()
     if tracer is not None:
         tracer.save()
-    _finish()  # a barrier: every rank's trace is on disk
+    _finish(pctx)  # a barrier: every rank's trace is on disk
     if rank == 0:
         if tracer is not None:
             _draw_schedule(cfg.run_dir)
@@ -260,11 +260,13 @@ def _progress(cfg, rank, start):
     return tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
-def _finish() -> None:
+def _finish(pctx) -> None:
+    """A barrier over the world group (through comm, so the order check sees it), then the process
+    groups' end."""
     import torch.distributed as dist
 
+    comm.barrier(pctx.world_group)
     if dist.is_initialized():
-        dist.barrier()
         dist.destroy_process_group()
 
 
