@@ -78,6 +78,9 @@ def _rank_main(fn, rank, world, port, args, kwargs, conn, timeout, stderr_path):
         # through this process, which exits right after)
         conn.send_bytes(pickle.dumps(("ok", result)))
         try:
+            # rank 0 hosts the store, which the order check uses on every operation: it stays until
+            # every rank is done (a rank that failed never comes; the parent stops the others)
+            dist.barrier()
             dist.destroy_process_group()
         except Exception:
             pass
