@@ -68,7 +68,7 @@ class ParallelContext:
         self._pg_cache: dict[tuple[int, ...], object] = {}
         check = enabled_by_env() if verify_order is None else verify_order
         self.order = (OrderCheck(dist.distributed_c10d._get_default_store(), self.global_rank,
-                                 hang_s=max(10.0, timeout_s / 2)) if check and world > 1 else None)
+                                 hang_s=max(30.0, timeout_s / 2)) if check and world > 1 else None)
         self.tp_group = self._build("tp", topology.axis_groups("tp"))
         self.dp_group = self._build_data_parallel("dp", topology.axis_groups("dp"))
         self.pp_group = self._build("pp", topology.axis_groups("pp"))
