@@ -72,7 +72,8 @@ def launch(config: str, overrides: list[str], world: int, steps: int, out: str, 
 def layout_overrides(layout, global_batch: int) -> list[str]:
     pp, tp, dp = layout
     return [f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.dp={dp}", f"train.global_batch_size={global_batch}",
-            "train.gradient_accumulation_steps=null"]
+            "train.gradient_accumulation_steps=null",
+            "comm.verify_order=true"]  # every layout runs under the order check (megazero/runtime/order_check.py)
 
 
 def check_config(args) -> int:
