@@ -113,8 +113,8 @@ def serial_reference(cfg):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[pm.case_name(c) for c in CASES])
-def test_case_trains_like_one_process(case):
-    cfg = pm.case_config(case)
+def test_case_trains_like_one_process(case, corpus):
+    cfg = pm.case_config(case, corpus)  # run_ranks turns the order check on in every rank
     world = case["pp"] * case["tp"] * case["dp"]
     result = merge_reports(run_ranks(run_layout, world, cfg, (), STEPS, timeout=300))
     rows = compare(result, serial_reference(cfg))

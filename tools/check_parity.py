@@ -130,9 +130,14 @@ def check_matrix(args) -> int:
         print(f"{n} cases")
         return 0
     workdir = args.workdir or tempfile.mkdtemp(prefix="megazero-matrix-")
+    corpus = os.path.join(workdir, "stdlib")  # the real-text cases' data, written once (offline)
     refs, failures, n, start = {}, [], 0, time.monotonic()
     for n, case in enumerate(cases, 1):
-        name, cfg = pm.case_name(case), pm.case_config(case)
+        if case["data"] == "stdlib" and not os.path.exists(corpus + ".idx"):
+            from megazero.data import demo_corpus, preprocess
+
+            preprocess(lambda: demo_corpus(300_000), corpus)
+        name, cfg = pm.case_name(case), pm.case_config(case, corpus)
         path = os.path.join(workdir, f"case{n}.json")
         with open(path, "w") as f:
             json.dump(cfg, f)
@@ -142,8 +147,8 @@ def check_matrix(args) -> int:
             if key not in refs:
                 refs[key] = launch(path, serial_overrides(gb), 1, args.steps, os.path.join(workdir, f"serial{n}"),
                                    args.timeout)
-            res = launch(path, [], case["pp"] * case["tp"] * case["dp"], args.steps, os.path.join(workdir, f"run{n}"),
-                         args.timeout)
+            res = launch(path, ["comm.verify_order=true"], case["pp"] * case["tp"] * case["dp"], args.steps,
+                         os.path.join(workdir, f"run{n}"), args.timeout)
             rows = compare(res, refs[key])
         except (RuntimeError, subprocess.TimeoutExpired) as err:
             rows = [{"quantity": "run", "worst": float("inf"), "where": str(err), "tol": 0.0, "ok": False}]

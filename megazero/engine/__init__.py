@@ -102,11 +102,13 @@ def _config_source(args, config, config_params):
 
 
 def initialize_from_config(cfg: Config, model=None, model_parameters=None, training_data=None, lr_scheduler=None,
-                           on_instruction=None, client_optimizer=None, collate_fn=None):
+                           on_instruction=None, client_optimizer=None, collate_fn=None, device=None, order=None):
     """`initialize` for a Config that `load_run_config` returned: creates the process groups
     (`init_distributed`, then every group of the ParallelContext), builds or places the model, the
     ZeRO optimizer (taking over `client_optimizer` if given), the LR schedule and the engine.
-    `on_instruction(ins, start_s, end_s)` sees every pipeline instruction (timers, traces)."""
+    `on_instruction(ins, start_s, end_s)` sees every pipeline instruction (timers, traces).
+    `device` (default: the launcher's, `init_distributed`) and `order` (what every group posts its
+    operations to, see `ParallelContext`) are for the dry run (`megazero.run.dry_run`: meta, a recorder)."""
     p = cfg.parallel
     topology = Topology(pp=p.pp, dp=p.dp, tp=p.tp, order=tuple(p.order))
     if isinstance(model, str):  # a spec named here instead of in the config: check it like load_run_config
@@ -132,10 +134,12 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                           f"activation_checkpointer=ActivationCheckpointer.from_config(...)) or pass a model spec")
     _check_hpz_in_a_node(cfg, topology)
     info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
+    if device is not None:
+        info = dataclasses.replace(info, device=torch.device(device))
     pctx = ParallelContext(topology, timeout_s=cfg.comm.timeout_s, ep=cfg.parallel.ep,
                            ranks_per_node=cfg.parallel.ranks_per_node or info.local_world_size,
                            hierarchical=cfg.comm.hierarchical, hpz=cfg.zero.hpz_partition_size,
-                           verify_order=cfg.comm.verify_order or None)
+                           verify_order=cfg.comm.verify_order or None, order=order)
     if isinstance(model, PipelineModule):
         _agree_on_stage(model, pctx, info.device)
     module = _model(model, cfg, pctx, info.device)

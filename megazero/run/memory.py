@@ -163,7 +163,7 @@ class SavedActivationMeter:
         if _is_param(t) or t.layout != torch.strided:
             return _Held(t, self, None)
         storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
+        key = (str(t.device), storage._cdata)  # the storage itself (meta storages all have data_ptr 0)
         with self._lock:
             entry = self._live.get(key)
             if entry is not None:

@@ -1,7 +1,7 @@
 """The parity matrix: every factor a layout can vary, its allowed combinations, and their covering sets.
 
-`FACTORS` lists each factor's values, default first. `case_config(case)` turns a case into a config
-dict (tiny models: 8 layers of hidden 64, sequence 32, synthetic tokens) and `case_allowed(case)`
+`FACTORS` lists each factor's values, default first. `case_config(case, data_path)` turns a case into a
+config dict (tiny models: 8 layers of hidden 64, sequence 32) and `case_allowed(case)`
 asks the validation a user gets (`megazero.engine.load_run_config`, no process group) plus the
 world-size limit `MAX_WORLD`. `pairwise_cases(seed)` is an all-pairs covering set of the allowed
 cases (`megazero.core.pairwise`); `full_cases()` is every allowed case of the product.
@@ -27,6 +27,9 @@ The values, as config:
   experts on every TP rank); 1 changes only the moe model at tp > 1, so the matrix runs it there only.
 - dropout: model.dropout and attention_dropout (masks injected so they do not depend on the layout,
   see `megazero.run.parity`).
+- data: synthetic (random tokens, data.path unset) | stdlib (real text: a slice of the Python standard
+  library, byte tokens, `megazero.data.demo_corpus`; its skewed token statistics once showed a grad-norm
+  error that uniform tokens hid).
 
 Every case: AdamW (lr 1e-3, eps 1e-6: see `megazero.run.parity` for why not 1e-8), weight decay 0.01,
 gradient clipping 1.0, micro-batch 1, seed 1234, ZeRO buckets of 5000 elements (several per stage).
@@ -56,6 +59,7 @@ FACTORS: dict[str, tuple] = {
     "order": ("pp,dp,tp", "dp,tp,pp"),
     "model": ("gpt", "llama", "moe"),
     "dropout": (0.0, 0.1),
+    "data": ("synthetic", "stdlib"),
 }
 
 _CHECKPOINTING = {
@@ -85,8 +89,10 @@ def uneven_partition(pp: int, chunks: int, layers: int = LAYERS) -> list[int]:
     return counts
 
 
-def case_config(case: dict) -> dict:
-    """The config dict of one case (data.path unset: synthetic tokens)."""
+def case_config(case: dict, data_path: str = "data/stdlib") -> dict:
+    """The config dict of one case: real text from `data_path` (a prefix of .bin/.idx, e.g. what
+    `make demo` or `megazero.data.preprocess(demo_corpus)` writes) when the case's data is stdlib,
+    else synthetic tokens (data.path unset)."""
     pp, tp, dp = case["pp"], case["tp"], case["dp"]
     chunks = 2 if case["schedule"] == "interleaved" else 1
     m = micro_batches(case)
@@ -112,6 +118,7 @@ def case_config(case: dict) -> dict:
         "pipeline": {"schedule": case["schedule"], "chunks": chunks,
                      "partition": uneven_partition(pp, chunks) if case["split"] == "uneven" else "uniform"},
         "log": {"interval": 1000},
+        "data": {"path": data_path if case["data"] == "stdlib" else None},
     }
 
 
@@ -150,8 +157,7 @@ def case_name(case: dict) -> str:
 def pairwise_cases(seed: int = 0, witnesses=None) -> list[dict]:
     """The all-pairs covering set of the allowed cases (deterministic for a seed; `witnesses` as
     `pairwise.find_witnesses(FACTORS, case_allowed, seed)` returns them, when already computed). Each
-    case is the best of 16 greedy candidates: 44 cases at seed 0 (8 candidates gave 53 once the ep
-    factor and the MoE model joined)."""
+    case is the best of 16 greedy candidates: 54 cases at seed 0 (44 before the data factor joined)."""
     return pairwise.covering_set(FACTORS, case_allowed, seed, candidates=16, witnesses=witnesses)
 
 

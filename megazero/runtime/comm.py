@@ -195,14 +195,15 @@ def _verify(group: GroupHandle, kind: str, t: torch.Tensor | None = None, numel:
     if group.order is None:
         return
     what = "" if t is None else f"{t.dtype} x{t.numel() if numel is None else numel}"
-    group.order.collective(group, kind, " ".join(x for x in (what, extra, f"[{tag}]" if tag else "") if x))
+    group.order.collective(group, kind, " ".join(x for x in (what, extra, f"[{tag}]" if tag else "") if x),
+                           () if t is None else (t,))
 
 
 def _verify_p2p(group: GroupHandle, kind: str, t: torch.Tensor, peer: int) -> None:
     """Post a send to / receive from group rank `peer` to the order check: matched with the peer's
     receive / send in order, on dtype and shape."""
     if group.order is not None:
-        group.order.p2p(group, kind, peer, f"{t.dtype} {tuple(t.shape)}")
+        group.order.p2p(group, kind, peer, f"{t.dtype} {tuple(t.shape)}", (t,))
 
 
 def _record(group: GroupHandle, op: str, elements: float, t: torch.Tensor, peer: int | None = None) -> None:
@@ -319,6 +320,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: GroupHan
     splits = list(input_splits) if input_splits is not None else [rows // n] * n
     width = input.numel() // rows if rows else 0
     _verify(group, "all_to_all", extra=f"{input.dtype} rows of {tuple(input.shape[1:])}")
+    if group.order is not None and output.device != input.device:
+        raise ValueError(f"all_to_all: output on {output.device}, input on {input.device}")
     away = sum(splits[j] for j in range(n) if group.crosses(j))  # rows for other nodes' ranks
     group.stats.record(group.axis, "all_to_all", (rows - splits[group.rank]) * width, input.element_size(),
                        away * width)

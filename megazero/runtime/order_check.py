@@ -117,14 +117,15 @@ class OrderCheck:
         self._thread: threading.Thread | None = None
 
     # -- posting ------------------------------------------------------------------------------
-    def collective(self, group, kind: str, compared: str) -> None:
+    def collective(self, group, kind: str, compared: str, tensors=()) -> None:
         """Post this rank's next collective on `group` (a GroupHandle with a process group) and, if
-        this rank completes the position, compare every member's record. Raises OrderError."""
+        this rank completes the position, compare every member's record. Raises OrderError. (`tensors`:
+        what enters the collective; the dry run's recorder checks their device, this check does not.)"""
         # the sequence is the communicator's: two axes with the same members may share one process group
         self._post(f"pg{_pg_name(group.pg)}", f"group {group.axis} (ranks {list(group.ranks)})", group.ranks,
                    OpRecord(self.rank, kind, compared, f"on {group.axis} at {call_site()}"))
 
-    def p2p(self, group, kind: str, peer: int, compared: str) -> None:
+    def p2p(self, group, kind: str, peer: int, compared: str, tensors=()) -> None:
         """Post a send to (kind "send") or a receive from (kind "recv") group rank `peer`: matched in
         order with the peer's receives from (sends to) this rank, on the same dtype and shape."""
         me, other = group.ranks[group.rank], group.ranks[peer]

@@ -41,12 +41,13 @@ class ParallelContext:
     `hpz`: the size of ``hpz_group``, runs of that many consecutive dp ranks (ZeRO++'s secondary
     partition, `megazero.zero.zeropp`; 1: one rank each). `verify_order`: every group's operations go
     through one `OrderCheck` over the job's store (`comm.verify_order`); None: on when the environment
-    sets ``MEGAZERO_VERIFY_ORDER=1`` (the test suite does).
+    sets ``MEGAZERO_VERIFY_ORDER=1`` (the test suite does). `order`: another object every group posts
+    its operations to instead (`collective`/`p2p` as OrderCheck has them: the dry run's recorder).
     """
 
     def __init__(self, topology: Topology, timeout_s: float = 300.0, stats: CommStats | None = None, ep: int = 1,
                  ranks_per_node: int | None = None, hierarchical: bool = False, hpz: int = 1,
-                 verify_order: bool | None = None):
+                 verify_order: bool | None = None, order=None):
         initialized = dist.is_available() and dist.is_initialized()
         if not initialized and topology.world_size != 1:
             raise RuntimeError(f"the layout {topology} needs torch.distributed to be initialized first "
@@ -67,8 +68,10 @@ class ParallelContext:
         self.hierarchical = hierarchical
         self._pg_cache: dict[tuple[int, ...], object] = {}
         check = enabled_by_env() if verify_order is None else verify_order
-        self.order = (OrderCheck(dist.distributed_c10d._get_default_store(), self.global_rank,
-                                 hang_s=max(30.0, timeout_s / 2)) if check and world > 1 else None)
+        if order is None and check and world > 1:
+            order = OrderCheck(dist.distributed_c10d._get_default_store(), self.global_rank,
+                               hang_s=max(30.0, timeout_s / 2))
+        self.order = order
         self.tp_group = self._build("tp", topology.axis_groups("tp"))
         self.dp_group = self._build_data_parallel("dp", topology.axis_groups("dp"))
         self.pp_group = self._build("pp", topology.axis_groups("pp"))
@@ -118,7 +121,8 @@ class ParallelContext:
         from another thread while training's groups are busy."""
         pg = None
         if world > 1:
-            pg = dist.new_group(list(range(world)), timeout=timedelta(seconds=self.timeout_s), backend="gloo")
+            backend = None if dist.get_backend() == "fake" else "gloo"  # the dry run's recording group: its own
+            pg = dist.new_group(list(range(world)), timeout=timedelta(seconds=self.timeout_s), backend=backend)
             self._pg_cache[("background",)] = pg
         return GroupHandle("background", tuple(range(world)), self.global_rank, pg, CommStats(), self.timeout_s,
                            order=self.order)

@@ -130,6 +130,8 @@ class _Linear(torch.autograd.Function):
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype autocast casts GEMMs to on `x`'s device type, or None when autocast is off there."""
     device = x.device.type
+    if device == "meta":  # the dry run: no autocast on meta
+        return None
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
