@@ -339,7 +339,10 @@ def format_report(out: dict, predicted_lines=None) -> str:
         live = max(i["peak_live_bytes"] for i in by_stage[stage])
         lines.append(f"  stage {stage:>2}: {_size(held):>10} / {_size(live):>10}")
     if predicted_lines:  # the per-stage peaks side by side with the planner's
-        lines = [l for l in lines if not l.startswith("  stage ")] + predicted_lines
+        lines = [line for line in lines if not line.startswith("  stage ") and not line.startswith("  per rank")]
+        lines += predicted_lines
+    elif predicted_lines is None and out.get("predicted") is None:
+        lines.append("  (the planner cannot plan this layout: tools/plan.py says why)")
     if out["problems"]:
         lines.append(f"{len(out['problems'])} problem(s):")
         lines += ["  " + p.replace("\n", "\n  ") for p in out["problems"]]
@@ -352,7 +355,7 @@ def _predicted_lines(out: dict) -> list[str]:
     """Per stage: the dry run's peak next to the planner's total (same units, GiB)."""
     plan = out["predicted"]
     if plan is None:
-        return ["  (the planner cannot plan this layout; no prediction to compare)"]
+        return None
     held, live = defaultdict(int), defaultdict(int)
     for info in out["per_rank"].values():
         held[info["pp"]] = max(held[info["pp"]], info["peak_bytes"])
@@ -396,7 +399,7 @@ def main(argv=None) -> int:
     except (ConfigError, DryRunError) as err:
         print(f"dry_run: {err}", flush=True)
         return 2
-    print(format_report(out, _predicted_lines(out)), flush=True)
+    print(format_report(out, _predicted_lines(out)), flush=True)  # None: no plan, the dry run's peaks alone
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: v for k, v in out.items() if k != "predicted"}, f, indent=1, default=str)
