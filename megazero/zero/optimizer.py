@@ -212,9 +212,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # overlap_comm), so only the buckets being filled hold full-size gradients; stages 0-1 keep
         # full gradients anyway and reduce at the step's last micro-batch, here only when overlapping.
         if not group.full_grads:
-            group.reduce_bucket(done, async_op=self.overlap)
+            group.bucket_ready(done, async_op=self.overlap)
         elif self.overlap and self.last_microbatch and not self.compressing:
-            group.reduce_bucket(done, async_op=True)
+            group.bucket_ready(done, async_op=True)
         if self.gatherer is not None and group.shard_params:
             self.gatherer.bucket_done(group, done)
 
@@ -224,8 +224,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._early.bucket_reduced(group, b)
 
     def after_backward(self) -> None:
-        """End of one micro-batch's backward: stages 2-3 reduce-scatter what is left, stage 3
-        releases every gathered parameter."""
+        """End of one micro-batch's backward: stages 2-3 reduce-scatter every bucket not launched yet
+        (`FlatGroup.flush`: in index order, an empty one as zeros, so every dp rank issues the same
+        reductions whatever its graph used), stage 3 releases every gathered parameter."""
         for group in self.groups:
             if not group.full_grads:
                 group.flush()
@@ -236,17 +237,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- the step -----------------------------------------------------------------------------------
     def reduce_grads(self) -> None:
-        """Stages 0-1: reduce every bucket not reduced yet; all: sum tied shards over the embedding
-        group; wait for everything in flight. Idempotent within a step."""
+        """Stages 0-1: reduce every bucket not reduced yet, in index order (`FlatGroup.flush`); all: sum
+        tied shards over the embedding group; wait for everything in flight. Idempotent within a step."""
         if self._reduced:
             return
         self._reduced = True
         for group in self.groups:
             if group.full_grads and not self.compressing:  # 1-bit Adam: each rank keeps its own gradient
-                launched = group.launched()
-                for b in range(len(group.layout.buckets)):
-                    if b not in launched:
-                        group.reduce_bucket(b, async_op=self.overlap)
+                group.flush(async_op=self.overlap)
             group.wait()
             group.reset_pending()
             if group.name == "tied":
