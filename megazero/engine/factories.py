@@ -112,10 +112,29 @@ def optimizer_spec(cfg: Config) -> OptimizerSpec:
 
 
 def zero_units(model: nn.Module) -> list[nn.Module]:
-    """ZeRO-3 gathering units: a PipelineModule's layers, else every module that owns parameters."""
+    """ZeRO-3 gathering units, in forward order: a PipelineModule's layers; else each element of the
+    outermost ModuleLists / ModuleDicts (a transformer's blocks) with everything inside it, and every
+    other module that owns parameters.
+
+    Every rank must issue the same all-gathers (NCCL matches them by position). A user's model may
+    skip modules depending on its data (Mixtral's experts that get no token, a conditional branch);
+    inside a block that is one unit, such a module is gathered with the block on every rank, whether it
+    runs or not."""
     if isinstance(model, PipelineModule):
         return model.units()
-    return [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    units: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            units.extend(child for child in m.children() if any(True for _ in child.parameters()))
+            return
+        if any(True for _ in m.parameters(recurse=False)):
+            units.append(m)
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    return units
 
 
 def param_groups(cfg: Config, model: nn.Module, params=None) -> list:

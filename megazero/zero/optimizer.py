@@ -137,7 +137,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if spec.type == "onebit_adam" else None
         self.gatherer = None
         if stage == 3 and units:
-            self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size)
+            self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size,
+                                           self._unit_backward_ended)
         # The step needs the global norm on the host (one synchronisation) only to clip, to back off a
         # dynamic loss scale or to check for inf/NaN; otherwise it stays a device tensor until read.
         self._norm_on_host = self.clip > 0 or self.scaler.dynamic or nonfinite != "ignore"
@@ -211,12 +212,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Stages 2-3 reduce-scatter a bucket as soon as it is complete (asynchronously with
         # overlap_comm), so only the buckets being filled hold full-size gradients; stages 0-1 keep
         # full gradients anyway and reduce at the step's last micro-batch, here only when overlapping.
-        if not group.full_grads:
+        # At stage 3 the reductions share the dp group with the gathers of backward, so a group not gathered
+        # per unit ("persistent", experts outside the units) is reduced at the end of backward (`after_backward`),
+        # at the same place on every rank whichever of its gradients this rank's graph produced.
+        if not group.full_grads and (self.gatherer is None or group.shard_params):
             group.bucket_ready(done, async_op=self.overlap)
         elif self.overlap and self.last_microbatch and not self.compressing:
             group.bucket_ready(done, async_op=True)
         if self.gatherer is not None and group.shard_params:
             self.gatherer.bucket_done(group, done)
+
+    def _unit_backward_ended(self, group: FlatGroup, b: int) -> None:
+        """Stage 3: a unit's backward ended; launch `group`'s buckets up to b, its last, complete or not
+        (see `megazero.zero.stage3`): over the group's dp group, before any earlier unit's gathers."""
+        group.launch_through(b, async_op=self.overlap, complete_or_not=True)
 
     def _bucket_reduced(self, group: FlatGroup, b: int) -> None:
         """A flat group's bucket reduction landed (its `on_reduced`): an early update may start."""
