@@ -292,4 +292,5 @@ def test_combine_does_not_depend_on_the_order_of_the_rows():
         perm = torch.randperm(tokens * k, generator=torch.Generator().manual_seed(seed))
         assert torch.equal(combine(y[perm], token[perm], slot[perm], tokens, k), first)
     exact = torch.zeros(tokens, h, dtype=torch.float64).index_add(0, token, y.double())
-    assert torch.allclose(first.double(), exact, rtol=1e-6, atol=0)
+    scale = torch.zeros(tokens, h, dtype=torch.float64).index_add(0, token, y.double().abs())
+    assert bool(((first.double() - exact).abs() <= 1e-6 * scale).all())  # fp32 rounding of the k terms
