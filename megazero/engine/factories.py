@@ -212,7 +212,8 @@ def build_optimizer(cfg: Config, model: nn.Module, pctx: ParallelContext, params
         loss_scaler=loss_scaler(cfg), nonfinite=cfg.nonfinite_gradients, units=zero_units(model) if z.stage == 3 else None,
         prefetch_bucket_size=z.prefetch_bucket_size, param_persistence_threshold=z.param_persistence_threshold,
         zeropp=ZeroPlusPlus(z.quantized_weights, z.quantized_gradients,
-                            pctx.hpz_group if z.hpz_partition_size > 1 else None))
+                            pctx.hpz_group if z.hpz_partition_size > 1 else None),
+        data_dependent_graph=not isinstance(model, PipelineModule))  # a user's module may skip parts per batch
 
 
 def build_scheduler(cfg: Config, optimizer) -> LRScheduler | None:

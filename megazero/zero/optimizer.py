@@ -83,7 +83,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  overlap_comm: bool = False, offload_optimizer: bool = False, offload_param: bool = False,
                  gradient_clipping: float = 0.0, loss_scaler: LossScaler | None = None,
                  units=None, prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
-                 nonfinite: str = "skip", zeropp: ZeroPlusPlus | None = None):
+                 nonfinite: str = "skip", zeropp: ZeroPlusPlus | None = None, data_dependent_graph: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {stage}")
         if spec.type not in ("adam", "adamw", "sgd", "onebit_adam"):
@@ -138,7 +138,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gatherer = None
         if stage == 3 and units:
             self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size,
-                                           self._unit_backward_ended)
+                                           self._unit_backward_ended if data_dependent_graph else None)
+        # A graph that may depend on the data (a user's nn.Module: experts skipped, conditional branches): at
+        # stage 3 the reductions share the dp group with backward's gathers, so they are issued at places that
+        # do not depend on which gradients this rank's graph produced: a unit's buckets when its backward ends,
+        # a group not gathered per unit ("persistent", experts outside the units) at the end of backward.
+        self._reduce_at_end = data_dependent_graph and self.gatherer is not None
         # The step needs the global norm on the host (one synchronisation) only to clip, to back off a
         # dynamic loss scale or to check for inf/NaN; otherwise it stays a device tensor until read.
         self._norm_on_host = self.clip > 0 or self.scaler.dynamic or nonfinite != "ignore"
@@ -212,10 +217,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Stages 2-3 reduce-scatter a bucket as soon as it is complete (asynchronously with
         # overlap_comm), so only the buckets being filled hold full-size gradients; stages 0-1 keep
         # full gradients anyway and reduce at the step's last micro-batch, here only when overlapping.
-        # At stage 3 the reductions share the dp group with the gathers of backward, so a group not gathered
-        # per unit ("persistent", experts outside the units) is reduced at the end of backward (`after_backward`),
-        # at the same place on every rank whichever of its gradients this rank's graph produced.
-        if not group.full_grads and (self.gatherer is None or group.shard_params):
+        if not group.full_grads and not (self._reduce_at_end and not group.shard_params):
             group.bucket_ready(done, async_op=self.overlap)
         elif self.overlap and self.last_microbatch and not self.compressing:
             group.bucket_ready(done, async_op=True)
@@ -223,8 +225,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.gatherer.bucket_done(group, done)
 
     def _unit_backward_ended(self, group: FlatGroup, b: int) -> None:
-        """Stage 3: a unit's backward ended; launch `group`'s buckets up to b, its last, complete or not
-        (see `megazero.zero.stage3`): over the group's dp group, before any earlier unit's gathers."""
+        """Stage 3 with `data_dependent_graph`: a unit's backward ended; launch `group`'s buckets up to b,
+        its last, complete or not (see `megazero.zero.stage3`): over the group's dp group, before any
+        earlier unit's gathers. (Not for megazero's pipelines: their graph is fixed, and zero-bubble
+        schedules add weight gradients after the unit's backward.)"""
         group.launch_through(b, async_op=self.overlap, complete_or_not=True)
 
     def _bucket_reduced(self, group: FlatGroup, b: int) -> None:

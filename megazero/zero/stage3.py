@@ -13,8 +13,8 @@ unit is released as soon as its backward is done. Buckets are reference-counted:
 by two units (a tied embedding with pp=1) stays gathered while either needs it.
 
 Every dp rank must issue its gathers and its gradient reductions in one order (they share the dp
-group). When a unit's backward has ended (the gradient of its inputs is computed) the optimizer's
-`on_unit_backward(group, b)` launches every bucket up to b, the last the unit owns, complete or not
+group). With a graph that depends on the data, when a unit's backward has ended (the gradient of its
+inputs is computed) the optimizer's `on_unit_backward(group, b)` launches every bucket up to b, the last the unit owns, complete or not
 (an expert that got no token on this rank has no gradient, another rank's has): so each unit's
 reductions are issued before the previous unit's gathers on every rank, whatever its data. The unit is
 released then too, if its gradients have not all arrived.
@@ -60,7 +60,7 @@ class Stage3Gatherer:
         def hook(mod, args, kwargs):
             self._acquire(u)
             self._prefetch(range(u + 1, len(self.needs)))
-            if torch.is_grad_enabled():  # the inputs' gradient tells when the unit's backward has ended
+            if self.on_unit_backward is not None and torch.is_grad_enabled():  # the inputs' gradient: backward ended
                 end = lambda: self._backward_ended(u)  # noqa: E731
                 return _wrap_outputs(args, end), _wrap_outputs(kwargs, end)
             return None
