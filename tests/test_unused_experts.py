@@ -248,33 +248,55 @@ def test_expert_tp_all_reduces_run_with_zero_rows():
         assert [c[0] for c in calls] == ["all_reduce", "all_reduce"], calls
 
 
-def spec_moe_worker():
+def skewed_run_layout(config: dict, overrides=(), steps: int = 2, record: bool = False):
+    """`megazero.run.parity.run_layout` with every router's logits lowered by 30 for the upper half of
+    the experts (a constant: the gradients are unchanged), so that no token is routed to them: at ep=2
+    the experts of ep rank 1 get 0 rows. With `record`: (collectives issued, rows each GroupedExperts
+    call ran, report); else the report."""
+    from megazero.moe.experts import GroupedExperts
+    from megazero.moe.layer import MoELayer
     from megazero.run.parity import run_layout
 
-    calls = record_collectives()
-    report = run_layout(spec_moe_config(), steps=2)
-    return list(calls), report
+    calls = record_collectives() if record else []
+    logits_of, run_experts, rows = MoELayer.router_logits, GroupedExperts.forward, []
+
+    def skewed(self, tokens):
+        logits = logits_of(self, tokens)
+        upper = torch.arange(logits.shape[1], device=logits.device) >= logits.shape[1] // 2
+        return logits - 30.0 * upper
+
+    def counted(self, x, counts):
+        if getattr(next(self.parameters()), "expert", False):  # routed experts, not a shared one
+            rows.append(x.shape[0])
+        return run_experts(self, x, counts)
+
+    MoELayer.router_logits, GroupedExperts.forward = skewed, counted
+    report = run_layout(config, overrides, steps)
+    return (list(calls), rows, report) if record else report
 
 
 def spec_moe_config() -> dict:
-    return {"precision": "fp32", "parallel": {"tp": 2, "expert_tp": 2},
-            "model": {"spec": "model_specs/llama.py:debug-moe", "layers": 2, "moe": {"capacity_factor": 0.5}},
+    return {"precision": "fp32", "parallel": {"tp": 2, "ep": 2, "dp": 2, "expert_tp": 2},
+            "model": {"spec": "model_specs/llama.py:debug-moe", "layers": 2},
             "train": {"micro_batch_size": 1, "global_batch_size": 2, "seed": 7},
             "optimizer": {"type": "adamw", "lr": 1e-3, "eps": 1e-6},
             "zero": {"stage": 1, "reduce_bucket_size": 5000}, "log": {"interval": 1000}}
 
 
-def test_spec_moe_with_expert_tp_matches_serial():
-    """debug-moe at tp=2 with its experts' ffn split over TP and tokens dropped (capacity 0.5): both TP
-    ranks issue the same collectives, and the run equals the serial one."""
-    from megazero.run.parity import compare, merge_reports, run_layout, serial_overrides
+def test_spec_moe_with_expert_tp_and_an_ep_rank_without_rows_matches_serial():
+    """debug-moe at ep=2, tp=2 with the experts' ffn split over TP, routed so that ep rank 1's experts get
+    no token: their TP all-reduces run with 0 rows, every group's members issue the same collectives,
+    and the run equals the serial one."""
+    from megazero.run.parity import compare, merge_reports, serial_overrides
 
-    results = run_ranks(spec_moe_worker, 2, timeout=120)
-    assert_same_sequences([r[0] for r in results])
     cfg = spec_moe_config()
-    serial = run_ranks(run_layout, 1, cfg, serial_overrides(2), 2, timeout=120)
-    rows = compare(merge_reports([r[1] for r in results]), merge_reports(serial))
-    assert all(row["ok"] for row in rows), rows
+    results = run_ranks(skewed_run_layout, 4, cfg, (), 2, True, timeout=120)
+    assert_same_sequences([r[0] for r in results])
+    rows = [r[1] for r in results]
+    assert any(n == 0 for ranks in rows for n in ranks) and any(n > 0 for ranks in rows for n in ranks), rows
+    serial = run_ranks(skewed_run_layout, 1, cfg, serial_overrides(2), 2, timeout=120)
+    verdict = compare(merge_reports([r[2] for r in results]), merge_reports(serial))
+    assert all(row["ok"] for row in verdict), verdict
 
 
 def test_combine_does_not_depend_on_the_order_of_the_rows():
