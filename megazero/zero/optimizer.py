@@ -48,6 +48,7 @@ from megazero.zero.zeropp import ZeroPlusPlus
 from megazero.zero.param_groups import checked_group, group_runs, hyperparameters, load_hyperparameters
 from megazero.zero import views
 from megazero.zero.stage3 import Stage3Gatherer
+from megazero.zero.unit_ends import UnitEnds
 
 
 NONFINITE = NONFINITE_CHOICES  # one list: the config schema's
@@ -76,7 +77,13 @@ class OptimizerSpec:
 class ZeroOptimizer(torch.optim.Optimizer):
     """See the module docstring. Use: `scale_loss(loss).backward()` per micro-batch, then
     `after_backward()` per micro-batch, `step()` once per global batch (it reduces, unscales,
-    checks overflow, clips, updates, publishes and zeroes the gradients)."""
+    checks overflow, clips, updates, publishes and zeroes the gradients).
+
+    `units`: the modules stage 3 gathers one at a time, in forward order. `data_dependent_graph`: the
+    model may leave parameters without a gradient on some ranks only (a user's module under the module
+    engine); stages 2-3 then launch their reductions at the end of each unit's backward
+    (`megazero.zero.unit_ends.UnitEnds`) instead of when a bucket completes, so every dp rank issues
+    them at the same places."""
 
     def __init__(self, params, pctx, stage: int = 0, spec: OptimizerSpec = OptimizerSpec(),
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
@@ -137,13 +144,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if spec.type == "onebit_adam" else None
         self.gatherer = None
         if stage == 3 and units:
-            self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size,
-                                           self._unit_backward_ended if data_dependent_graph else None)
-        # A graph that may depend on the data (a user's nn.Module: experts skipped, conditional branches): at
-        # stage 3 the reductions share the dp group with backward's gathers, so they are issued at places that
-        # do not depend on which gradients this rank's graph produced: a unit's buckets when its backward ends,
-        # a group not gathered per unit ("persistent", experts outside the units) at the end of backward.
-        self._reduce_at_end = data_dependent_graph and self.gatherer is not None
+            self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size)
+        # A graph that may depend on the data (a user's nn.Module: experts skipped, conditional branches): stages
+        # 2-3 launch their reductions only where every rank is whatever gradients its graph produced, at the end
+        # of each unit's backward and of the whole backward (megazero.zero.unit_ends), not when a bucket completes.
+        self.unit_ends = None
+        if data_dependent_graph and stage >= 2 and units:
+            self.unit_ends = UnitEnds(units, [group for group in self.groups if not group.full_grads],
+                                      self._unit_backward_ended)
         # The step needs the global norm on the host (one synchronisation) only to clip, to back off a
         # dynamic loss scale or to check for inf/NaN; otherwise it stays a device tensor until read.
         self._norm_on_host = self.clip > 0 or self.scaler.dynamic or nonfinite != "ignore"
@@ -217,19 +225,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Stages 2-3 reduce-scatter a bucket as soon as it is complete (asynchronously with
         # overlap_comm), so only the buckets being filled hold full-size gradients; stages 0-1 keep
         # full gradients anyway and reduce at the step's last micro-batch, here only when overlapping.
-        if not group.full_grads and not (self._reduce_at_end and not group.shard_params):
+        if not group.full_grads and self.unit_ends is None:
             group.bucket_ready(done, async_op=self.overlap)
         elif self.overlap and self.last_microbatch and not self.compressing:
             group.bucket_ready(done, async_op=True)
         if self.gatherer is not None and group.shard_params:
             self.gatherer.bucket_done(group, done)
 
-    def _unit_backward_ended(self, group: FlatGroup, b: int) -> None:
-        """Stage 3 with `data_dependent_graph`: a unit's backward ended; launch `group`'s buckets up to b,
-        its last, complete or not (see `megazero.zero.stage3`): over the group's dp group, before any
-        earlier unit's gathers. (Not for megazero's pipelines: their graph is fixed, and zero-bubble
-        schedules add weight gradients after the unit's backward.)"""
-        group.launch_through(b, async_op=self.overlap, complete_or_not=True)
+    def _unit_backward_ended(self, u: int, through) -> None:
+        """Stages 2-3 with `data_dependent_graph` (`UnitEnds`' callback): unit u's backward ended; launch each
+        group's buckets up to its b in `through`, complete or not, over the group's dp group (at stage 3
+        before any earlier unit's gathers), and release the unit. (Not for megazero's pipelines: their graph
+        is fixed, and zero-bubble schedules add weight gradients after a unit's backward.)"""
+        for group, b in through:
+            group.launch_through(b, async_op=self.overlap, complete_or_not=True)
+        if self.gatherer is not None:
+            self.gatherer.backward_ended(u)
 
     def _bucket_reduced(self, group: FlatGroup, b: int) -> None:
         """A flat group's bucket reduction landed (its `on_reduced`): an early update may start."""
@@ -247,6 +258,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 group.reset_pending()
         if self.gatherer is not None:
             self.gatherer.release_all()
+        if self.unit_ends is not None:
+            self.unit_ends.reset()
 
     # -- the step -----------------------------------------------------------------------------------
     def reduce_grads(self) -> None:

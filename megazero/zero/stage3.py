@@ -13,11 +13,9 @@ unit is released as soon as its backward is done. Buckets are reference-counted:
 by two units (a tied embedding with pp=1) stays gathered while either needs it.
 
 Every dp rank must issue its gathers and its gradient reductions in one order (they share the dp
-group). With a graph that depends on the data, when a unit's backward has ended (the gradient of its
-inputs is computed) the optimizer's `on_unit_backward(group, b)` launches every bucket up to b, the last the unit owns, complete or not
-(an expert that got no token on this rank has no gradient, another rank's has): so each unit's
-reductions are issued before the previous unit's gathers on every rank, whatever its data. The unit is
-released then too, if its gradients have not all arrived.
+group). With a graph that depends on the data the optimizer launches the reductions only at the end of
+each unit's backward (`megazero.zero.unit_ends`), before the previous unit's gathers on every rank,
+and tells the gatherer (`backward_ended`), which releases the unit if some of its gradients never came.
 """
 from __future__ import annotations
 
@@ -28,49 +26,35 @@ class Stage3Gatherer:
     """Owns the gather/release hooks of the ZeRO-3 `groups` for the modules in `units`
     (forward order). Communicates over each group's dp group (all-gather)."""
 
-    def __init__(self, units, groups, prefetch_bucket_size: int, on_unit_backward=None):
+    def __init__(self, units, groups, prefetch_bucket_size: int):
         self.groups = groups
         self.prefetch = prefetch_bucket_size
-        self.on_unit_backward = on_unit_backward  # (group, b): unit's backward ended, b its last bucket there
         where = {id(p): (gi, group.layout.bucket_of(i)) for gi, group in enumerate(groups) for i, p in enumerate(group.params)}
         self.needs: list[list[tuple[int, int]]] = []
-        self.last_owned: list[dict[int, int]] = []  # unit -> {group index: last bucket holding a parameter it owns}
-        owner: dict[int, int] = {}  # parameter -> the first unit holding it (its buckets are that unit's)
-        for u, mod in enumerate(units):
+        for mod in units:
             keys = sorted({where[id(p)] for p in mod.parameters() if id(p) in where})
             self.needs.append(keys)
-            last: dict[int, int] = {}
-            for p in mod.parameters():
-                if id(p) in where and owner.setdefault(id(p), u) == u:
-                    gi, b = where[id(p)]
-                    last[gi] = max(last.get(gi, b), b)
-            self.last_owned.append(last)
         self.full: dict[tuple[int, int], torch.Tensor] = {}
         self.inflight: dict[tuple[int, int], tuple] = {}
         self.holders: dict[tuple[int, int], int] = {}
         self.bwd_left: dict[int, set] = {}  # unit -> buckets whose gradients are still expected
-        self.bwd_ended: set[int] = set()  # units whose backward ended this micro-batch
         self.handles = []
         for u, mod in enumerate(units):
-            self.handles.append(mod.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
+            self.handles.append(mod.register_forward_pre_hook(self._pre_forward(u)))
             self.handles.append(mod.register_forward_hook(self._post_forward(u)))
 
     # -- hooks --------------------------------------------------------------------------------------
     def _pre_forward(self, u):
-        def hook(mod, args, kwargs):
+        def hook(mod, args):
             self._acquire(u)
             self._prefetch(range(u + 1, len(self.needs)))
-            if self.on_unit_backward is not None and torch.is_grad_enabled():  # the inputs' gradient: backward ended
-                end = lambda: self._backward_ended(u)  # noqa: E731
-                return _wrap_outputs(args, end), _wrap_outputs(kwargs, end)
-            return None
         return hook
 
     def _post_forward(self, u):
         def hook(mod, args, out):
             self._release(u)
             if torch.is_grad_enabled():
-                return _wrap_outputs(out, lambda: self._pre_backward(u))
+                return call_in_backward(out, lambda: self._pre_backward(u))
             return None
         return hook
 
@@ -82,16 +66,9 @@ class Stage3Gatherer:
         self.bwd_left[u] = set(self.needs[u])
         self._prefetch(range(u - 1, -1, -1))
 
-    def _backward_ended(self, u) -> None:
-        """Runs when the gradient of unit u's inputs is computed (once per micro-batch): the unit's
-        reductions are launched (`on_unit_backward`) and, if some of its gradients never came on this
-        rank, the unit is released."""
-        if u in self.bwd_ended:
-            return
-        self.bwd_ended.add(u)
-        if self.on_unit_backward is not None:
-            for gi, b in sorted(self.last_owned[u].items()):
-                self.on_unit_backward(self.groups[gi], b)
+    def backward_ended(self, u) -> None:
+        """Unit u's backward is over (`megazero.zero.unit_ends`): release it if some of its gradients
+        never came on this rank (a skipped expert), as it is released elsewhere when they all come."""
         if self.bwd_left.pop(u, None) is not None:
             self._release(u)
 
@@ -156,7 +133,6 @@ class Stage3Gatherer:
         self.full.clear()
         self.holders.clear()
         self.bwd_left.clear()
-        self.bwd_ended.clear()
 
     def remove(self) -> None:
         for h in self.handles:
@@ -178,12 +154,13 @@ class _PreBackward(torch.autograd.Function):
         return None, grad
 
 
-def _wrap_outputs(out, callback):
-    """Route every differentiable tensor of a module's output (or inputs) through _PreBackward."""
+def call_in_backward(out, callback):
+    """Route every differentiable tensor of a module's outputs (or inputs) through _PreBackward: the
+    same structure back, `callback()` called in backward when each one's gradient arrives."""
     if isinstance(out, torch.Tensor):
         return _PreBackward.apply(callback, out) if out.requires_grad else out
     if isinstance(out, (tuple, list)):
-        return type(out)(_wrap_outputs(o, callback) for o in out)
+        return type(out)(call_in_backward(o, callback) for o in out)
     if isinstance(out, dict):
-        return {k: _wrap_outputs(v, callback) for k, v in out.items()}
+        return {k: call_in_backward(v, callback) for k, v in out.items()}
     return out
