@@ -196,7 +196,7 @@ class FlatGroup:
         b = self.layout.bucket_of(i)
         if b < self._next:  # its reduction was launched this micro-batch: this gradient would be lost
             raise RuntimeError(f"flat group {self.name!r}: a gradient of parameter {i} arrived after its bucket {b} "
-                               f"was reduced (a parameter used outside the ZeRO-3 unit holding it?)")
+                               f"was reduced (a parameter used again after the backward of the unit holding it ended?)")
         bk = self.layout.buckets[b]
         buf = self._bucket_grad.get(b)
         if buf is None:

@@ -222,11 +222,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         done = group.grad_done(i)
         if done is None:
             return
-        # Stages 2-3 reduce-scatter a bucket as soon as it is complete (asynchronously with
-        # overlap_comm), so only the buckets being filled hold full-size gradients; stages 0-1 keep
-        # full gradients anyway and reduce at the step's last micro-batch, here only when overlapping.
-        if not group.full_grads and self.unit_ends is None:
-            group.bucket_ready(done, async_op=self.overlap)
+        # Stages 2-3 reduce-scatter a bucket as soon as it is complete and its turn has come
+        # (asynchronously with overlap_comm), so only the buckets being filled hold full-size gradients
+        # (with a data-dependent graph at the end of its unit's backward instead: `_unit_backward_ended`);
+        # stages 0-1 keep full gradients anyway and reduce at the step's last micro-batch, here only
+        # when overlapping.
+        if not group.full_grads:
+            if self.unit_ends is None:
+                group.bucket_ready(done, async_op=self.overlap)
         elif self.overlap and self.last_microbatch and not self.compressing:
             group.bucket_ready(done, async_op=True)
         if self.gatherer is not None and group.shard_params:
