@@ -316,3 +316,26 @@ def test_combine_does_not_depend_on_the_order_of_the_rows():
     exact = torch.zeros(tokens, h, dtype=torch.float64).index_add(0, token, y.double())
     scale = torch.zeros(tokens, h, dtype=torch.float64).index_add(0, token, y.double().abs())
     assert bool(((first.double() - exact).abs() <= 1e-6 * scale).all())  # fp32 rounding of the k terms
+
+
+def test_the_rows_gather_sums_its_gradient_whatever_the_order():
+    """The gather of the tokens' rows for the experts (`GatherRows`, tokens[token]) sums each token's k row
+    gradients in slot order in backward: the tokens' gradient is bit-identical for any order of the rows."""
+    from megazero.moe.layer import GatherRows
+
+    tokens, k, h = 64, 3, 32
+    token = torch.arange(tokens).repeat_interleave(k)
+    slot = torch.arange(k).repeat(tokens)
+    grad_rows = torch.randn(tokens * k, h, generator=torch.Generator().manual_seed(1)) * torch.logspace(
+        -4, 4, tokens * k).unsqueeze(1)
+
+    def tokens_grad(perm):
+        x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        rows = GatherRows.apply(x, token[perm], slot[perm], k)
+        assert torch.equal(rows, x.detach()[token[perm]])
+        rows.backward(grad_rows[perm])
+        return x.grad
+
+    first = tokens_grad(torch.arange(tokens * k))
+    for seed in range(5):
+        assert torch.equal(tokens_grad(torch.randperm(tokens * k, generator=torch.Generator().manual_seed(seed))), first)
