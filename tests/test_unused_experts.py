@@ -12,11 +12,13 @@ inside the rank) and the test compares the sequences of every group's members.
   leave an expert unused on one rank and used on the other, at ZeRO 1, 2, 3, with and without
   overlap_comm: identical sequences, and the parameters after 2 steps equal one process's
   torch.optim.AdamW on the global batch within 1e-5.
-- Expert tensor parallelism: the experts' TP all-reduces run on a rank whose experts have 0 rows (so
-  its TP peers, whatever rows they hold, never wait for a rank that skipped), and the spec MoE model at
-  tp=2 (experts' ffn split over TP) issues the same sequence on both TP ranks.
-- The MoE combine does not depend on the order of the rows (CUDA's `index_add` adds in no fixed order,
-  so TP replicas' hidden states could differ in the low bits and route differently).
+- Expert tensor parallelism: the experts' TP all-reduces run on a rank whose experts have 0 rows (a
+  rank never skips a collective its TP peers issue), and the spec MoE model at ep=2, tp=2 (experts' ffn
+  split over TP), routed so that ep rank 1's experts get no token, issues the same sequence on every
+  group's members and equals the serial run.
+- The MoE combine and the rows' gather's backward do not depend on the order of the rows (CUDA's
+  `index_add` / scatter-add add in no fixed order, so TP replicas' hidden states or replicated
+  gradients could differ in the low bits, and the replicas route differently).
 """
 from __future__ import annotations
 
