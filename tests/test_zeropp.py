@@ -93,9 +93,8 @@ def _train(cfg: dict, steps: int = 3):
         group.gather_bucket = counted(group.gather_bucket, "gather")
         reduce = group.reduce_bucket
 
-        def reduce_counted(b, *a, group=group, gi=gi, reduce=reduce, **k):
-            if group.full_grads or b in group._bucket_grad:  # a reduction that communicates
-                calls["reduce"][(gi, b)] = calls["reduce"].get((gi, b), 0) + 1
+        def reduce_counted(b, *a, gi=gi, reduce=reduce, **k):  # every bucket's reduction communicates
+            calls["reduce"][(gi, b)] = calls["reduce"].get((gi, b), 0) + 1
             return reduce(b, *a, **k)
         group.reduce_bucket = reduce_counted
     # ‖ΔW‖ of qwZ's first gathers: the int8 error of the initial weight shards, over every rank

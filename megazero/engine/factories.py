@@ -112,10 +112,29 @@ def optimizer_spec(cfg: Config) -> OptimizerSpec:
 
 
 def zero_units(model: nn.Module) -> list[nn.Module]:
-    """ZeRO-3 gathering units: a PipelineModule's layers, else every module that owns parameters."""
+    """ZeRO-3 gathering units, in forward order: a PipelineModule's layers; else each element of the
+    outermost ModuleLists / ModuleDicts (a transformer's blocks) with everything inside it, and every
+    other module that owns parameters.
+
+    Every rank must issue the same all-gathers (NCCL matches them by position). A user's model may
+    skip modules depending on its data (Mixtral's experts that get no token, a conditional branch);
+    inside a block that is one unit, such a module is gathered with the block on every rank, whether it
+    runs or not."""
     if isinstance(model, PipelineModule):
         return model.units()
-    return [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    units: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            units.extend(child for child in m.children() if any(True for _ in child.parameters()))
+            return
+        if any(True for _ in m.parameters(recurse=False)):
+            units.append(m)
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    return units
 
 
 def param_groups(cfg: Config, model: nn.Module, params=None) -> list:
@@ -190,10 +209,11 @@ def build_optimizer(cfg: Config, model: nn.Module, pctx: ParallelContext, params
         reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
         overlap_comm=bool(z.overlap_comm), offload_optimizer=z.offload_optimizer.device == "cpu",
         offload_param=z.offload_param.device == "cpu", gradient_clipping=cfg.gradient_clipping,
-        loss_scaler=loss_scaler(cfg), nonfinite=cfg.nonfinite_gradients, units=zero_units(model) if z.stage == 3 else None,
+        loss_scaler=loss_scaler(cfg), nonfinite=cfg.nonfinite_gradients, units=zero_units(model) if z.stage >= 2 else None,
         prefetch_bucket_size=z.prefetch_bucket_size, param_persistence_threshold=z.param_persistence_threshold,
         zeropp=ZeroPlusPlus(z.quantized_weights, z.quantized_gradients,
-                            pctx.hpz_group if z.hpz_partition_size > 1 else None))
+                            pctx.hpz_group if z.hpz_partition_size > 1 else None),
+        data_dependent_graph=not isinstance(model, PipelineModule))  # a user's module may skip parts per batch
 
 
 def build_scheduler(cfg: Config, optimizer) -> LRScheduler | None:

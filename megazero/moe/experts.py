@@ -83,15 +83,16 @@ class GroupedExperts(nn.Module):
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """`rows` (N, h) grouped by local expert, `counts[e]` rows each; returns (N, h).
 
-        Communication over the expert TP group (none with one rank, or when N = 0 on every rank of
-        it: they hold the same rows): f on the rows (identity forward, all-reduce of their gradient
-        backward) and g on the outputs (all-reduce of the partial sums forward, identity backward), so
-        the outputs are whole and the rows' gradient equal on every TP rank; the output bias is added
-        after the all-reduce. The TP ranks must hold the same rows (they route the same tokens with the
-        same replicated router, so they do as long as its GEMM gives every TP rank the same logits, as
-        deterministic kernels on identical inputs do): the all-reduces' shapes follow `rows`."""
+        Communication over the expert TP group (none with one rank): f on the rows (identity forward,
+        all-reduce of their gradient backward) and g on the outputs (all-reduce of the partial sums
+        forward, identity backward), so the outputs are whole and the rows' gradient equal on every TP
+        rank; the output bias is added after the all-reduce. Both run with N = 0 too (an ep rank no
+        token was sent to): a TP rank never skips a collective its peers issue. The TP ranks hold the
+        same rows: their hidden states are bit-identical (the MoE combine is deterministic,
+        `megazero.moe.layer.combine`) and the replicated router decides on them alike, so the
+        all-reduces' shapes, which follow `rows`, agree."""
         tp = self.tp_group
-        split = tp.size > 1 and rows.shape[0] > 0
+        split = tp.size > 1
         if split:
             rows = copy_to_tp_region(rows, tp)
         outs = []

@@ -12,7 +12,11 @@ One forward on x (s, b, h), E experts over an ep group of P ranks, k experts per
    parallelism, over the expert TP group: f on the rows, g on the outputs, so that the outputs are
    whole before they are weighted: the router, replicated over TP, gets the same gradient on every TP
    rank);
-4. the outputs go back (the reverse all-to-all), are scaled by their weights and summed per token;
+4. the outputs go back (the reverse all-to-all), are scaled by their weights and summed per token in
+   a fixed order (`combine`: each in its (token, slot) cell of a (b·s, k, h) tensor, summed over k; not
+   `index_add`, whose CUDA kernel adds in no fixed order for k >= 3, so TP replicas could hold hidden
+   states differing in the low bits, route differently at the next layer and size their expert TP
+   all-reduces differently; the rows' gather of step 2 sums its gradient the same way, `GatherRows`);
    the shared experts' output is added; the result is (s, b, h).
 
 Under activation recompute the replayed forward reuses the forward's `DispatchPlan` (see `MoELayer`):
@@ -185,9 +189,10 @@ class MoELayer(nn.Module):
             self.last_routing = dataclasses.replace(r, weights=r.weights.detach(), aux_loss=r.aux_loss.detach(),
                                                     z_loss=r.z_loss.detach())  # holds no graph
         token, slot = plan.token, plan.slot
-        y = self._run_experts(tokens[token], plan)  # (N, h), in the same order
+        rows = GatherRows.apply(tokens, token, slot, self.spec.top_k)  # tokens[token], deterministic backward
+        y = self._run_experts(rows, plan)  # (N, h), in the same order
         weighted = y * r.weights[token, slot].unsqueeze(-1).to(y.dtype)
-        out = torch.zeros_like(tokens).index_add(0, token, weighted)  # (b·s, h)
+        out = combine(weighted, token, slot, b * s, self.spec.top_k)  # (b·s, h)
         if self.shared is not None:
             out = out + self.shared(tokens, [b * s])
         out = out.view(b, s, h).transpose(0, 1)  # (s, b, h)
@@ -229,4 +234,33 @@ class MoELayer(nn.Module):
         return AllToAll.apply(out[inverse], sends, recvs, group)  # back in arrival order, then home
 
 
-__all__ = ["AttachLosses", "AuxLossScale", "DispatchPlan", "MoELayer", "set_aux_loss_scale"]
+class GatherRows(torch.autograd.Function):
+    """``tokens[token]``: the rows (N, h) of the kept assignments, `slot` (N,) their slots among the k of
+    their token. Backward sums each token's row gradients with `combine` instead of indexing's
+    scatter-add (CUDA atomics, in no fixed order for k >= 2), so the tokens' gradient, hence the
+    replicated router and norm weights' gradients, are the same bits on every TP rank. Local."""
+
+    @staticmethod
+    def forward(ctx, tokens, token, slot, k: int):
+        ctx.save_for_backward(token, slot)
+        ctx.k, ctx.n = k, tokens.shape[0]
+        return tokens[token]
+
+    @staticmethod
+    def backward(ctx, grad):
+        token, slot = ctx.saved_tensors
+        return combine(grad, token, slot, ctx.n, ctx.k), None, None, None
+
+
+def combine(weighted: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+    """Each token's sum of its weighted expert outputs: `weighted` (N, h), row i for slot `slot[i]` of
+    token `token[i]` (each (token, slot) at most once; a dropped assignment has no row), into (tokens, h).
+
+    The rows are placed in their cells of a (tokens, k, h) tensor (no accumulation) and summed over k,
+    so the result does not depend on the order of the rows nor on atomics: the same bits on every TP
+    rank. Backward gathers the cells' gradients (deterministic too). Local: no communication."""
+    cells = weighted.new_zeros(tokens, k, weighted.shape[-1]).index_put((token, slot), weighted)
+    return cells.sum(1)
+
+
+__all__ = ["AttachLosses", "AuxLossScale", "DispatchPlan", "GatherRows", "MoELayer", "combine", "set_aux_loss_scale"]

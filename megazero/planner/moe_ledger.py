@@ -14,9 +14,9 @@ logits and their logsumexp for the z-loss (4·R·E + 4·R); the kept assignments
 regrouped by expert (w·M·h) and the regrouping and its inverse (8·M each); the experts'
 intermediates as the dense MLP's (SwiGLU 4, GeLU 2, ReLU 1 times w·M·f_e; f_e = f / t_e under
 expert tensor parallelism, whose f and g keep nothing; the output bias, added per expert's rows,
-keeps nothing); the slot index (8·N), the routing weights (w·N), the expert outputs (w·N·h) and
-the weighted outputs the combine keeps (w·N·h); the shared experts keep the tokens (w·R·h) and
-their own intermediates over R rows.
+keeps nothing); the slot index (8·N), the routing weights (w·N) and the expert outputs (w·N·h) (the
+combine, `megazero.moe.layer.combine`, keeps only the token and slot indices, already counted); the
+shared experts keep the tokens (w·R·h) and their own intermediates over R rows.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def moe_saves(L, c, p: str) -> None:
     L.save(p + ".experts", intermediates(c.activation) * w * M * m.ffn)
     if m.ep > 1:
         L.save(p + ".inverse", 8 * M)
-    for name, n in (("slot", 8 * N), ("weight", w * N), ("y", w * N * h), ("weighted", w * N * h)):
+    for name, n in (("slot", 8 * N), ("weight", w * N), ("y", w * N * h)):
         L.save(f"{p}.{name}", n)
     if m.shared:
         L.save(tok, w * R * h)

@@ -5,6 +5,7 @@
   in checkpoints, and which ranges of the flat buffers each group updates;
 - `flat_group`: `FlatGroup`, one flat fp32 gradient buffer with its buckets, shards and master;
 - `stage3`: `Stage3Gatherer`, ZeRO-3's per-layer parameter gathering;
+- `unit_ends`: `UnitEnds`, where stages 2-3 launch their reductions when the graph depends on the data;
 - `loss_scaler`, `lr_schedule`: the loss scale and the learning-rate schedule.
 
 - `partitioned_init`: DeepSpeed's `Init` (build a model partitioned over the ranks) and `GatheredParameters`,

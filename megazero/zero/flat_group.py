@@ -68,7 +68,8 @@ class FlatGroup:
         self._bucket_grad: dict[int, torch.Tensor] = {}  # stage 2-3: bucket-sized fp32 temporaries
         self._gathered: dict[int, torch.Tensor] = {}  # stage 3: bucket -> its full buffer (0 bytes while released)
         self._inflight: list = []  # (work or None, bucket, temp shard or None) of reductions not finished yet
-        self._launched: list[int] = []  # buckets reduced since the last wait(), in flight or finished
+        self._next = 0  # the bucket whose reduction is launched next: every rank launches them in index order
+        self._ready: set[int] = set()  # buckets complete (every gradient arrived) and not launched yet
         self._host_grad: torch.Tensor | None = None  # offload from an accelerator: pinned staging for Adam
         self._secondary: dict[int, torch.Tensor] = {}  # hpZ: bucket -> this rank's 1/k of it, until the step
 
@@ -193,6 +194,9 @@ class FlatGroup:
         if self.full_grads:
             return self.grad_flat[s:e]
         b = self.layout.bucket_of(i)
+        if b < self._next:  # its reduction was launched this micro-batch: this gradient would be lost
+            raise RuntimeError(f"flat group {self.name!r}: a gradient of parameter {i} arrived after its bucket {b} "
+                               f"was reduced (a parameter used again after the backward of the unit holding it ended?)")
         bk = self.layout.buckets[b]
         buf = self._bucket_grad.get(b)
         if buf is None:
@@ -205,12 +209,41 @@ class FlatGroup:
         self.pending[b] -= 1
         return b if self.pending[b] == 0 else None
 
+    # Every dp rank must issue the same reductions in the same order (NCCL matches collectives by
+    # position on a communicator: a bucket skipped or reduced out of turn on one rank hangs the group
+    # or sums different buckets together). Which buckets complete, and when, depends on the rank's
+    # data when the graph does (an expert that gets no token, a conditional branch), so the order is
+    # fixed instead: bucket 0, 1, 2, ... every micro-batch (stages 2-3) or step (stages 0-1), each
+    # launched once its turn has come and it is complete (`bucket_ready`), the rest at `flush`.
+
+    def bucket_ready(self, b: int, async_op: bool = False) -> None:
+        """Bucket b is complete: launch, in index order, every bucket whose turn has come (b and those
+        after it that are complete, once every bucket before them is launched). Communicates over
+        `dp_group` (see `reduce_bucket`)."""
+        if b < self._next:
+            raise RuntimeError(f"flat group {self.name!r}: bucket {b} is complete again after its reduction was "
+                               f"launched (bucket {self._next} is next)")
+        self._ready.add(b)
+        self.launch_through(b, async_op)
+
+    def launch_through(self, b: int, async_op: bool = False, complete_or_not: bool = False) -> None:
+        """Launch the reductions of buckets `_next` .. b that are ready, in index order, stopping at the
+        first that is not (every bucket up to b when `complete_or_not`: an incomplete bucket is
+        reduced with what it holds, an empty one as zeros)."""
+        while self._next <= b and (complete_or_not or self._next in self._ready):
+            self._ready.discard(self._next)
+            self.reduce_bucket(self._next, async_op=async_op)
+
     def reduce_bucket(self, b: int, async_op: bool = False) -> None:
         """Reduce bucket b's gradient over dp (averaged): all-reduce at stage 0, else reduce-scatter
-        into this rank's owned slice. Stage 2-3 add into the shard accumulator and free the bucket."""
+        into this rank's owned slice. Stage 2-3 add into the shard accumulator and free the bucket; a
+        bucket no gradient reached on this rank is reduced as zeros (the other ranks' may hold some).
+        Buckets are reduced in index order (see `bucket_ready`): b out of turn raises RuntimeError."""
+        if b != self._next:
+            raise RuntimeError(f"flat group {self.name!r}: bucket {b} reduced out of turn (bucket {self._next} is "
+                               f"next; every dp rank reduces the buckets in index order)")
+        self._next += 1
         n, bk = self.dp.size, self.layout.buckets[b]
-        if not self.full_grads and b not in self._bucket_grad:
-            return  # no parameter of this bucket got a gradient this micro-batch
         # A launched reduction holds memory until it is waited for (gloo's reduce-scatter: its copy of
         # the bucket, then the output shard; NCCL: its input). Finish the oldest BEFORE launching, so
         # that at most MAX_INFLIGHT are alive at any time, this one included: overlapping then costs
@@ -228,7 +261,9 @@ class FlatGroup:
                 work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
                 self._inflight.append((work, b, tmp))
         else:
-            full = self._bucket_grad.pop(b)
+            full = self._bucket_grad.pop(b, None)
+            if full is None:  # no gradient of this bucket arrived on this rank this micro-batch
+                full = torch.zeros(bk.numel, dtype=torch.float32, device=self.device)
             full.div_(self.grad_divisor)
             tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
             if self.zeropp.quantized_gradients:  # qgZ: int8 blocks by all-to-all (synchronous)
@@ -237,20 +272,14 @@ class FlatGroup:
             else:
                 work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
             self._inflight.append((work, b, tmp))
-        self._launched.append(b)
         if not async_op:
             self.wait()
-
-    def launched(self) -> set[int]:
-        """The buckets whose reduction was launched since the last `wait()` (finished or not)."""
-        return set(self._launched)
 
     def wait(self) -> None:
         """Finish every launched reduction and place its result in `grad_owned`."""
         for entry in self._inflight:
             self._finish(*entry)
         self._inflight.clear()
-        self._launched.clear()
 
     def _finish(self, work, b: int, tmp: torch.Tensor | None) -> None:
         if work is not None:
@@ -263,16 +292,20 @@ class FlatGroup:
         if self.on_reduced is not None:
             self.on_reduced(self, b)
 
-    def flush(self) -> None:
-        """Stage 2-3: reduce every bucket still holding gradients (e.g. with unused parameters)."""
-        for b in list(self._bucket_grad):
-            self.reduce_bucket(b)
+    def flush(self, async_op: bool = False) -> None:
+        """Reduce every bucket not launched yet, in index order, complete or not (end of a micro-batch's
+        backward at stages 2-3, of the step's at stages 0-1), wait for every reduction, and start the
+        next round at bucket 0. Communicates over `dp_group`: every bucket of the group once."""
+        self.launch_through(len(self.layout.buckets) - 1, async_op, complete_or_not=True)
         self.wait()
+        self._next, self._ready = 0, set()
         self.reset_pending()
 
     def zero_grads(self) -> None:
-        """Drop this step's gradients, finishing any reduction still in flight first."""
+        """Drop this step's gradients, finishing any reduction still in flight first (a step skipped
+        before its reductions, e.g. a non-finite loss, starts the next at bucket 0)."""
         self.wait()
+        self._next, self._ready = 0, set()
         if self.full_grads:
             self.grad_flat.zero_()
         else:

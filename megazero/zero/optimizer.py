@@ -48,6 +48,7 @@ from megazero.zero.zeropp import ZeroPlusPlus
 from megazero.zero.param_groups import checked_group, group_runs, hyperparameters, load_hyperparameters
 from megazero.zero import views
 from megazero.zero.stage3 import Stage3Gatherer
+from megazero.zero.unit_ends import UnitEnds
 
 
 NONFINITE = NONFINITE_CHOICES  # one list: the config schema's
@@ -76,14 +77,20 @@ class OptimizerSpec:
 class ZeroOptimizer(torch.optim.Optimizer):
     """See the module docstring. Use: `scale_loss(loss).backward()` per micro-batch, then
     `after_backward()` per micro-batch, `step()` once per global batch (it reduces, unscales,
-    checks overflow, clips, updates, publishes and zeroes the gradients)."""
+    checks overflow, clips, updates, publishes and zeroes the gradients).
+
+    `units`: the modules stage 3 gathers one at a time, in forward order. `data_dependent_graph`: the
+    model may leave parameters without a gradient on some ranks only (a user's module under the module
+    engine); stages 2-3 then launch their reductions at the end of each unit's backward
+    (`megazero.zero.unit_ends.UnitEnds`) instead of when a bucket completes, so every dp rank issues
+    them at the same places."""
 
     def __init__(self, params, pctx, stage: int = 0, spec: OptimizerSpec = OptimizerSpec(),
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = False, offload_optimizer: bool = False, offload_param: bool = False,
                  gradient_clipping: float = 0.0, loss_scaler: LossScaler | None = None,
                  units=None, prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
-                 nonfinite: str = "skip", zeropp: ZeroPlusPlus | None = None):
+                 nonfinite: str = "skip", zeropp: ZeroPlusPlus | None = None, data_dependent_graph: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {stage}")
         if spec.type not in ("adam", "adamw", "sgd", "onebit_adam"):
@@ -138,6 +145,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gatherer = None
         if stage == 3 and units:
             self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size)
+        # A graph that may depend on the data (a user's nn.Module: experts skipped, conditional branches): stages
+        # 2-3 launch their reductions only where every rank is whatever gradients its graph produced, at the end
+        # of each unit's backward and of the whole backward (megazero.zero.unit_ends), not when a bucket completes.
+        self.unit_ends = None
+        if data_dependent_graph and stage >= 2 and units:
+            self.unit_ends = UnitEnds(units, [group for group in self.groups if not group.full_grads],
+                                      self._unit_backward_ended)
         # The step needs the global norm on the host (one synchronisation) only to clip, to back off a
         # dynamic loss scale or to check for inf/NaN; otherwise it stays a device tensor until read.
         self._norm_on_host = self.clip > 0 or self.scaler.dynamic or nonfinite != "ignore"
@@ -208,15 +222,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         done = group.grad_done(i)
         if done is None:
             return
-        # Stages 2-3 reduce-scatter a bucket as soon as it is complete (asynchronously with
-        # overlap_comm), so only the buckets being filled hold full-size gradients; stages 0-1 keep
-        # full gradients anyway and reduce at the step's last micro-batch, here only when overlapping.
+        # Stages 2-3 reduce-scatter a bucket as soon as it is complete and its turn has come
+        # (asynchronously with overlap_comm), so only the buckets being filled hold full-size gradients
+        # (with a data-dependent graph at the end of its unit's backward instead: `_unit_backward_ended`);
+        # stages 0-1 keep full gradients anyway and reduce at the step's last micro-batch, here only
+        # when overlapping.
         if not group.full_grads:
-            group.reduce_bucket(done, async_op=self.overlap)
+            if self.unit_ends is None:
+                group.bucket_ready(done, async_op=self.overlap)
         elif self.overlap and self.last_microbatch and not self.compressing:
-            group.reduce_bucket(done, async_op=True)
+            group.bucket_ready(done, async_op=True)
         if self.gatherer is not None and group.shard_params:
             self.gatherer.bucket_done(group, done)
+
+    def _unit_backward_ended(self, u: int, through) -> None:
+        """Stages 2-3 with `data_dependent_graph` (`UnitEnds`' callback): unit u's backward ended; launch each
+        group's buckets up to its b in `through`, complete or not, over the group's dp group (at stage 3
+        before any earlier unit's gathers), and release the unit. (Not for megazero's pipelines: their graph
+        is fixed, and zero-bubble schedules add weight gradients after a unit's backward.)"""
+        for group, b in through:
+            group.launch_through(b, async_op=self.overlap, complete_or_not=True)
+        if self.gatherer is not None:
+            self.gatherer.backward_ended(u)
 
     def _bucket_reduced(self, group: FlatGroup, b: int) -> None:
         """A flat group's bucket reduction landed (its `on_reduced`): an early update may start."""
@@ -224,8 +251,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._early.bucket_reduced(group, b)
 
     def after_backward(self) -> None:
-        """End of one micro-batch's backward: stages 2-3 reduce-scatter what is left, stage 3
-        releases every gathered parameter."""
+        """End of one micro-batch's backward: stages 2-3 reduce-scatter every bucket not launched yet
+        (`FlatGroup.flush`: in index order, an empty one as zeros, so every dp rank issues the same
+        reductions whatever its graph used), stage 3 releases every gathered parameter."""
         for group in self.groups:
             if not group.full_grads:
                 group.flush()
@@ -233,20 +261,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 group.reset_pending()
         if self.gatherer is not None:
             self.gatherer.release_all()
+        if self.unit_ends is not None:
+            self.unit_ends.reset()
 
     # -- the step -----------------------------------------------------------------------------------
     def reduce_grads(self) -> None:
-        """Stages 0-1: reduce every bucket not reduced yet; all: sum tied shards over the embedding
-        group; wait for everything in flight. Idempotent within a step."""
+        """Stages 0-1: reduce every bucket not reduced yet, in index order (`FlatGroup.flush`); all: sum
+        tied shards over the embedding group; wait for everything in flight. Idempotent within a step."""
         if self._reduced:
             return
         self._reduced = True
         for group in self.groups:
             if group.full_grads and not self.compressing:  # 1-bit Adam: each rank keeps its own gradient
-                launched = group.launched()
-                for b in range(len(group.layout.buckets)):
-                    if b not in launched:
-                        group.reduce_bucket(b, async_op=self.overlap)
+                group.flush(async_op=self.overlap)
             group.wait()
             group.reset_pending()
             if group.name == "tied":

@@ -11,6 +11,11 @@ up to `prefetch_bucket_size` elements), forward (release), full-backward-pre (ga
 prefetch the previous units), and the optimizer's gradient hooks report finished buckets so a
 unit is released as soon as its backward is done. Buckets are reference-counted: a parameter used
 by two units (a tied embedding with pp=1) stays gathered while either needs it.
+
+Every dp rank must issue its gathers and its gradient reductions in one order (they share the dp
+group). With a graph that depends on the data the optimizer launches the reductions only at the end of
+each unit's backward (`megazero.zero.unit_ends`), before the previous unit's gathers on every rank,
+and tells the gatherer (`backward_ended`), which releases the unit if some of its gradients never came.
 """
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ class Stage3Gatherer:
         def hook(mod, args, out):
             self._release(u)
             if torch.is_grad_enabled():
-                return _wrap_outputs(out, lambda: self._pre_backward(u))
+                return call_in_backward(out, lambda: self._pre_backward(u))
             return None
         return hook
 
@@ -60,6 +65,12 @@ class Stage3Gatherer:
         self._acquire(u)
         self.bwd_left[u] = set(self.needs[u])
         self._prefetch(range(u - 1, -1, -1))
+
+    def backward_ended(self, u) -> None:
+        """Unit u's backward is over (`megazero.zero.unit_ends`): release it if some of its gradients
+        never came on this rank (a skipped expert), as it is released elsewhere when they all come."""
+        if self.bwd_left.pop(u, None) is not None:
+            self._release(u)
 
     # -- gather / release ---------------------------------------------------------------------------
     def _launch(self, key) -> None:
@@ -129,7 +140,8 @@ class Stage3Gatherer:
 
 
 class _PreBackward(torch.autograd.Function):
-    """Identity forward; in backward, calls `callback` before passing the gradient on."""
+    """Identity forward; in backward, calls `callback` before passing the gradient on (on a unit's
+    outputs: its backward begins; on its inputs: its backward has ended)."""
 
     @staticmethod
     def forward(ctx, callback, x):
@@ -142,12 +154,13 @@ class _PreBackward(torch.autograd.Function):
         return None, grad
 
 
-def _wrap_outputs(out, callback):
-    """Route every differentiable tensor of a module's output through _PreBackward."""
+def call_in_backward(out, callback):
+    """Route every differentiable tensor of a module's outputs (or inputs) through _PreBackward: the
+    same structure back, `callback()` called in backward when each one's gradient arrives."""
     if isinstance(out, torch.Tensor):
         return _PreBackward.apply(callback, out) if out.requires_grad else out
     if isinstance(out, (tuple, list)):
-        return type(out)(_wrap_outputs(o, callback) for o in out)
+        return type(out)(call_in_backward(o, callback) for o in out)
     if isinstance(out, dict):
-        return {k: _wrap_outputs(v, callback) for k, v in out.items()}
+        return {k: call_in_backward(v, callback) for k, v in out.items()}
     return out
