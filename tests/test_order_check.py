@@ -122,3 +122,37 @@ def test_pipeline_boundary_of_another_shape_stops_both_stages():
     assert "p2p 0 -> 1 on group pp diverges at operation #0" in msg
     assert f"send torch.float32 (" in msg and "recv torch.float32 (" in msg
     assert "megazero/pipeline/p2p.py" in msg or "executor.py" in msg
+
+
+def _zero_with_a_skipped_bucket(stage):
+    """The real ZeRO optimizer on 2 dp ranks; dp rank 1 skips bucket 1's reduction, as a rank whose bucket got
+    no gradient once did: NCCL would pair its bucket 2 with rank 0's bucket 1 (equal sizes, wrong sums)."""
+    from megazero.zero.flat_group import FlatGroup
+    from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
+    from tests.test_zero import make_model
+
+    if dist.get_rank() == 1:
+        real = FlatGroup.reduce_bucket
+
+        def reduce_bucket(self, b, async_op=False):
+            if b == 1:
+                self._next += 1  # skipped
+                return None
+            return real(self, b, async_op)
+        FlatGroup.reduce_bucket = reduce_bucket
+    pctx = ParallelContext(Topology(dp=2), verify_order=True)
+    model = make_model()
+    opt = ZeroOptimizer(list(model.parameters()), pctx, stage=stage, spec=OptimizerSpec("sgd", lr=0.1),
+                        reduce_bucket_size=128)
+    torch.manual_seed(dist.get_rank())
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.after_backward()
+    opt.step()
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_rank_skipping_a_bucket_stops_with_both_buckets_named(stage):
+    msg = _expect_error(_zero_with_a_skipped_bucket, 2, stage)
+    assert "group dp (ranks [0, 1]) diverges at operation #1" in msg, msg
+    assert "bucket 1]" in msg and "bucket 2]" in msg and "megazero/zero/flat_group.py" in msg

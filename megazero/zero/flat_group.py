@@ -254,11 +254,11 @@ class FlatGroup:
             full = self.grad_flat[bk.start:bk.end]
             full.div_(self.grad_divisor)
             if self.stage == 0:
-                work = comm.all_reduce(full, self.dp, async_op=async_op)
+                work = comm.all_reduce(full, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
                 self._inflight.append((work, b, None))
             else:
                 tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
-                work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
+                work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
                 self._inflight.append((work, b, tmp))
         else:
             full = self._bucket_grad.pop(b, None)
@@ -270,7 +270,7 @@ class FlatGroup:
                 quantized_reduce_scatter(tmp, full, self.dp)
                 work = None
             else:
-                work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op)
+                work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
             self._inflight.append((work, b, tmp))
         if not async_op:
             self.wait()
@@ -365,7 +365,7 @@ class FlatGroup:
         if self.zeropp.quantized_weights and not exact:  # qwZ: int8 blocks, dequantized when the gather lands
             work = quantized_all_gather(full, shard, self.dp, async_op=async_op)
         else:
-            work = comm.all_gather(full, shard, self.dp, async_op=async_op)
+            work = comm.all_gather(full, shard, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
         if hpz is not None:
             work = after(work, lambda: self._keep_secondary(b, full))
         return work, full
