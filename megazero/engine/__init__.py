@@ -25,7 +25,8 @@ from megazero.engine.factories import (build_model, build_optimizer, build_sched
 from megazero.engine.module_engine import ModuleEngine
 from megazero.engine.pipeline_engine import PipelineEngine
 from megazero.pipeline.pipeline_module import PipelineModule
-from megazero.run.launch import detect, init_distributed
+from megazero.engine.kernel_plan import load_kernels
+from megazero.run.launch import detect, init_distributed, local_device
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 
@@ -103,7 +104,8 @@ def _config_source(args, config, config_params):
 
 def initialize_from_config(cfg: Config, model=None, model_parameters=None, training_data=None, lr_scheduler=None,
                            on_instruction=None, client_optimizer=None, collate_fn=None):
-    """`initialize` for a Config that `load_run_config` returned: creates the process groups
+    """`initialize` for a Config that `load_run_config` returned: loads (building if needed) the kernels
+    the run uses (`load_kernels`, before any process group or collective), creates the process groups
     (`init_distributed`, then every group of the ParallelContext), builds or places the model, the
     ZeRO optimizer (taking over `client_optimizer` if given), the LR schedule and the engine.
     `on_instruction(ins, start_s, end_s)` sees every pipeline instruction (timers, traces)."""
@@ -131,6 +133,7 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                           f"initialize cannot checkpoint it; build it with build_pipeline_model(..., "
                           f"activation_checkpointer=ActivationCheckpointer.from_config(...)) or pass a model spec")
     _check_hpz_in_a_node(cfg, topology)
+    load_kernels(cfg, model, local_device(cfg.comm.backend))
     info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
     pctx = ParallelContext(topology, timeout_s=cfg.comm.timeout_s, ep=cfg.parallel.ep,
                            ranks_per_node=cfg.parallel.ranks_per_node or info.local_world_size,
