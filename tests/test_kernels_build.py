@@ -151,9 +151,20 @@ def test_failed_cuda_build_falls_back_to_torch_fused_ops(cuda_build_fails, capsy
     assert "rms_norm=torch" in line and "adam_step=torch" in line
 
 
+def test_reference_mode_keeps_the_twins_on_cuda(cuda_build_fails, monkeypatch):
+    monkeypatch.setenv("MEGAZERO_KERNELS", "reference")
+    assert set(prepare.prepare(torch.device("cuda", 0), ["rms_norm", "layer_norm", "adam_step"]).values()) == {
+        "reference"}
+    p = [torch.randn(4)]
+    shared = dict(beta1=0.9, beta2=0.999, eps=1e-8, adamw_mode=True, bias_correction=True, maximize=False)
+    assert adam._cuda_adam(p, [torch.randn(4)], [torch.zeros(4)], [torch.zeros(4)], [], 1, [1e-3], [0.0],
+                           shared) is None
+
+
 def test_cuda_adam_without_kernels_runs_torch_fused_adam(monkeypatch):
     """_cuda_adam (the CUDA branch of adam_step) with no megazero_cuda and no apex: torch's fused AdamW, once
     per (lr, wd), within the Adam tolerance of the twin. Run on CPU tensors: torch's fused kernel has a CPU build."""
+    monkeypatch.setenv("MEGAZERO_KERNELS", "auto")
     monkeypatch.setattr(loader, "cuda_ops", lambda device=None: None)
     monkeypatch.setattr(loader, "apex", lambda module: None)
     rtol, atol = reference.TOLERANCES["adam"][torch.float32]
@@ -207,6 +218,7 @@ def test_initialize_loads_kernels_before_the_first_collective(monkeypatch, tmp_p
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MEGAZERO_KERNELS", "auto")
     events = []
     monkeypatch.setattr(loader, "_CACHE", {})
     monkeypatch.setattr(loader, "extension", lambda spec, device=None: events.append(("load", spec.name)))

@@ -151,8 +151,9 @@ def _by_hyper(lrs: list[float], wds: list[float]) -> dict[tuple[float, float], l
 def torch_fused_adam(params, grads, exp_avgs, exp_avg_sqs, copies, step, lrs, wds, shared) -> str | None:
     """torch's fused Adam (torch._fused_adamw_, or _fused_adam_ for adamw_mode=False; what
     torch.optim.AdamW(fused=True) runs), once per distinct (lr, weight_decay); grads are cast to fp32 first. None
-    (the caller runs the twin) for bias_correction=False, which torch's kernel always applies."""
-    if not shared["bias_correction"]:
+    (the caller runs the twin) for bias_correction=False, which torch's kernel always applies, and under
+    MEGAZERO_KERNELS=reference."""
+    if not shared["bias_correction"] or loader.mode() == "reference":
         return None
     fused = torch._fused_adamw_ if shared["adamw_mode"] else torch._fused_adam_
     grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]

@@ -56,7 +56,7 @@ def backend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     apex_ok = same_device and x.dtype in _DTYPES and weight.dtype == x.dtype and (rms or bias is not None)
     if apex_ok and loader.apex(_APEX_NORM) is not None:
         return "apex"
-    torch_ok = same_device and (bias is None or bias.dtype == weight.dtype) and (
+    torch_ok = loader.mode() != "reference" and same_device and (bias is None or bias.dtype == weight.dtype) and (
         weight.dtype == x.dtype or (x.dtype in _DTYPES and weight.dtype == torch.float32))
     return "torch" if torch_ok else "reference"
 

@@ -26,9 +26,12 @@ CUDA_FALLBACK = {"layer_norm": "torch", "rms_norm": "torch", "scaled_masked_soft
 def backend_of(op: str, device_type: str, device=None) -> str:
     """The backend `op` uses for the usual inputs (fp32/bf16/fp16, contiguous) on `device_type` ("cpu" or
     "cuda"), loading (building if needed) the extension that decides it: "megazero_cuda",
-    "megazero_cpu_adam[<isa>]", "apex", "torch" (torch's fused op) or "reference" (the PyTorch twin)."""
+    "megazero_cpu_adam[<isa>]", "apex", "torch" (torch's fused op) or "reference" (the PyTorch twin; every op
+    under MEGAZERO_KERNELS=reference)."""
     if op not in APEX_MODULES:
         raise ValueError(f"kernel op {op!r}; valid: {', '.join(APEX_MODULES)}")
+    if loader.mode() == "reference":
+        return "reference"
     if device_type == "cpu":
         ops = loader.cpu_adam() if op == "adam_step" else None
         return f"megazero_cpu_adam[{ops.best_isa()}]" if ops is not None else "reference"
