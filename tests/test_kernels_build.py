@@ -40,6 +40,21 @@ def test_cache_key_changes_with_arch_nvcc_and_torch(fixed_tools, monkeypatch):
     assert build.build_dir(build.CUDA_OPS, device=0).parent.name == build.build_key(build.CUDA_OPS, device=0)
 
 
+def test_key_changes_with_the_sources(fixed_tools, tmp_path):
+    src = tmp_path / "ext"
+    src.mkdir()
+    (src / "a.cpp").write_text("int a() { return 1; }\n")
+    (src / "a.h").write_text("int a();\n")
+    spec = build.ExtSpec("megazero_test_key", (str(src / "a.cpp"),), cuda=False)
+    key = build.build_key(spec)
+    assert build.build_key(spec) == key
+    (src / "a.h").write_text("int a(); // edited\n")  # a header counts too
+    edited = build.build_key(spec)
+    assert edited != key
+    (src / "notes.txt").write_text("not a source")  # nor does anything else in the folder
+    assert build.build_key(spec) == edited
+
+
 def test_cpu_key_ignores_gpu_and_nvcc(fixed_tools, monkeypatch):
     key = build.build_key(build.CPU_ADAM)
     monkeypatch.setattr(build, "nvcc_version", lambda: "13.0.88")

@@ -8,7 +8,7 @@ Two extensions, each a torch op library (no Python module; ops appear under ``to
   build of torch and nvcc.
 
 JIT builds go through torch.utils.cpp_extension (ninja) into a cache directory keyed by torch version, Python
-version and C++ compiler, and for the CUDA extension also by the GPU architectures it is built for (`cuda_archs`)
+version, C++ compiler and the sources (`sources_hash`), and for the CUDA extension also by the GPU architectures it is built for (`cuda_archs`)
 and the nvcc version (`build_key`), so an upgrade of any of them, or a node with another GPU, builds afresh;
 rebuilds are incremental. The JIT and the ahead-of-time build both pass -gencode flags for exactly those
 architectures. Processes that build into one directory take turns on an flock-ed file there (`build_lock`):
@@ -143,13 +143,30 @@ def cache_root() -> Path:
     return Path(base) / "megazero"
 
 
+SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh", ".hpp")
+
+
+def sources_hash(spec: ExtSpec) -> str:
+    """Short hash of what `spec` compiles: the location and bytes of every source and header in its sources'
+    folders and under csrc/include. Two megazero versions (or checkouts) sharing a cache then build into
+    separate directories instead of rebuilding, and overwriting, each other's library."""
+    folders = sorted({p.parent for p in spec.source_paths()})
+    files = [f for d in folders for f in sorted(d.iterdir()) if f.suffix in SOURCE_SUFFIXES]
+    files += sorted(f for f in INCLUDE.rglob("*") if f.suffix in SOURCE_SUFFIXES)
+    digest = hashlib.sha1()
+    for f in files:
+        digest.update(str(f).encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:10]
+
+
 def build_key(spec: ExtSpec, device=None) -> str:
-    """The cache directory name of `spec`'s build: torch version, Python, machine and C++ compiler; for the CUDA
-    extension also torch's CUDA version, the nvcc release and the SM versions (`cuda_archs(device)`)."""
+    """The cache directory name of `spec`'s build: torch version, Python, machine, C++ compiler and
+    `sources_hash`; for the CUDA extension also torch's CUDA version, the nvcc release and the SM versions
+    (`cuda_archs(device)`)."""
     import torch
 
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    key = f"torch{torch.__version__}-{py}-{platform.machine()}-{compiler_id()}"
+    key = f"torch{torch.__version__}-{py}-{platform.machine()}-{compiler_id()}-src{sources_hash(spec)}"
     if spec.cuda:
         key += f"-cu{torch.version.cuda}-nvcc{nvcc_version()}-sm{'_'.join(cuda_archs(device))}"
     return key.replace("+", "_")
