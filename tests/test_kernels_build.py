@@ -268,3 +268,67 @@ def test_kernel_ops_follow_the_config():
     assert kernel_ops(gpt) == ["layer_norm", "scaled_upper_triang_masked_softmax"]
     assert kernel_ops(llama, torch.nn.Linear(2, 2)) == ["layer_norm", "rms_norm",
                                                         "scaled_upper_triang_masked_softmax", "adam_step"]
+
+
+LOCK_CHILD = """
+import importlib.util, sys, time
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("build", sys.argv[1])
+build = sys.modules["build"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(build)
+with build.build_lock(Path(sys.argv[2]), timeout_s=60, poll_s=0.02):
+    with open(sys.argv[3], "a") as log:
+        log.write("start\\n")
+        log.flush()
+        time.sleep(0.3)
+        log.write("end\\n")
+"""
+
+
+def test_build_lock_serialises_processes(tmp_path):
+    """Three processes (stdlib only: build.py imports no torch at module level) take the lock over one
+    directory at once: their critical sections never overlap."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "log"
+    procs = [subprocess.Popen([sys.executable, "-c", LOCK_CHILD, build.__file__, str(tmp_path / "dir"), str(log)])
+             for _ in range(3)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
+    assert log.read_text().split() == ["start", "end"] * 3
+
+
+TINY_EXT = """
+#include <torch/library.h>
+#include <ATen/ATen.h>
+at::Tensor norm_fwd(const at::Tensor& x) { return x * 2; }
+TORCH_LIBRARY(megazero_test_lock, m) { m.def("norm_fwd(Tensor x) -> Tensor", &norm_fwd); }
+"""
+
+BUILD_CHILD = """
+import sys, torch
+from megazero.runtime.kernels import build, loader
+ops = loader.extension(build.ExtSpec("megazero_test_lock", (sys.argv[1],), cuda=False))
+print(ops.norm_fwd(torch.ones(2)).tolist())
+"""
+
+
+def test_two_ranks_build_one_extension_once(tmp_path):
+    """Two processes of one node load an extension that is not built yet, from one cache: both load it, the
+    sources are compiled once (ninja's log), and neither prints a build failure."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src" / "tiny.cpp"
+    src.parent.mkdir()
+    src.write_text(TINY_EXT)
+    env = {**os.environ, "PYTHONPATH": str(build.REPO_ROOT), "MEGAZERO_CACHE_DIR": str(tmp_path / "cache"),
+           "MEGAZERO_KERNELS": "strict", "MAX_JOBS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_CHILD, str(src)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    assert [out.strip() for out, _ in outs] == ["[2.0, 2.0]"] * 2
+    (ninja_log,) = (tmp_path / "cache" / "ext").rglob(".ninja_log")
+    outputs = [line.split("\t")[3] for line in ninja_log.read_text().splitlines() if not line.startswith("#")]
+    assert outputs.count("tiny.o") == 1, ninja_log.read_text()
