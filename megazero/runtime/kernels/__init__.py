@@ -1,7 +1,8 @@
 """megazero.runtime.kernels: the dispatch point for fused kernels. The rest of megazero calls only this module.
 
-Each op runs, in order of preference: megazero's built extension (csrc/, built lazily on first use or ahead of
-time with MEGAZERO_BUILD_OPS=1) -> NVIDIA apex if the user has it -> the PyTorch reference twin
+Each op runs, in order of preference: megazero's built extension (csrc/: loaded, or built, by megazero.initialize
+before any collective (prepare.py), else on first use; or built ahead of time with MEGAZERO_BUILD_OPS=1) -> NVIDIA
+apex if the user has it -> on CUDA torch's fused op, on CPU the PyTorch reference twin
 (megazero.runtime.kernels.reference), which is the op's specification. Importing this package compiles nothing.
 MEGAZERO_KERNELS=reference forces the twins; =strict turns a failed build into an error (see loader).
 
@@ -12,7 +13,7 @@ MEGAZERO_KERNELS=reference forces the twins; =strict turns a failed build into a
     prepare.prepare(device, ops) -> load a run's kernels up front (megazero.initialize), {op: backend}
 
 On CUDA a failed build falls back to apex if present, else to torch's fused ops (F.layer_norm, F.rms_norm,
-torch's fused AdamW; the softmax to its twin); the twins stay the CPU path.
+torch's fused AdamW; the softmax, which torch has no fused op for, to its twin); the twins stay the CPU path.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ class MissingToolError(KernelBuildError):
 def mode() -> str:
     value = os.environ.get("MEGAZERO_KERNELS", "auto")
     if value not in MODES:
-        raise ValueError(f"MEGAZERO_KERNELS={value!r}; valid: 'auto' (build, fall back to the reference), "
+        raise ValueError(f"MEGAZERO_KERNELS={value!r}; valid: 'auto' (build, else fall back), "
                          f"'reference' (never build), 'strict' (a failed build raises)")
     return value
 
