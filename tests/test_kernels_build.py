@@ -224,7 +224,7 @@ def test_cpu_keeps_the_twins():
         prepare.backend_of("gelu", "cpu")
 
 
-def test_initialize_loads_kernels_before_the_first_collective(monkeypatch, tmp_path):
+def test_initialize_loads_kernels_before_the_first_collective(monkeypatch, tmp_path, capsys):
     """One process, optimizer offloaded to the CPU: the CPU Adam and the spec's norm are resolved in initialize,
     before init_distributed, any process group and any collective (the loader and comm record, not build)."""
     import megazero
@@ -255,6 +255,8 @@ def test_initialize_loads_kernels_before_the_first_collective(monkeypatch, tmp_p
     assert [events[i] for i in loads] == [("load", "megazero_cpu_adam")]
     assert loads[0] < events.index(("init_distributed",)) < events.index(("process_groups",))
     assert all(loads[0] < i for i, e in enumerate(events) if e[0] == "comm")
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megazero kernels")]
+    assert said == ["megazero kernels (cpu, MEGAZERO_KERNELS=auto): rms_norm=reference, adam_step=reference"]
 
 
 def test_kernel_ops_follow_the_config():
