@@ -224,39 +224,81 @@ def test_cpu_keeps_the_twins():
         prepare.backend_of("gelu", "cpu")
 
 
-def test_initialize_loads_kernels_before_the_first_collective(monkeypatch, tmp_path, capsys):
-    """One process, optimizer offloaded to the CPU: the CPU Adam and the spec's norm are resolved in initialize,
-    before init_distributed, any process group and any collective (the loader and comm record, not build)."""
+COMM_CALLS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all_single", "send", "recv",
+              "isend", "irecv", "batch_isend_irecv", "all_gather_object", "barrier")
+
+
+def _record_initialize_and_step(overrides, steps):
+    """On a rank: initialize and train `steps` batches with the loader and every comm call recording their
+    order (the loader records its first call per extension and returns None, so the ops run their twins:
+    nothing is built)."""
     import megazero
     import megazero.engine as engine_mod
     from megazero.runtime import comm
 
+    os.environ["MEGAZERO_KERNELS"] = "auto"
+    events = []
+    loader._CACHE.clear()
+    cache = {}  # as the loader's: the first call per extension finds, builds or loads it; later ones are lookups
+
+    def extension(spec, device=None):
+        if spec.name not in cache:
+            events.append(("load", spec.name))
+            cache[spec.name] = None
+        return cache[spec.name]
+
+    loader.extension = extension
+    real_init, real_pctx = engine_mod.init_distributed, engine_mod.ParallelContext
+    engine_mod.init_distributed = lambda *a, **k: (events.append(("init_distributed",)), real_init(*a, **k))[1]
+    engine_mod.ParallelContext = lambda *a, **k: (events.append(("process_groups",)), real_pctx(*a, **k))[1]
+    for name in COMM_CALLS:
+        real = getattr(comm, name)
+        setattr(comm, name, lambda *a, _real=real, _name=name, **k: (events.append(("comm", _name)),
+                                                                    _real(*a, **k))[1])
+    engine, _, data, _ = megazero.initialize(config="configs/debug_llama.yaml", overrides=overrides)
+    for _ in range(steps):
+        engine.train_batch(data)
+    return events
+
+
+def _check_order(events):
+    loads = [i for i, e in enumerate(events) if e[0] == "load"]
+    assert [events[i] for i in loads] == [("load", "megazero_cpu_adam")], events
+    assert loads[0] < events.index(("init_distributed",)) < events.index(("process_groups",))
+    assert all(loads[0] < i for i, e in enumerate(events) if e[0] == "comm"), events
+
+
+def test_initialize_loads_kernels_before_init_distributed(monkeypatch, capsys):
+    """One process, optimizer offloaded to the CPU: the CPU Adam is loaded in initialize, before init_distributed
+    and the process groups, and rank 0 says which backend each op uses, once."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MEGAZERO_KERNELS", "auto")
-    events = []
     monkeypatch.setattr(loader, "_CACHE", {})
-    monkeypatch.setattr(loader, "extension", lambda spec, device=None: events.append(("load", spec.name)))
-    real_init = engine_mod.init_distributed
-    monkeypatch.setattr(engine_mod, "init_distributed",
-                        lambda *a, **k: (events.append(("init_distributed",)), real_init(*a, **k))[1])
-    real_pctx = engine_mod.ParallelContext
-    monkeypatch.setattr(engine_mod, "ParallelContext",
-                        lambda *a, **k: (events.append(("process_groups",)), real_pctx(*a, **k))[1])
-    for name in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all_single", "send",
-                 "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "barrier"):
-        real = getattr(comm, name)
-        monkeypatch.setattr(comm, name, lambda *a, _real=real, _name=name, **k: (events.append(("comm", _name)),
-                                                                                  _real(*a, **k))[1])
-    megazero.initialize(config="configs/debug_llama.yaml",
-                        overrides=["parallel.pp=1", "parallel.tp=1", "data.path=null", "zero.stage=2",
-                                   "zero.offload_optimizer.device=cpu", "model.layers=2"])
-    loads = [i for i, e in enumerate(events) if e[0] == "load"]
-    assert [events[i] for i in loads] == [("load", "megazero_cpu_adam")]
-    assert loads[0] < events.index(("init_distributed",)) < events.index(("process_groups",))
-    assert all(loads[0] < i for i, e in enumerate(events) if e[0] == "comm")
+    monkeypatch.setattr(loader, "extension", loader.extension)  # restored after the test
+    import megazero.engine as engine_mod
+    from megazero.runtime import comm
+
+    for name in ("init_distributed", "ParallelContext"):
+        monkeypatch.setattr(engine_mod, name, getattr(engine_mod, name))
+    for name in COMM_CALLS:
+        monkeypatch.setattr(comm, name, getattr(comm, name))
+    events = _record_initialize_and_step(["parallel.pp=1", "parallel.tp=1", "data.path=null", "zero.stage=2",
+                                          "zero.offload_optimizer.device=cpu", "model.layers=2"], steps=0)
+    _check_order(events)
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megazero kernels")]
     assert said == ["megazero kernels (cpu, MEGAZERO_KERNELS=auto): rms_norm=reference, adam_step=reference"]
+
+
+def test_every_rank_loads_kernels_before_its_first_collective():
+    """Two pipeline stages (gloo): each rank loads its kernels in initialize, before its first collective or
+    p2p of initialize and of a training step (the later stage's first receive included). Before, the CPU Adam
+    loaded at the first optimizer step, after every collective of the step."""
+    from tests.harness import run_ranks
+
+    overrides = ["parallel.pp=2", "parallel.tp=1", "data.path=null", "model.layers=2", "train.global_batch_size=4"]
+    for events in run_ranks(_record_initialize_and_step, 2, overrides, 1):
+        assert any(e[0] == "comm" for e in events)
+        _check_order(events)
 
 
 def test_kernel_ops_follow_the_config():
