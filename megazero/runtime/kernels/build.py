@@ -8,9 +8,9 @@ Two extensions, each a torch op library (no Python module; ops appear under ``to
   build of torch and nvcc.
 
 JIT builds go through torch.utils.cpp_extension (ninja) into a cache directory keyed by torch version, Python
-version, C++ compiler and the sources (`sources_hash`), and for the CUDA extension also by the GPU architectures it is built for (`cuda_archs`)
-and the nvcc version (`build_key`), so an upgrade of any of them, or a node with another GPU, builds afresh;
-rebuilds are incremental. The JIT and the ahead-of-time build both pass -gencode flags for exactly those
+version, C++ compiler and the sources (`sources_hash`), and for the CUDA extension also by the GPU architectures
+it is built for (`cuda_archs`) and the nvcc version (`build_key`), so an upgrade of any of them, or a node with
+another GPU, builds afresh. The JIT and the ahead-of-time build both pass -gencode flags for exactly those
 architectures. Processes that build into one directory take turns on an flock-ed file there (`build_lock`):
 the first builds, the others wait (at most `MEGAZERO_KERNEL_BUILD_TIMEOUT_S`, default 3600 s) and then load
 what it built. Nothing here runs at import time.
@@ -281,5 +281,5 @@ def aot_extensions():
                                   extra_compile_args={"cxx": ["-O3"], "nvcc": aot_nvcc_flags()}))
     else:
         print(f"megazero: MEGAZERO_BUILD_OPS=1 builds the CPU Adam only (torch {torch.__version__} "
-              f"cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}); CUDA kernels will use apex or the reference.")
+              f"cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}); CUDA kernels will use apex or torch's fused ops.")
     return exts, {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}

@@ -101,8 +101,8 @@ def _report(spec: build.ExtSpec, err: BaseException) -> None:
         fix = "use an nvcc that matches torch.version.cuda and a host compiler it supports; see the log"
     else:
         fix = "a compiler with C++17 and AVX-512 intrinsics is needed (gcc >= 9 or clang >= 10); see the log"
-    instead = ("torch's fused ops (F.layer_norm, F.rms_norm, fused AdamW; the softmax's PyTorch twin)" if spec.cuda
-               else "the PyTorch reference")
+    instead = ("apex if installed, else torch's fused ops (F.layer_norm, F.rms_norm, fused AdamW; the softmax's "
+               "PyTorch twin)" if spec.cuda else "the PyTorch reference")
     print(f"megazero.runtime.kernels: could not build the {what} ({spec.name}): {_reason(err)}. Using {instead} "
           f"instead. Fix: {fix}, or build ahead of time with MEGAZERO_BUILD_OPS=1 pip install "
           f"--no-build-isolation .; MEGAZERO_KERNELS=reference skips the build.{where}", file=sys.stderr, flush=True)
