@@ -22,10 +22,10 @@ from megazero.core.config.loading import read_file, read_tree
 from megazero.core.topology import Topology
 from megazero.engine.factories import (build_model, build_optimizer, build_scheduler, check_model_and_schedule,
                                        compute_dtype, synthetic_batches, take_over)
+from megazero.engine.kernel_plan import load_kernels
 from megazero.engine.module_engine import ModuleEngine
 from megazero.engine.pipeline_engine import PipelineEngine
 from megazero.pipeline.pipeline_module import PipelineModule
-from megazero.engine.kernel_plan import load_kernels
 from megazero.run.launch import detect, init_distributed, local_device
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
