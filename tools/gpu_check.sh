@@ -39,9 +39,14 @@ import torch
 from megazero.runtime.kernels import build
 out = build.build_dir(build.CUDA_OPS, torch.cuda.current_device())
 m, n = torch.cuda.get_device_capability()
-print("   cache:", out)
-assert f"{m}{n}" in out.parent.name.split("-sm")[-1].split("_"), f"build key {out.parent.name} lacks sm{m}{n}"
-assert (out / "build.ninja").exists() and f"code=sm_{m}{n}" in (out / "build.ninja").read_text(), "no -gencode for this GPU"
+aot = build.aot_library(build.CUDA_OPS)
+if aot is not None:  # MEGAZERO_BUILD_OPS=1 pip install: built for aot_nvcc_flags(), no JIT cache
+    print("   ahead-of-time library:", aot, "nvcc flags:", " ".join(build.aot_nvcc_flags()))
+else:
+    print("   cache:", out)
+    assert f"{m}{n}" in out.parent.name.split("-sm")[-1].split("_"), f"build key {out.parent.name} lacks sm{m}{n}"
+    ninja = (out / "build.ninja").read_text()
+    assert f"code=sm_{m}{n}" in ninja, f"{out}/build.ninja has no -gencode for sm_{m}{n}"
 ' | tee "$DEST/kernel_cache.txt"
 
 echo "== 2/4 tests marked gpu, and the CUDA-only tests"
