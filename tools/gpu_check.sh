@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # GPU check for megazero, bounded under 10 minutes in total (one device call):
-#   1. build the CUDA extension (JIT, strict: a failed build is an error, not a fallback)   <= 3.5 min
+#   1. build the CUDA extension (JIT, strict: a failed build is an error, not a fallback) for this GPU's
+#      arch (-gencode sm_90 on an H200) into a cache keyed by arch, nvcc and torch; check the key   <= 3.5 min
 #   2. run the tests marked gpu and the CUDA-only tests (kernels vs reference twins, CUDA-event clock) <= 2 min
 #   3. run the GPU kernel benchmark (time, GB/s as % of measured copy bandwidth, vs torch and apex) <= 45 s
 #   4. GPT-2 1.3B bf16 training, megazero vs a plain PyTorch loop (benchmarks/gpu_train.py)  <= 2.5 min
+#      (megazero.initialize loads the kernels before any process group; its "megazero kernels (...)" line
+#      says which backend each op uses: megazero_cuda here, since a failed build is an error)
 # (timeouts sum to 525 s: the device tool allows 600 s per call)
-# Writes its outputs (kernel_info.json, pytest.log, gpu_kernels.json, gpu_train.json) to $OUT or ./runs/gpu_check.
+# Writes its outputs (kernel_info.json, kernel_cache.txt, pytest.log, gpu_kernels.json, gpu_train.json) to $OUT or ./runs/gpu_check.
 # Usage: tools/gpu_check.sh            (PYTHON=... to pick the interpreter; default .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,11 +29,25 @@ if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
 fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 
-echo "== 1/3 build ($("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'), arch $TORCH_CUDA_ARCH_LIST)"
+echo "== 1/4 build ($("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'), arch $TORCH_CUDA_ARCH_LIST)"
 start=$(date +%s)
 timeout 210 "$PY" -c 'import json, megazero.runtime.kernels as K; print(json.dumps(K.kernel_info(), indent=1))' \
   | tee "$DEST/kernel_info.json"
 echo "   build + load: $(( $(date +%s) - start )) s"
+"$PY" -c '
+import torch
+from megazero.runtime.kernels import build
+out = build.build_dir(build.CUDA_OPS, torch.cuda.current_device())
+m, n = torch.cuda.get_device_capability()
+aot = build.aot_library(build.CUDA_OPS)
+if aot is not None:  # MEGAZERO_BUILD_OPS=1 pip install: built for aot_nvcc_flags(), no JIT cache
+    print("   ahead-of-time library:", aot, "nvcc flags:", " ".join(build.aot_nvcc_flags()))
+else:
+    print("   cache:", out)
+    assert f"{m}{n}" in out.parent.name.split("-sm")[-1].split("_"), f"build key {out.parent.name} lacks sm{m}{n}"
+    ninja = (out / "build.ninja").read_text()
+    assert f"code=sm_{m}{n}" in ninja, f"{out}/build.ninja has no -gencode for sm_{m}{n}"
+' | tee "$DEST/kernel_cache.txt"
 
 echo "== 2/4 tests marked gpu, and the CUDA-only tests"
 status=0

@@ -22,10 +22,11 @@ from megazero.core.config.loading import read_file, read_tree
 from megazero.core.topology import Topology
 from megazero.engine.factories import (build_model, build_optimizer, build_scheduler, check_model_and_schedule,
                                        compute_dtype, synthetic_batches, take_over)
+from megazero.engine.kernel_plan import load_kernels
 from megazero.engine.module_engine import ModuleEngine
 from megazero.engine.pipeline_engine import PipelineEngine
 from megazero.pipeline.pipeline_module import PipelineModule
-from megazero.run.launch import detect, init_distributed
+from megazero.run.launch import detect, init_distributed, local_device
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 
@@ -103,7 +104,8 @@ def _config_source(args, config, config_params):
 
 def initialize_from_config(cfg: Config, model=None, model_parameters=None, training_data=None, lr_scheduler=None,
                            on_instruction=None, client_optimizer=None, collate_fn=None, device=None, order=None):
-    """`initialize` for a Config that `load_run_config` returned: creates the process groups
+    """`initialize` for a Config that `load_run_config` returned: loads (building if needed) the kernels
+    the run uses (`load_kernels`, before any process group or collective), creates the process groups
     (`init_distributed`, then every group of the ParallelContext), builds or places the model, the
     ZeRO optimizer (taking over `client_optimizer` if given), the LR schedule and the engine.
     `on_instruction(ins, start_s, end_s)` sees every pipeline instruction (timers, traces).
@@ -133,6 +135,8 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                           f"initialize cannot checkpoint it; build it with build_pipeline_model(..., "
                           f"activation_checkpointer=ActivationCheckpointer.from_config(...)) or pass a model spec")
     _check_hpz_in_a_node(cfg, topology)
+    if device is None:  # the dry run (device meta) computes nothing: no kernel to build
+        load_kernels(cfg, model, local_device(cfg.comm.backend))
     info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
     if device is not None:
         info = dataclasses.replace(info, device=torch.device(device))

@@ -45,12 +45,21 @@ def detect() -> tuple[int, int, int, int]:
     return rank, world, local, local_world
 
 
+def local_device(backend: str = "auto") -> torch.device:
+    """This process' compute device, from the launcher's variables only (no process group needed):
+    cuda:<local rank mod visible GPUs> when CUDA is available and the backend is not gloo, else the CPU."""
+    local = detect()[2]
+    if torch.cuda.is_available() and backend != "gloo":
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def init_distributed(timeout_s: float = 300, backend: str = "auto") -> DistInfo:
     """Initialise the default process group (if not already) and return this process' facts."""
     rank, world, local, local_world = detect()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
-    device = torch.device("cuda", local % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    device = local_device(backend)
+    use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)
     chosen = None

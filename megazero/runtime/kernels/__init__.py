@@ -1,7 +1,8 @@
 """megazero.runtime.kernels: the dispatch point for fused kernels. The rest of megazero calls only this module.
 
-Each op runs, in order of preference: megazero's built extension (csrc/, built lazily on first use or ahead of
-time with MEGAZERO_BUILD_OPS=1) -> NVIDIA apex if the user has it -> the PyTorch reference twin
+Each op runs, in order of preference: megazero's built extension (csrc/: loaded, or built, by megazero.initialize
+before any collective (prepare.py), else on first use; or built ahead of time with MEGAZERO_BUILD_OPS=1) -> NVIDIA
+apex if the user has it -> on CUDA torch's fused op, on CPU the PyTorch reference twin
 (megazero.runtime.kernels.reference), which is the op's specification. Importing this package compiles nothing.
 MEGAZERO_KERNELS=reference forces the twins; =strict turns a failed build into an error (see loader).
 
@@ -9,6 +10,10 @@ MEGAZERO_KERNELS=reference forces the twins; =strict turns a failed build into a
     scaled_masked_softmax(scores, mask, scale)          scaled_upper_triang_masked_softmax(scores, scale)
     adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, ...)      CPUAdam(params, lr=1e-3, ...)
     kernel_info()  -> which backend each op uses, per device type
+    prepare.prepare(device, ops) -> load a run's kernels up front (megazero.initialize), {op: backend}
+
+On CUDA a failed build falls back to apex if present, else to torch's fused ops (F.layer_norm, F.rms_norm,
+torch's fused AdamW; the softmax, which torch has no fused op for, to its twin); the twins stay the CPU path.
 """
 from __future__ import annotations
 
@@ -26,25 +31,16 @@ def kernel_info() -> dict:
     """{"mode": ..., "cpu": {op: backend}, "cuda": {op: backend}} for inputs each kernel takes.
 
     Loads (and if needed builds) the extensions, as the first real call would. Backends: "megazero_cuda",
-    "megazero_cpu_adam[<isa>]", "apex", "reference", or "unavailable (...)" on the CUDA side without a device.
+    "megazero_cpu_adam[<isa>]", "apex", "torch", "reference", or "unavailable (...)" on the CUDA side without
+    a device.
     """
     import torch
 
-    from . import loader
+    from . import loader, prepare
 
-    cpu = {op: "reference" for op in OPS}
-    ops = loader.cpu_adam()
-    if ops is not None:
-        cpu["adam_step"] = f"megazero_cpu_adam[{ops.best_isa()}]"
+    cpu = {op: prepare.backend_of(op, "cpu") for op in OPS}
     if not torch.cuda.is_available():
         cuda = {op: "unavailable (no CUDA device)" for op in OPS}
-    elif loader.cuda_ops() is not None:
-        cuda = {op: "megazero_cuda" for op in OPS}
     else:
-        apex_modules = {"layer_norm": "apex.normalization.fused_layer_norm",
-                        "rms_norm": "apex.normalization.fused_layer_norm",
-                        "scaled_masked_softmax": "apex.transformer.functional.fused_softmax",
-                        "scaled_upper_triang_masked_softmax": "apex.transformer.functional.fused_softmax",
-                        "adam_step": "amp_C"}
-        cuda = {op: "apex" if loader.apex(mod) is not None else "reference" for op, mod in apex_modules.items()}
+        cuda = {op: prepare.backend_of(op, "cuda") for op in OPS}
     return {"mode": loader.mode(), "cpu": cpu, "cuda": cuda}

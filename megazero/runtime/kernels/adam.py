@@ -4,8 +4,10 @@ Dispatch of ``adam_step`` (a tensor or a list of tensors; ``lr`` and ``weight_de
 tensor): CPU tensors -> ONE call of the SIMD C++ multi-tensor kernel (megazero_cpu_adam.multi_tensor_adam: all
 tensors in one OpenMP region, chunks taken across tensors, each tensor with its own lr and weight decay); CUDA
 tensors -> ONE launch of megazero_cuda.multi_tensor_adam (per-tensor lr and weight decay in its tensor table),
-else apex's amp_C.multi_tensor_adam once per distinct (lr, weight_decay) pair; anything else, or tensors the
-kernels do not take (non-fp32 params/states, non-contiguous, ...) -> the reference twin, tensor by tensor.
+else apex's amp_C.multi_tensor_adam once per distinct (lr, weight_decay) pair, else torch's fused Adam
+(torch._fused_adamw_ / _fused_adam_, as torch.optim.AdamW(fused=True)) once per distinct pair; anything else, or
+tensors the kernels do not take (non-fp32 params/states, non-contiguous, bias_correction=False on torch's
+path, ...) -> the reference twin, tensor by tensor.
 Tolerance against the twin and against torch.optim.AdamW(foreach=False): reference.TOLERANCES["adam"]; the CPU
 and CUDA kernels agree with each other bit for bit, and a list call equals one call per tensor bit for bit.
 """
@@ -118,7 +120,7 @@ def adam_step(param: TensorOrList, grad: TensorOrList, exp_avg: TensorOrList, ex
 
 def _cuda_adam(params, grads, exp_avgs, exp_avg_sqs, copies, step, lrs, wds, shared) -> str | None:
     """One launch of megazero's multi-tensor Adam (per-tensor lr and weight decay), else apex's once per
-    distinct (lr, weight_decay); None when neither is available."""
+    distinct (lr, weight_decay), else torch's fused Adam (`torch_fused_adam`); None when none takes them."""
     ops = loader.cuda_ops()
     if ops is not None:
         ops.multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, copies, lrs, shared["beta1"], shared["beta2"],
@@ -127,18 +129,42 @@ def _cuda_adam(params, grads, exp_avgs, exp_avg_sqs, copies, step, lrs, wds, sha
         return "megazero_cuda"
     amp_c = loader.apex("amp_C")
     if amp_c is None or shared["maximize"] or any(grad.dtype != torch.float32 for grad in grads):
-        return None
+        return torch_fused_adam(params, grads, exp_avgs, exp_avg_sqs, copies, step, lrs, wds, shared)
     noop = torch.zeros(1, dtype=torch.int, device=params[0].device)
-    by_hyper: dict[tuple[float, float], list[int]] = {}
-    for i, key in enumerate(zip(lrs, wds)):
-        by_hyper.setdefault(key, []).append(i)
-    for (lr, wd), idx in by_hyper.items():
+    for (lr, wd), idx in _by_hyper(lrs, wds).items():
         lists = [[lst[i] for i in idx] for lst in (grads, params, exp_avgs, exp_avg_sqs)]
         amp_c.multi_tensor_adam(_APEX_CHUNK, noop, lists, lr, shared["beta1"], shared["beta2"], shared["eps"],
                                 step, int(shared["adamw_mode"]), int(shared["bias_correction"]), wd)
     if copies:
         torch._foreach_copy_(copies, params)
     return "apex"
+
+
+def _by_hyper(lrs: list[float], wds: list[float]) -> dict[tuple[float, float], list[int]]:
+    """Tensor indices grouped by their (lr, weight_decay), in first-seen order."""
+    groups: dict[tuple[float, float], list[int]] = {}
+    for i, key in enumerate(zip(lrs, wds)):
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def torch_fused_adam(params, grads, exp_avgs, exp_avg_sqs, copies, step, lrs, wds, shared) -> str | None:
+    """torch's fused Adam (torch._fused_adamw_, or _fused_adam_ for adamw_mode=False; what
+    torch.optim.AdamW(fused=True) runs), once per distinct (lr, weight_decay); grads are cast to fp32 first. None
+    (the caller runs the twin) for bias_correction=False, which torch's kernel always applies, and under
+    MEGAZERO_KERNELS=reference."""
+    if not shared["bias_correction"] or loader.mode() == "reference":
+        return None
+    fused = torch._fused_adamw_ if shared["adamw_mode"] else torch._fused_adam_
+    grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]
+    step_t = torch.tensor(float(step), device=params[0].device)  # read, not advanced, by the kernel
+    for (lr, wd), idx in _by_hyper(lrs, wds).items():
+        fused(*[[lst[i] for i in idx] for lst in (params, grads, exp_avgs, exp_avg_sqs)], [], [step_t] * len(idx),
+              lr=lr, beta1=shared["beta1"], beta2=shared["beta2"], weight_decay=wd, eps=shared["eps"],
+              amsgrad=False, maximize=shared["maximize"])
+    if copies:
+        torch._foreach_copy_(copies, params)
+    return "torch"
 
 
 class CPUAdam(torch.optim.Optimizer):

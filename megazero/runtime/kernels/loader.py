@@ -1,7 +1,9 @@
-"""The kernel-load cache: each compiled extension (and apex) is found or built once per process, on first use.
+"""The kernel-load cache: each compiled extension (and apex) is found or built once per process: up front in
+`megazero.initialize` (kernels/prepare.py), else on first use.
 
 ``MEGAZERO_KERNELS`` chooses the policy:
-  auto       (default) use a built extension, else build it (JIT), else apex, else the reference twin;
+  auto       (default) use a built extension, else build it (JIT), else apex, else torch's fused ops on CUDA
+             (F.layer_norm, F.rms_norm, torch's fused Adam) or the reference twin on CPU;
              a failed build prints one line and falls back.
   reference  never build or import anything: every op runs its PyTorch reference twin.
   strict     like auto, but a failed build raises KernelBuildError (CI, tools/gpu_check.sh).
@@ -34,7 +36,7 @@ class MissingToolError(KernelBuildError):
 def mode() -> str:
     value = os.environ.get("MEGAZERO_KERNELS", "auto")
     if value not in MODES:
-        raise ValueError(f"MEGAZERO_KERNELS={value!r}; valid: 'auto' (build, fall back to the reference), "
+        raise ValueError(f"MEGAZERO_KERNELS={value!r}; valid: 'auto' (build, else fall back), "
                          f"'reference' (never build), 'strict' (a failed build raises)")
     return value
 
@@ -52,7 +54,7 @@ def _registered(spec: build.ExtSpec) -> object | None:
     return ns
 
 
-def _find_or_build(spec: build.ExtSpec) -> object:
+def _find_or_build(spec: build.ExtSpec, device) -> object:
     import torch
 
     ns = _registered(spec)
@@ -65,7 +67,7 @@ def _find_or_build(spec: build.ExtSpec) -> object:
         missing = build.missing_tools(spec)
         if missing:
             raise MissingToolError(missing)
-        build.jit_build(spec)
+        build.jit_build(spec, device=device)
     ns = _registered(spec)
     if ns is None:
         raise KernelBuildError(f"the library built for {spec.name} registered no ops")
@@ -99,18 +101,21 @@ def _report(spec: build.ExtSpec, err: BaseException) -> None:
         fix = "use an nvcc that matches torch.version.cuda and a host compiler it supports; see the log"
     else:
         fix = "a compiler with C++17 and AVX-512 intrinsics is needed (gcc >= 9 or clang >= 10); see the log"
-    print(f"megazero.runtime.kernels: could not build the {what} ({spec.name}): {_reason(err)}. Using the PyTorch "
-          f"reference instead. Fix: {fix}, or build ahead of time with MEGAZERO_BUILD_OPS=1 pip install "
+    instead = ("apex if installed, else torch's fused ops (F.layer_norm, F.rms_norm, fused AdamW; the softmax's "
+               "PyTorch twin)" if spec.cuda else "the PyTorch reference")
+    print(f"megazero.runtime.kernels: could not build the {what} ({spec.name}): {_reason(err)}. Using {instead} "
+          f"instead. Fix: {fix}, or build ahead of time with MEGAZERO_BUILD_OPS=1 pip install "
           f"--no-build-isolation .; MEGAZERO_KERNELS=reference skips the build.{where}", file=sys.stderr, flush=True)
 
 
-def extension(spec: build.ExtSpec) -> object | None:
-    """torch.ops.<spec.name> with the extension loaded, building it on first use; None when unavailable."""
+def extension(spec: build.ExtSpec, device=None) -> object | None:
+    """torch.ops.<spec.name> with the extension loaded, building it on first use (a CUDA one for `device`'s
+    architecture); None when unavailable."""
     if mode() == "reference":
         return None
     if spec.name not in _CACHE:
         try:
-            _CACHE[spec.name] = _find_or_build(spec)
+            _CACHE[spec.name] = _find_or_build(spec, device)
         except Exception as err:  # noqa: BLE001 - any build failure means: fall back, once, with one line
             _CACHE[spec.name] = None
             if mode() == "strict":
@@ -124,13 +129,14 @@ def cpu_adam() -> object | None:
     return extension(build.CPU_ADAM)
 
 
-def cuda_ops() -> object | None:
-    """torch.ops.megazero_cuda, or None (also None without a CUDA build of torch, quietly)."""
+def cuda_ops(device=None) -> object | None:
+    """torch.ops.megazero_cuda built for `device` (default: the current CUDA device), or None (also None without
+    a CUDA build of torch, quietly)."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    return extension(build.CUDA_OPS)
+    return extension(build.CUDA_OPS, torch.cuda.current_device() if device is None else device)
 
 
 def apex(module: str) -> ModuleType | None:

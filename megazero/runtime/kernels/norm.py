@@ -1,4 +1,5 @@
-"""LayerNorm and RMSNorm: megazero's CUDA kernels -> apex -> the reference twin.
+"""LayerNorm and RMSNorm: megazero's CUDA kernels -> apex -> torch's own (F.layer_norm / F.rms_norm) on CUDA;
+the reference twin on CPU and for inputs none of them takes.
 
 Tolerance of the kernels against the twins (reference.layer_norm / reference.rms_norm), outputs and gradients:
 reference.TOLERANCES["layer_norm"] / ["rms_norm"]. Statistics are fp32 for every input dtype; weight (and bias)
@@ -7,6 +8,7 @@ may be x's dtype or fp32; outputs have x's dtype. CPU tensors always use the twi
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import loader, reference
 
@@ -54,7 +56,19 @@ def backend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     apex_ok = same_device and x.dtype in _DTYPES and weight.dtype == x.dtype and (rms or bias is not None)
     if apex_ok and loader.apex(_APEX_NORM) is not None:
         return "apex"
-    return "reference"
+    torch_ok = loader.mode() != "reference" and same_device and (bias is None or bias.dtype == weight.dtype) and (
+        weight.dtype == x.dtype or (x.dtype in _DTYPES and weight.dtype == torch.float32))
+    return "torch" if torch_ok else "reference"
+
+
+def torch_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The CUDA fallback: torch's fused LayerNorm (fp32 statistics; an fp32 weight with a 16-bit x is allowed)."""
+    return F.layer_norm(x, tuple(weight.shape), weight, bias, eps).to(x.dtype)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The CUDA fallback: torch's RMSNorm (its fused CUDA kernel where torch has one), output in x's dtype."""
+    return F.rms_norm(x, tuple(weight.shape), weight, eps).to(x.dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -66,6 +80,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return _CudaNorm.apply(x, weight, bias, eps, False)
     if which == "apex":
         return loader.apex(_APEX_NORM).fused_layer_norm_affine(x, weight, bias, weight.shape, eps)
+    if which == "torch":
+        return torch_layer_norm(x, weight, bias, eps)
     return reference.layer_norm(x, weight, bias, eps)
 
 
@@ -77,4 +93,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
         return _CudaNorm.apply(x, weight, None, eps, True)
     if which == "apex":
         return loader.apex(_APEX_NORM).fused_rms_norm_affine(x, weight, weight.shape, eps)
+    if which == "torch":
+        return torch_rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
