@@ -161,3 +161,15 @@ def test_multi_tensor_adam_equals_the_cpu_kernel_bit_for_bit(grad_dtype, copy_dt
 def test_kernel_info_reports_the_cuda_extension():
     info = K.kernel_info()
     assert all(v == "megazero_cuda" for v in info["cuda"].values()), info
+
+
+def test_fp64_accumulated_grad_norm_on_cuda():
+    """The optimizer's gradient norm (`ZeroOptimizer._squared_norm`) asks torch's multi-tensor norm for fp64
+    accumulation of fp32 ranges: on CUDA too it must be exact to fp64 rounding, whatever the range lengths."""
+    torch.manual_seed(0)
+    ranges = [torch.randn(n, device="cuda") * 1e-3 + 2e-3 for n in (4_000_000, 1_000_000, 3)]
+    norms = torch._foreach_norm(ranges, 2, dtype=torch.float64)
+    assert all(n.dtype == torch.float64 for n in norms)
+    got = torch.stack(norms).square().sum().item()
+    exact = sum(r.double().square().sum().item() for r in ranges)
+    assert abs(got - exact) / exact < 1e-12
