@@ -148,7 +148,7 @@ def test_overlap_keeps_at_most_max_inflight_reductions_alive(monkeypatch):
             self.out.copy_(self.copy)
             alive.remove(self)
 
-    def reduce_scatter(out, inp, group, async_op=False):
+    def reduce_scatter(out, inp, group, async_op=False, tag=None):
         work = Work(out, inp)
         alive.append(work)
         most.append(len(alive))
