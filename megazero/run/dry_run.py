@@ -44,9 +44,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megazero.runtime.order_check import call_site
+from megazero.runtime.order_check import COMM_FILES, call_site
 
-_COMM_FILES = ("runtime/comm.py", "runtime/order_check.py", "runtime/hierarchical.py", "run/dry_run.py")
+_COMM_FILES = COMM_FILES + ("run/dry_run.py",)  # call sites are the first frame outside these
 STAND_IN = {"int": 0, "bool": False, "float": 1.0}
 """What a host read (``.item()``, ``bool(t)``) of a meta tensor returns in the dry run, by dtype kind."""
 
@@ -322,26 +322,26 @@ def _predicted(cfg) -> dict | None:
     return plan
 
 
-def format_report(out: dict, predicted_lines=None) -> str:
-    """The dry run's report as text: ranks, time, per-stage peaks, the problems."""
+def format_report(out: dict) -> str:
+    """The dry run's report as text: ranks, time, per-stage memory (with the planner's total when it can
+    plan the layout), the problems."""
     lines = [f"dry run: {len(out['ranks'])} of {out['world_size']} ranks simulated in {out['seconds']:.0f} s: "
              f"{out['ranks'] if len(out['ranks']) <= 24 else str(out['ranks'][:24])[:-1] + ', ...]'}"]
     c = out["checked"]
     lines.append(f"  {c['collectives']} collectives on {c['groups_seen']} groups ({c['groups_compared']} compared "
                  f"between two or more members), {c['p2p']} p2p ops ({c['p2p_pairs_matched']} pairs matched)")
-    by_stage = defaultdict(list)
-    for r, info in out["per_rank"].items():
-        by_stage[info["pp"]].append(info)
+    held, live = defaultdict(int), defaultdict(int)  # per stage, the most of its simulated ranks
+    for info in out["per_rank"].values():
+        held[info["pp"]] = max(held[info["pp"]], info["peak_bytes"])
+        live[info["pp"]] = max(live[info["pp"]], info["peak_live_bytes"])
+    plan = {st.stage: st.total for st in out["predicted"].stages} if out["predicted"] is not None else None
     lines.append("  per rank: model states + activations kept for backward at their peak (as memory_report counts) / "
-                 "peak of every live tensor (with temporaries)")
-    for stage in sorted(by_stage):
-        held = max(i["peak_bytes"] for i in by_stage[stage])
-        live = max(i["peak_live_bytes"] for i in by_stage[stage])
-        lines.append(f"  stage {stage:>2}: {_size(held):>10} / {_size(live):>10}")
-    if predicted_lines:  # the per-stage peaks side by side with the planner's
-        lines = [line for line in lines if not line.startswith("  stage ") and not line.startswith("  per rank")]
-        lines += predicted_lines
-    elif predicted_lines is None and out.get("predicted") is None:
+                 "peak of every live tensor (with temporaries)"
+                 + (" / the planner's device total (with transients and fragmentation)" if plan else ""))
+    for stage in sorted(held):
+        lines.append(f"  stage {stage:>2}: {_size(held[stage]):>10} / {_size(live[stage]):>10}"
+                     + (f" / {_size(plan[stage]):>10}" if plan else ""))
+    if plan is None:
         lines.append("  (the planner cannot plan this layout: tools/plan.py says why)")
     if out["problems"]:
         lines.append(f"{len(out['problems'])} problem(s):")
@@ -349,24 +349,6 @@ def format_report(out: dict, predicted_lines=None) -> str:
     else:
         lines.append("no problem found: every collective agreed, every send has its receive, every tensor on the device")
     return "\n".join(lines)
-
-
-def _predicted_lines(out: dict) -> list[str]:
-    """Per stage: the dry run's peak next to the planner's total (same units, GiB)."""
-    plan = out["predicted"]
-    if plan is None:
-        return None
-    held, live = defaultdict(int), defaultdict(int)
-    for info in out["per_rank"].values():
-        held[info["pp"]] = max(held[info["pp"]], info["peak_bytes"])
-        live[info["pp"]] = max(live[info["pp"]], info["peak_live_bytes"])
-    lines = ["  per rank: model states + activations (memory_report) / peak of all live tensors / the planner's "
-             "device total (tools/plan.py, with transients and fragmentation)"]
-    for st in plan.stages:
-        if st.stage in held:
-            lines.append(f"  stage {st.stage:>2}: {_size(held[st.stage]):>10} / {_size(live[st.stage]):>10} / "
-                         f"{_size(st.total):>10}")
-    return lines
 
 
 def _size(n: float) -> str:
@@ -399,7 +381,7 @@ def main(argv=None) -> int:
     except (ConfigError, DryRunError) as err:
         print(f"dry_run: {err}", flush=True)
         return 2
-    print(format_report(out, _predicted_lines(out)), flush=True)  # None: no plan, the dry run's peaks alone
+    print(format_report(out), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: v for k, v in out.items() if k != "predicted"}, f, indent=1, default=str)

@@ -188,13 +188,14 @@ def _op(name: str):
     return op
 
 
-def _verify(group: GroupHandle, kind: str, t: torch.Tensor | None = None, numel: int | None = None,
+def _verify(group: GroupHandle, kind: str, t: torch.Tensor | None = None, sized: bool = True,
             extra: str = "", tag: str | None = None) -> None:
     """Post this collective to the group's order check (when on): every member must issue the same
-    `kind` on the same dtype and element count (and `extra`: op, root, `tag`) at the same position."""
+    `kind` on the same dtype and element count (not `sized`: counts may differ, an all-to-all's) and
+    `extra` (op, root, `tag`) at the same position."""
     if group.order is None:
         return
-    what = "" if t is None else f"{t.dtype} x{t.numel() if numel is None else numel}"
+    what = "" if t is None else f"{t.dtype} x{t.numel()}" if sized else str(t.dtype)
     group.order.collective(group, kind, " ".join(x for x in (what, extra, f"[{tag}]" if tag else "") if x),
                            () if t is None else (t,))
 
@@ -319,9 +320,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: GroupHan
     rows = input.shape[0]
     splits = list(input_splits) if input_splits is not None else [rows // n] * n
     width = input.numel() // rows if rows else 0
-    _verify(group, "all_to_all", extra=f"{input.dtype} rows of {tuple(input.shape[1:])}")
-    if group.order is not None and output.device != input.device:
-        raise ValueError(f"all_to_all: output on {output.device}, input on {input.device}")
+    _verify(group, "all_to_all", input, sized=False, extra=f"rows of {tuple(input.shape[1:])}")
     away = sum(splits[j] for j in range(n) if group.crosses(j))  # rows for other nodes' ranks
     group.stats.record(group.axis, "all_to_all", (rows - splits[group.rank]) * width, input.element_size(),
                        away * width)

@@ -72,8 +72,11 @@ class OpRecord:
         return f"rank {self.rank}: {self.kind} {self.compared} {self.site}"
 
 
-def call_site(skip_files: tuple[str, ...] = ("runtime/comm.py", "runtime/order_check.py",
-                                             "runtime/hierarchical.py")) -> str:
+COMM_FILES = ("runtime/comm.py", "runtime/order_check.py", "runtime/hierarchical.py")
+"""The communication layer's files: a call site is the first frame outside them."""
+
+
+def call_site(skip_files: tuple[str, ...] = COMM_FILES) -> str:
     """The first caller outside the communication layer, as 'path:line in function'."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.replace(os.sep, "/").endswith(skip_files):

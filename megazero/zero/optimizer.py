@@ -145,10 +145,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gatherer = None
         if stage == 3 and units:
             self.gatherer = Stage3Gatherer(units, [group for group in self.groups if group.shard_params], prefetch_bucket_size)
-        # A graph that may depend on the data (a user's nn.Module: experts skipped, conditional branches): stages
-        # 2-3 launch their reductions only where every rank is whatever gradients its graph produced, at the end
-        # of each unit's backward and of the whole backward (megazero.zero.unit_ends), not when a bucket completes.
-        self.unit_ends = None
+        self.unit_ends = None  # data_dependent_graph: see the class docstring
         if data_dependent_graph and stage >= 2 and units:
             self.unit_ends = UnitEnds(units, [group for group in self.groups if not group.full_grads],
                                       self._unit_backward_ended)
