@@ -22,7 +22,7 @@ setup(
     package_data={"megazero.runtime.kernels": ["csrc/**/*", "csrc/*"]},
     python_requires=">=3.10",
     # An unpinned torch: a user's CUDA build already satisfies it and is never replaced.
-    install_requires=["torch>=2.4", "einops>=0.7", "networkx>=3.0", "omegaconf>=2.3", "tqdm>=4.60", "safetensors>=0.4"],
+    install_requires=["torch>=2.5", "einops>=0.7", "networkx>=3.0", "omegaconf>=2.3", "tqdm>=4.60", "safetensors>=0.4"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "transformers>=4.40", "ninja", "playwright>=1.40", "matplotlib>=3.7"],
         "viz": ["matplotlib>=3.7"],  # PNG and PDF schedule pictures (SVG, HTML and text need nothing)

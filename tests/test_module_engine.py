@@ -83,3 +83,56 @@ def test_hf_model_under_zero_matches_torch_adamw(zero):
         assert set(params) == set(ref_params)
         worst = max((params[n] - ref_params[n]).abs().max().item() for n in params)
         assert worst <= 1e-5, worst
+
+
+class _StubOptimizer:
+    """What ModuleEngine calls on its optimizer, doing nothing (the test is about where batches go)."""
+
+    stage = 0
+    scaler = type("Scaler", (), {"scale": 1.0})()
+
+    def set_last_microbatch(self, last):
+        pass
+
+    def scale_loss(self, loss):
+        return loss
+
+    def after_backward(self):
+        pass
+
+    def step(self):
+        return {}
+
+
+def test_train_batch_moves_host_batches_to_the_engine_device():
+    """initialize(training_data=...) yields host tensors; train_step() without an iterator reads that
+    loader and moves each batch (tuples and dicts) to the engine's device: here meta stands in for a GPU,
+    and a host tensor reaching the meta weights would raise a device mismatch."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from megazero.core.topology import Topology
+    from megazero.engine.module_engine import ModuleEngine
+    from megazero.runtime.parallel_context import ParallelContext
+
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1, device="meta")
+
+        def forward(self, x, y):
+            seen.append((x.device.type, y.device.type))
+            return (self.lin(x).squeeze(-1) - y).square().mean()
+
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8)), batch_size=2)
+    engine = ModuleEngine(Model(), ParallelContext(Topology(pp=1, dp=1, tp=1)), _StubOptimizer(), None,
+                          gradient_accumulation_steps=2, device="meta", training_data=data)
+    loss = engine.train_step()
+    assert loss.device.type == "meta" and loss.dim() == 0
+    assert seen == [("meta", "meta")] * 2
+    dicts = iter([{"x": torch.randn(2, 4), "y": torch.randn(2)}] * 2)
+    engine.train_step(dicts)
+    assert seen[2:] == [("meta", "meta")] * 2
+    with pytest.raises(ValueError, match="training_data"):
+        ModuleEngine(Model(), ParallelContext(Topology(pp=1, dp=1, tp=1)), _StubOptimizer(), None, 1).train_step()

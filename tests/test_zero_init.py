@@ -124,3 +124,29 @@ def test_zero_init_builds_partitioned_and_trains_within_the_budget_like_a_plain_
         assert r["gathered_equal"] and r["doubled"]
         init_losses, plain_losses = r["losses"]
         assert init_losses == plain_losses
+
+
+def test_partitions_live_on_the_local_accelerator(monkeypatch):
+    """As DeepSpeed's, Init keeps partitions on this rank's accelerator (so the all-gathers and the
+    modifier's broadcast run on NCCL), the host only with remote_device="cpu". No CUDA here: the
+    device choice is checked with CUDA reported present, and every partition is seen going to it."""
+    from megazero.zero import partitioned_init
+
+    monkeypatch.setattr(partitioned_init.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(partitioned_init.torch.cuda, "current_device", lambda: 3)
+    assert partitioned_init.local_device(None) == torch.device("cuda", 3)
+    assert partitioned_init.local_device("cpu") == torch.device("cpu")
+    placed = []
+    real = partitioned_init.partition
+
+    def spy(p, rank, size, device=None):
+        placed.append(device)
+        real(p, rank, size, torch.device("cpu"))  # where the test can run
+
+    monkeypatch.setattr(partitioned_init, "partition", spy)
+    with partitioned_init.Init():
+        torch.nn.Linear(6, 3)
+    assert placed == [torch.device("cuda", 3)] * 2
+    with partitioned_init.Init(remote_device="cpu"):
+        torch.nn.Linear(6, 3)
+    assert placed[2:] == [torch.device("cpu")] * 2

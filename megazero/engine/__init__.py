@@ -162,7 +162,7 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                                 training_data=loader)
     else:
         engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps, t.micro_batch_size,
-                              info.local_rank, info.device)
+                              info.local_rank, info.device, training_data=loader)
     return engine, optimizer, loader if loader is not None else _dataloader(cfg, pctx, module, engine), scheduler
 
 

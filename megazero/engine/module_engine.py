@@ -12,9 +12,11 @@ import contextlib
 
 import torch
 
+from megazero.data.repeating import RepeatingLoader
 from megazero.engine.checkpointing import CheckpointMethods
 from megazero.engine.surface import EngineSurface
 from megazero.moe.layer import set_aux_loss_scale
+from megazero.pipeline.executor import to_device
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.zero.lr_schedule import step_lr_scheduler
@@ -22,8 +24,10 @@ from megazero.zero.lr_schedule import step_lr_scheduler
 
 class ModuleEngine(CheckpointMethods, EngineSurface):
     def __init__(self, module, pctx: ParallelContext, optimizer, lr_scheduler, gradient_accumulation_steps: int,
-                 micro_batch_size: int = 1, local_rank: int = 0, device="cpu"):
+                 micro_batch_size: int = 1, local_rank: int = 0, device="cpu", training_data=None):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
+        # DeepSpeed's train_batch() without an iterator reads initialize(training_data=...)'s loader, endlessly
+        self.training_iter = iter(RepeatingLoader(training_data)) if training_data is not None else None
         self.gas, self.micro_batch_size = gradient_accumulation_steps, micro_batch_size
         self.local_rank, self.device = local_rank, torch.device(device)
         self.syncing = True  # False inside no_sync()
@@ -87,28 +91,44 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
             out = self.module(*batch)
         return out if isinstance(out, torch.Tensor) else out.loss
 
-    def _mean_over_dp(self, total: torch.Tensor) -> float:
+    def _mean_over_dp(self, total: torch.Tensor) -> torch.Tensor:
+        """The mean loss, 0-d fp64 on the device: `total` (the sum over micro-batches) all-reduced over
+        pctx.dp_group, divided by micro-batches x dp. No host synchronisation."""
         comm.all_reduce(total, self.pctx.dp_group)
-        return float(total.item()) / (self.gas * self.pctx.dp_size)
+        return (total / (self.gas * self.pctx.dp_size))[0]
 
-    def train_batch(self, data_iter, loss_fn=None) -> float:
-        """gas micro-batches of forward/backward and one step (see `_loss` for what a batch may be).
-        Mean loss over the micro-batches and dp."""
+    def _batches(self, data_iter):
+        """`data_iter`, or initialize(training_data=...)'s loader; each batch moved to the engine's device
+        (DeepSpeed's loader yields host tensors; the module's parameters are on the device)."""
+        if data_iter is None and self.training_iter is None:
+            raise ValueError("train_batch(data_iter=None): pass an iterator of batches, or give "
+                             "megazero.initialize(training_data=...) a dataset")
+        source = data_iter if data_iter is not None else self.training_iter
+        return (to_device(next(source), self.device) for _ in range(self.gas))
+
+    def train_step(self, data_iter=None, loss_fn=None) -> torch.Tensor:
+        """gas micro-batches of forward/backward and one step (see `_loss` for what a batch may be);
+        the mean loss over the micro-batches and dp as a 0-d device tensor (no host synchronisation:
+        the trainer reads it when it logs)."""
         self.module.train()
-        total = torch.zeros(1, dtype=torch.float64, device=self.optimizer.device)
-        for _ in range(self.gas):
-            loss = self._loss(next(data_iter), loss_fn)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for batch in self._batches(data_iter):
+            loss = self._loss(batch, loss_fn)
             self.backward(loss)
             self.step()
             total += loss.detach().double()
         return self._mean_over_dp(total)
 
+    def train_batch(self, data_iter=None, loss_fn=None) -> float:
+        """`train_step`, its mean loss read on the host (one synchronisation)."""
+        return float(self.train_step(data_iter, loss_fn))
+
     @torch.no_grad()
-    def eval_batch(self, data_iter, loss_fn=None) -> float:
+    def eval_batch(self, data_iter=None, loss_fn=None) -> float:
         """gas micro-batches of forward only, in eval mode; the mean loss over them and dp (an
         all-reduce over pctx.dp_group)."""
         self.module.eval()
-        total = torch.zeros(1, dtype=torch.float64, device=self.optimizer.device)
-        for _ in range(self.gas):
-            total += self._loss(next(data_iter), loss_fn).detach().double()
-        return self._mean_over_dp(total)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for batch in self._batches(data_iter):
+            total += self._loss(batch, loss_fn).detach().double()
+        return float(self._mean_over_dp(total))

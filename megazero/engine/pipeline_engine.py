@@ -71,7 +71,13 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
 
     def train_batch(self, data_iter=None) -> float:
         """One optimizer step over `num_microbatches` micro-batches (dicts or DeepSpeed's (inputs, labels)
-        pairs, from `data_iter` or else the training data's loader); the mean loss on every rank."""
+        pairs, from `data_iter` or else the training data's loader); the mean loss on every rank, read
+        on the host (one synchronisation: `train_step` has none)."""
+        return float(self.train_step(data_iter))
+
+    def train_step(self, data_iter=None) -> torch.Tensor:
+        """`train_batch` with the mean loss left on the device (0-d fp64; the trainer reads it when it
+        logs)."""
         data_iter = self._data(data_iter)
         self.module.train()
         # MoE aux losses are scaled as the LM loss is: loss scale / micro-batches (every MoE layer, a user's too)
@@ -108,14 +114,15 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         data_iter = self._data(data_iter)
         self.module.eval()
         st = self.executor.run(self.eval_program, data_iter, self.num_microbatches)
-        return self._agree_loss(st.losses)
+        return float(self._agree_loss(st.losses))
 
-    def _agree_loss(self, losses) -> float:
-        """Mean over micro-batches (last stage), over dp (all-reduce), to every stage (broadcast)."""
+    def _agree_loss(self, losses) -> torch.Tensor:
+        """Mean over micro-batches (last stage), over dp (all-reduce), to every stage (broadcast over
+        the pp group): a 0-d fp64 device tensor, no host synchronisation."""
         t = torch.zeros(1, dtype=torch.float64, device=self.device)
         if losses:
             t += torch.stack([l.double() for l in losses]).mean()
         comm.all_reduce(t, self.pctx.dp_group)
         t /= self.pctx.dp_size
         comm.broadcast(t, self.pctx.pp_size - 1, self.pctx.pp_group)
-        return float(t.item())
+        return t[0]

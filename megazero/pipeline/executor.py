@@ -38,6 +38,18 @@ from megazero.runtime.clock import DeviceClock
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 
 
+def to_device(value, device: torch.device):
+    """A micro-batch on `device`: its tensors moved (non-blocking: from pinned host memory the copy
+    does not wait), inside tuples, lists and dicts; other values as they are. No communication."""
+    if torch.is_tensor(value):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
 class Stage(Protocol):
     """This rank's model chunks, as the executor runs them."""
 
@@ -238,15 +250,7 @@ class PipelineExecutor:
     # -- handlers ------------------------------------------------------------------------------
     def _load(self, ins, st):
         batch = self.stage.as_batch(next(st.data_iter))
-        st.batches[ins.mb] = {k: self._to_device(v) for k, v in batch.items()}
-
-    def _to_device(self, value):
-        """A micro-batch entry on this stage's device: a tensor, or a tuple/list of them (others as they are)."""
-        if torch.is_tensor(value):
-            return value.to(self.device, non_blocking=True)
-        if isinstance(value, (tuple, list)):
-            return type(value)(self._to_device(v) for v in value)
-        return value
+        st.batches[ins.mb] = to_device(batch, self.device)
 
     def _forward(self, ins, st):
         key = (ins.mb, ins.chunk)

@@ -3,7 +3,8 @@ reaching its full parameters when a script needs them.
 
 `Init` (a context manager): every `nn.Module` whose constructor finishes inside it keeps, of each
 parameter it created, only this rank's *partition*: the r-th of dp_size equal contiguous pieces of
-the flattened tensor (the last padded). The constructor still creates and initializes each
+the flattened tensor (the last padded), on this rank's GPU (`local_device`; the host with
+``remote_device="cpu"`` or without CUDA), so that the all-gathers and broadcasts below run on NCCL. The constructor still creates and initializes each
 parameter in full, so the values are exactly those of a build without Init (same seed, same
 order), but only one submodule's parameters exist in full at a time. The full shape is kept as
 ``param.zero_init_shape`` and the partition as ``param.zero_init_partition`` = (rank, size).
@@ -45,13 +46,23 @@ def full_shape(p: torch.Tensor) -> torch.Size:
     return torch.Size(p.zero_init_shape) if is_partitioned(p) else p.shape
 
 
-def partition(p: torch.Tensor, rank: int, size: int) -> None:
-    """Keep only partition `rank` of `size` of parameter `p` (contiguous, ceil(numel / size) each)."""
+def local_device(remote_device: str | None) -> torch.device:
+    """Where `Init` keeps partitions, as DeepSpeed: the host with ``remote_device="cpu"``, else this
+    process's accelerator (torch's current CUDA device: the launcher set it to the local rank's), else
+    the host."""
+    if remote_device != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def partition(p: torch.Tensor, rank: int, size: int, device: torch.device | None = None) -> None:
+    """Keep only partition `rank` of `size` of parameter `p` (contiguous, ceil(numel / size) each), on
+    `device` (default: where `p` is)."""
     flat = p.data.reshape(-1)  # (numel,)
     chunk = math.ceil(flat.numel() / size)
     lo, hi = min(flat.numel(), rank * chunk), min(flat.numel(), (rank + 1) * chunk)
     shape = tuple(p.shape)
-    p.data = flat[lo:hi].clone()
+    p.data = flat[lo:hi].to(device if device is not None else flat.device, copy=True)
     p.zero_init_shape, p.zero_init_partition = shape, (rank, size)
 
 
@@ -113,6 +124,7 @@ class Init:
         if data_parallel_group is not None and dist.get_world_size(data_parallel_group) != _world()[1]:
             raise ValueError("zero.Init(data_parallel_group=...): megazero partitions over the world group only")
         self.enabled, self.dtype = enabled, dtype
+        self.device = local_device(remote_device)
         self.rank, self.size = _world()
         self._originals: dict[type, object] = {}
         self._depth: dict[int, int] = {}
@@ -125,7 +137,7 @@ class Init:
             if not is_partitioned(p):
                 if self.dtype is not None and p.is_floating_point():
                     p.data = p.data.to(self.dtype)
-                partition(p, self.rank, self.size)
+                partition(p, self.rank, self.size, self.device)
 
     def _wrap(self, cls) -> None:
         if "__init__" not in cls.__dict__ or cls in self._originals:
