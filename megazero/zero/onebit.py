@@ -48,15 +48,15 @@ def _segments(bounds: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def _compress(x: torch.Tensor, error: torch.Tensor, segments: list[tuple[int, int]]):
+def _compress(x: torch.Tensor, error: torch.Tensor, segments: list[tuple[int, int]], lens: torch.Tensor):
     """(non-negative mask, one scale per segment) of x + error in one bit per element: each segment's
-    elements become ±‖its part‖₂/√len; `error` becomes what was lost. Segments cover x in order."""
+    elements become ±‖its part‖₂/√len; `error` becomes what was lost. Segments cover x in order;
+    `lens` (segments,) their lengths on x's device. No host synchronisation."""
     x = x + error
-    lens = torch.tensor([b - a for a, b in segments], device=x.device)
     norms = torch.stack(torch._foreach_norm([x[a:b] for a, b in segments]))  # one fused pass
     scales = norms / lens.sqrt()
     signs = x >= 0
-    full = torch.repeat_interleave(scales, lens)
+    full = torch.repeat_interleave(scales, lens, output_size=x.numel())
     error.copy_(x - torch.where(signs, full, -full))
     return signs, scales
 
@@ -78,6 +78,12 @@ class CompressedAverage:
         self.mine = [i for i, (a, b) in enumerate(self.segments) if lo <= a and b <= hi]  # this rank's chunk
         self.worker_error = torch.zeros(self.padded, dtype=torch.float32, device=device)
         self.server_error = torch.zeros(self.chunk, dtype=torch.float32, device=device)
+        # on the device once: each step indexes with them without a host-to-device copy
+        lo = group.rank * self.chunk
+        self.my_segments = [(self.segments[i][0] - lo, self.segments[i][1] - lo) for i in self.mine]  # in the chunk
+        self.lens = torch.tensor([b - a for a, b in self.segments], device=device)
+        self.my_lens = torch.tensor([b - a for a, b in self.my_segments], device=device)
+        self.my_index = torch.tensor(self.mine, dtype=torch.long, device=device)
 
     def __call__(self, x: torch.Tensor) -> None:
         """Replace `x` (numel fp32 elements) by the ranks' compressed average, in place."""
@@ -86,26 +92,23 @@ class CompressedAverage:
             return  # one rank: its momentum is the average (DeepSpeed compresses only between ranks too)
         buf = torch.zeros(self.padded, dtype=torch.float32, device=x.device)
         buf[:self.numel] = x.view(-1)
-        signs, scales = _compress(buf, self.worker_error, self.segments)
+        signs, scales = _compress(buf, self.worker_error, self.segments, self.lens)
         packed = pack_signs(signs)  # (padded/8,): n chunks of chunk/8 bytes
         arrived = torch.empty_like(packed)
         comm.all_to_all_single(arrived, packed, g)  # chunk j to rank j: (n, chunk/8) from every worker
         every_scale = scales.new_empty(n * scales.numel())
         comm.all_gather(every_scale, scales, g)
-        lo = g.rank * self.chunk
-        mine = [(self.segments[i][0] - lo, self.segments[i][1] - lo) for i in self.mine]  # in the chunk
-        lens = torch.tensor([b - a for a, b in mine], device=x.device)
-        worker_scales = every_scale.view(n, -1)[:, self.mine]  # (n, my segments)
-        per_element = torch.repeat_interleave(worker_scales, lens, dim=1)  # (n, chunk)
+        worker_scales = every_scale.view(n, -1).index_select(1, self.my_index)  # (n, my segments)
+        per_element = torch.repeat_interleave(worker_scales, self.my_lens, dim=1, output_size=self.chunk)  # (n, chunk)
         workers = unpack_signs(arrived).view(n, self.chunk) * per_element
-        s_signs, s_scales = _compress(workers.mean(0), self.server_error, mine)
+        s_signs, s_scales = _compress(workers.mean(0), self.server_error, self.my_segments, self.my_lens)
         everyone = torch.empty_like(packed)
         comm.all_gather(everyone, pack_signs(s_signs), g)
         server_scales = scales.new_zeros(scales.numel())  # every segment is one rank's: the others add 0
-        server_scales[self.mine] = s_scales
+        server_scales.index_copy_(0, self.my_index, s_scales)
         comm.all_reduce(server_scales, g)
-        all_lens = torch.tensor([b - a for a, b in self.segments], device=x.device)
-        averaged = unpack_signs(everyone) * torch.repeat_interleave(server_scales, all_lens)  # rank order
+        averaged = unpack_signs(everyone) * torch.repeat_interleave(server_scales, self.lens,
+                                                                    output_size=self.padded)  # rank order
         x.view(-1).copy_(averaged[:self.numel])
 
     def state_dict(self) -> dict:
