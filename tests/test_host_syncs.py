@@ -57,3 +57,24 @@ def test_dense_2x2x2_step_waits_only_per_step(overrides):
         assert a == b, f"rank {rank}: syncs grow with micro-batches: {a} vs {b}"
         assert len(b) <= 2, f"rank {rank}: {b}"
         assert all(s.startswith(("megazero/zero/optimizer.py", "megazero/engine/pipeline_engine.py")) for s in b), b
+
+
+def _trainer_sites(run_dir: str) -> list[str]:
+    from megazero.engine import load_run_config
+    from megazero.run import train
+
+    cfg = load_run_config("configs/debug_gpt.yaml", [
+        "parallel.pp=1", "parallel.tp=1", "data.path=null", "train.steps=8", "log.interval=4",
+        "train.global_batch_size=4", "log.progress_bar=false", f"run_dir={run_dir}"])
+    with SyncCounter() as syncs:
+        train.run(cfg, 0)
+    return [site for _, site in syncs.events]
+
+
+def test_the_trainer_reads_the_device_at_log_intervals_only(tmp_path):
+    """8 steps logged every 4: the trainer reads the losses and norms twice (one stack each); the rest
+    is the optimizer's one read per step (the non-finite check every precision makes)."""
+    (sites,) = run_ranks(_trainer_sites, 1, str(tmp_path / "run"), timeout=240)
+    trainer = [s for s in sites if not s.startswith("megazero/zero/optimizer.py")]
+    assert len(trainer) == 2 and all(s.startswith("megazero/run/metrics.py") for s in trainer), sites
+    assert len(sites) - len(trainer) == 8, sites

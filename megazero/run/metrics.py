@@ -8,6 +8,8 @@ import os
 import time
 from collections import defaultdict
 
+import torch
+
 from megazero.core import instructions as I
 
 CATEGORY = {
@@ -113,6 +115,42 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n}"
+
+
+class PendingSteps:
+    """The metrics of the steps trained since the last flush, whose device values (loss, grad norm)
+    are read on the host only at `flush`: one synchronisation for all of them, so a GPU is waited for
+    at log intervals, not every step (Megatron-LM logs likewise). Step times are host times between
+    flushes: between them the host may run ahead of the device, so each step of a flushed run gets
+    their mean (exact per step with a flush every step). No communication."""
+
+    def __init__(self, tokens_per_step: float, flops_per_step: float, devices: int, peak_tflops: float | None):
+        self.tokens, self.flops, self.devices, self.peak = tokens_per_step, flops_per_step, devices, peak_tflops
+        self.records: list[tuple[dict, dict]] = []
+        self.clock = StepClock()
+
+    def add(self, record: dict, device_values: dict) -> None:
+        """`record` (host values) of one step, and its `device_values` {key: 0-d tensor or float or None}."""
+        self.records.append((record, device_values))
+
+    def flush(self) -> list[dict]:
+        """The pending records complete (device values read, timing filled in), oldest first; resets."""
+        if not self.records:
+            return []
+        dt = self.clock.lap() / len(self.records)
+        keys = [(i, k) for i, (_, values) in enumerate(self.records) for k, v in values.items()
+                if v is not None and not isinstance(v, (int, float))]
+        read = torch.stack([self.records[i][1][k].double().reshape(()) for i, k in keys]).tolist() if keys else []
+        found = dict(zip(keys, read))
+        out = []
+        for i, (record, values) in enumerate(self.records):
+            for k, v in values.items():
+                record[k] = found.get((i, k), v)
+            record.update({"tokens_per_s": self.tokens / dt, "step_time_s": dt,
+                           "mfu": mfu(self.flops, dt, self.devices, self.peak)})
+            out.append(record)
+        self.records = []
+        return out
 
 
 class StepClock:

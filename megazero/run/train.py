@@ -6,7 +6,9 @@
 Every rank validates the config before any process group exists; a bad config, a layout that does
 not fit the world size, or a missing data file ends every rank with one clear line (exit code 2).
 Rank 0 prints a start summary, a progress bar, and the breakdowns; it writes one JSON object per
-step to log.metrics_file. Checkpoints go to checkpoint.dir every checkpoint.save_interval steps
+step to log.metrics_file, every log.interval steps (and at checkpoints and the end): the steps' losses
+and gradient norms stay on the device until then (`PendingSteps`), so the host does not wait for the
+device every step. Checkpoints go to checkpoint.dir every checkpoint.save_interval steps
 and at the end; a run whose checkpoint.dir has a `latest` resumes from it (weights, optimizer, LR
 schedule, RNG, data position; the metrics of later steps are dropped and appended again), else
 checkpoint.load names where to start. Per-rank Chrome traces go to <run_dir>/trace/ when trace.enabled.
@@ -32,7 +34,7 @@ from megazero.planner.from_config import memory_lines, predicted_memory
 from megazero.planner.layout import PlanError
 from megazero.run import checkpoint
 from megazero.run.memory import SavedActivationMeter, memory_report
-from megazero.run.metrics import (MetricsWriter, StepClock, Timers, comm_delta, format_bytes, mfu,
+from megazero.run.metrics import (MetricsWriter, PendingSteps, Timers, comm_delta, format_bytes,
                                   mlp_forward_flops, model_flops_per_step)
 from megazero.run.trace import Tracer
 from megazero.runtime import comm
@@ -111,7 +113,7 @@ def run(cfg: Config, rank: int) -> int:
                                  mlp_flops=mlp_forward_flops(spec))
     tokens = t.global_batch_size * spec.seq_len
     bar = _progress(cfg, rank, start_step)
-    clock = StepClock()
+    pending = PendingSteps(tokens, flops, pctx.topology.world_size, cfg.log.peak_tflops)
     checkpointer = engine.module.activation_checkpointer
     meter = SavedActivationMeter(engine.module, checkpointer=checkpointer) if cfg.log.memory_breakdown else None
     moved = pctx.stats.snapshot()
@@ -122,39 +124,28 @@ def run(cfg: Config, rank: int) -> int:
         step_meter = meter or (SavedActivationMeter(engine.module, checkpointer=checkpointer) if first else None)
         if step_meter is not None:  # saved-activation bytes of this step (peak in flight on this stage)
             with step_meter.measure():
-                loss = engine.train_batch(data)
+                loss = engine.train_step(data)
         else:
-            loss = engine.train_batch(data)
+            loss = engine.train_step(data)  # on the device: read when the pending steps are flushed
         if first:
             report = memory_report(optimizer, step_meter, checkpointer)
             if tracer is not None and "activations" in report:
                 tracer.note_peak_activations(report["activations"])
             _memory_check(cfg, engine, report, rank, bar)
-        dt = clock.lap()
         info = engine.last_info
-        norm = info.get("grad_norm")  # a device tensor when the step did not need it on the host
-        record = {"step": step, "loss": loss, "grad_norm": None if norm is None else float(norm), "lr": info.get("lr"),
-                  "loss_scale": info.get("loss_scale"), "skipped": info.get("skipped", False),
-                  "skipped_steps": info.get("skipped_steps", 0),
-                  "tokens_per_s": tokens / dt, "step_time_s": dt,
-                  "mfu": mfu(flops, dt, pctx.topology.world_size, cfg.log.peak_tflops)}
+        record = {"step": step, "lr": info.get("lr"), "loss_scale": info.get("loss_scale"),
+                  "skipped": info.get("skipped", False), "skipped_steps": info.get("skipped_steps", 0)}
         now = pctx.stats.snapshot()
         record["comm"], moved = comm_delta(moved, now), now  # this rank's bytes by axis/op, inter-node apart
         if info.get("moe") is not None:  # MoE load balance of the step (megazero.moe.stats)
             record["moe"] = info["moe"]
         if cfg.log.wall_clock_breakdown:
             record["time_ms"] = timers.pop()
-        writer.write(record)
-        if bar is not None:
-            bar.update(1)
-            moe = {"aux": f"{record['moe']['aux_loss']:.3f}", "imb": f"{record['moe']['imbalance']:.2f}"} \
-                if "moe" in record else {}
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            mfu="-" if record["mfu"] is None else f"{record['mfu']:.1%}",
-                            scale=f"{record['loss_scale']:g}", **moe)
-        if lead and cfg.log.interval and step % cfg.log.interval == 0:
-            _log_line(cfg, rank, record, optimizer, bar, meter, checkpointer)
-        if cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps):
+        pending.add(record, {"loss": loss, "grad_norm": info.get("grad_norm")})
+        saving = cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps)
+        if step % max(1, cfg.log.interval) == 0 or saving or step == cfg.train.steps:
+            _report(cfg, rank, pending.flush(), writer, bar, lead, optimizer, meter, checkpointer)
+        if saving:
             c = cfg.checkpoint
             path = engine.save_checkpoint(c.dir, keep_last=c.keep_last, config=to_dict(cfg), async_save=c.async_save)
             if rank == 0:
@@ -172,6 +163,23 @@ def run(cfg: Config, rank: int) -> int:
             _draw_schedule(cfg.run_dir)
         print(f"done: {cfg.train.steps} steps; metrics {cfg.log.metrics_file}", flush=True)
     return 0
+
+
+def _report(cfg, rank, records, writer, bar, lead, optimizer, meter, checkpointer) -> None:
+    """The flushed steps' records: to the metrics file, the progress bar and, at log intervals, the log."""
+    for record in records:
+        writer.write(record)
+        if bar is not None:
+            bar.update(1)
+        if lead and cfg.log.interval and record["step"] % cfg.log.interval == 0:
+            _log_line(cfg, rank, record, optimizer, bar, meter, checkpointer)
+    if bar is not None and records:
+        record = records[-1]
+        moe = {"aux": f"{record['moe']['aux_loss']:.3f}", "imb": f"{record['moe']['imbalance']:.2f}"} \
+            if "moe" in record else {}
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                        mfu="-" if record["mfu"] is None else f"{record['mfu']:.1%}",
+                        scale=f"{record['loss_scale']:g}", **moe)
 
 
 def _memory_check(cfg: Config, engine, report: dict[str, int], rank: int, bar) -> None:
