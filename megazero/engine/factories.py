@@ -209,7 +209,7 @@ def build_optimizer(cfg: Config, model: nn.Module, pctx: ParallelContext, params
         reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
         overlap_comm=bool(z.overlap_comm), offload_optimizer=z.offload_optimizer.device == "cpu",
         offload_param=z.offload_param.device == "cpu", gradient_clipping=cfg.gradient_clipping,
-        loss_scaler=loss_scaler(cfg), nonfinite=cfg.nonfinite_gradients, units=zero_units(model) if z.stage >= 2 else None,
+        loss_scaler=loss_scaler(cfg), nonfinite=cfg.nonfinite_gradients, units=zero_units(model),
         prefetch_bucket_size=z.prefetch_bucket_size, param_persistence_threshold=z.param_persistence_threshold,
         zeropp=ZeroPlusPlus(z.quantized_weights, z.quantized_gradients,
                             pctx.hpz_group if z.hpz_partition_size > 1 else None),

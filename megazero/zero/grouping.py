@@ -33,7 +33,7 @@ def make_groups(params, pctx, stage: int, units, bucket: int, offload_opt: bool,
             groups.append(FlatGroup("experts", experts, edp, 3, bucket, cuts, True, offload_param or offload_opt,
                                     on_reduced, grad_divisor=dp.size))
         else:
-            groups.append(FlatGroup("experts", experts[::-1], edp, min(stage, 2), bucket, (), False,
+            groups.append(FlatGroup("experts", _backward_order(experts, units), edp, min(stage, 2), bucket, (), False,
                                     offload_opt, on_reduced, grad_divisor=dp.size))
     if stage == 3:
         big = {id(p) for p in rest if id(p) in unit_of and full_shape(p).numel() >= persist}
@@ -44,15 +44,33 @@ def make_groups(params, pctx, stage: int, units, bucket: int, offload_opt: bool,
             groups.append(FlatGroup("sharded", sharded, dp, 3, bucket, cuts, True, offload_param or offload_opt, on_reduced,
                                     zeropp=zeropp))
         if persistent:
-            groups.append(FlatGroup("persistent", persistent[::-1], dp, 2, bucket, (), False, offload_opt, on_reduced))
+            groups.append(FlatGroup("persistent", _backward_order(persistent, units), dp, 2, bucket, (), False,
+                                    offload_opt, on_reduced))
     elif rest:
-        groups.append(FlatGroup("main", rest[::-1], dp, stage, bucket, (), False, offload_opt, on_reduced))
+        groups.append(FlatGroup("main", _backward_order(rest, units), dp, stage, bucket, (), False, offload_opt,
+                                on_reduced))
     if tied:
         tied.sort(key=lambda p: p.tied_name)  # the same layout on first and last stage
         shard = stage == 3
         groups.append(FlatGroup("tied", tied, dp, stage, bucket, (), shard,
                                 offload_opt or (shard and offload_param), on_reduced, zeropp=zeropp if shard else None))
     return groups
+
+
+def _backward_order(params, units) -> list:
+    """`params` in the order backward completes their gradients, as far as `units` (modules in forward
+    order) tell: the last unit first, inside a unit its parameters in reverse registration order; those
+    of no unit after them, in reverse given order. Buckets are reduced in index order, so a bucket
+    holding a parameter whose gradient comes last (a norm weight of the first layer placed with the last
+    layer's) would hold back every reduction after it: no overlap, and every bucket alive at once."""
+    if not units:
+        return params[::-1]
+    where = {}
+    for u, mod in enumerate(units):
+        for j, p in enumerate(mod.parameters()):
+            where.setdefault(id(p), (u, j))
+    inside = sorted((p for p in params if id(p) in where), key=lambda p: (-where[id(p)][0], -where[id(p)][1]))
+    return inside + [p for p in params if id(p) not in where][::-1]
 
 
 def _by_unit(params, unit_of: dict) -> tuple[list, list[int]]:

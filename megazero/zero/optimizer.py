@@ -79,7 +79,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     `after_backward()` per micro-batch, `step()` once per global batch (it reduces, unscales,
     checks overflow, clips, updates, publishes and zeroes the gradients).
 
-    `units`: the modules stage 3 gathers one at a time, in forward order. `data_dependent_graph`: the
+    `units`: the modules in forward order (stage 3 gathers one at a time; every stage lays its buckets out in
+    the order backward completes them, `grouping._backward_order`). `data_dependent_graph`: the
     model may leave parameters without a gradient on some ranks only (a user's module under the module
     engine); stages 2-3 then launch their reductions at the end of each unit's backward
     (`megazero.zero.unit_ends.UnitEnds`) instead of when a bucket completes, so every dp rank issues
@@ -463,7 +464,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now: params, grads, master, optimizer_states (1-bit Adam's worker and
-        server errors included: 4·(P + P/dp) bytes per bucket of P elements, P padded to 8·dp), comm_buffers."""
+        server errors included: 4·(P + P/dp) bytes per bucket of P elements, P padded to 8·dp), comm_buffers (pinned staging),
+        grad_buckets (the reductions' fp32 temporaries, `FlatGroup.pool`)."""
         total: dict[str, int] = {}
         for group in self.groups:
             for k, v in group.memory().items():
