@@ -207,3 +207,29 @@ def test_cross_entropy_rejects_bad_arguments():
         vocab_parallel_cross_entropy(torch.zeros(3, 10), torch.zeros(3, dtype=torch.long), g, 12)
     with pytest.raises(ValueError, match="label_smoothing"):
         vocab_parallel_cross_entropy(torch.zeros(3, 10), torch.zeros(3, dtype=torch.long), g, 10, label_smoothing=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_vocab_parallel_cross_entropy_peak_bytes_are_its_formula(dtype, smoothing):
+    """At b·s·V = 0.8G logits the old forward held three fp32 copies and saved a fourth (about 10 GB);
+    now one fp32 (tokens, V) buffer is made, saved as the softmax and turned into the gradient in
+    place: peak 4 bytes per logit (+ the gradient's copy in a 16-bit dtype), on meta tensors of a
+    realistic size, counted by the dry run's live-bytes meter."""
+    from megazero.run.dry_run import LiveBytes
+    from megazero.runtime.comm import single_rank_group
+    from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    tokens, vocab = 8192, 50304  # one 8k-token micro-batch of a GPT-2 vocabulary (padded)
+    logits = torch.empty(tokens, vocab, dtype=dtype, device="meta", requires_grad=True)
+    labels = torch.empty(tokens, dtype=torch.long, device="meta")
+    with LiveBytes() as meter:
+        loss = vocab_parallel_cross_entropy(logits, labels, single_rank_group("tp"), 50257, smoothing)
+        forward = meter.peak
+        loss.sum().backward()
+    per_logit = tokens * vocab
+    # the meter also counts the logits' own storage (it first meets it through a view of them)
+    small = per_logit * logits.element_size() + 64 * tokens * 4  # + per-token vectors (max, sums, masks)
+    assert forward <= 4 * per_logit + small, forward / per_logit
+    grad_copy = 0 if dtype == torch.float32 else 2 * per_logit
+    assert meter.peak <= 4 * per_logit + grad_copy + small, meter.peak / per_logit

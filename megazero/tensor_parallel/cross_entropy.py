@@ -2,7 +2,9 @@
 
 Each TP rank holds logits for vocabulary columns [r·Vp/t, (r+1)·Vp/t) of the padded vocabulary Vp;
 columns >= `vocab_size` are padding and are excluded (their probability is zero and their gradient
-is zero). Communication over `tp_group`, forward only: one all-reduce (max) of a (tokens,) tensor for
+is zero). Memory: one fp32 (tokens, Vp/t) buffer, saved for backward as the softmax and turned into the
+gradient there in place (4 bytes per logit, plus the gradient's copy in a 16-bit logits' dtype).
+Communication over `tp_group`, forward only: one all-reduce (max) of a (tokens,) tensor for
 the stable shift, then one all-reduce (sum) of a (tokens, 2) or (tokens, 3) tensor holding the target
 logit, the sum of exponentials and, with label smoothing, the sum of logits. The backward is local.
 
@@ -20,25 +22,32 @@ from megazero.runtime.comm import GroupHandle
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, group, vocab_size, smoothing, ignore_index):
+        # Memory: ONE fp32 (tokens, Vp/t) buffer, made by the shift, turned into the softmax in place and
+        # saved; backward turns it into the gradient in place (plus its copy in the logits' dtype when
+        # that is not fp32). The logits themselves are never copied or written.
         per_rank = logits.shape[-1]
         start = group.rank * per_rank
         n_valid = max(0, min(per_rank, vocab_size - start))  # real (unpadded) columns on this rank
-        x = logits.float()
-        if n_valid < per_rank:
-            x = x.clone()
-            x[..., n_valid:] = float("-inf")
-        gmax = x.max(dim=-1).values  # (tokens,)
+        if n_valid > 0:
+            gmax = logits[..., :n_valid].amax(dim=-1).float()  # (tokens,): a view's reduction, no copy
+        else:
+            gmax = torch.full(logits.shape[:-1], float("-inf"), dtype=torch.float32, device=logits.device)
         comm.all_reduce(gmax, group, op="max")
-        x = x - gmax.unsqueeze(-1)
+        x = torch.sub(logits, gmax.unsqueeze(-1), out=torch.empty(logits.shape, dtype=torch.float32,
+                                                                    device=logits.device))  # fp32 buffer
+        x[..., n_valid:] = float("-inf")  # padding columns: probability 0
         ignored = labels == ignore_index
         local = labels - start
         mine = (local >= 0) & (local < n_valid) & ~ignored
         idx = local.clamp(0, per_rank - 1).unsqueeze(-1)
         target = torch.gather(x, -1, idx).squeeze(-1).masked_fill(~mine, 0.0)
-        exp = x.exp()
-        parts = [target, exp.sum(-1)]
+        parts = [target]
         if smoothing > 0:
-            parts.append(x[..., :n_valid].sum(-1))
+            smooth_sum = x[..., :n_valid].sum(-1)  # before the exponential overwrites x
+        softmax = x.exp_()  # in place: (tokens, per_rank), zero on padding
+        parts.append(softmax.sum(-1))
+        if smoothing > 0:
+            parts.append(smooth_sum)
         sums = torch.stack(parts, dim=-1)  # (tokens, 2 or 3)
         comm.all_reduce(sums, group)
         log_z = sums[..., 1].log()
@@ -47,7 +56,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             mean_logp = sums[..., 2] / vocab_size - log_z
             loss = (1.0 - smoothing) * loss - smoothing * mean_logp
         loss = loss.masked_fill(ignored, 0.0)
-        softmax = exp.div_(sums[..., 1].unsqueeze(-1))  # (tokens, per_rank); zero on padding
+        softmax.div_(sums[..., 1].unsqueeze(-1))
         ctx.save_for_backward(softmax, idx, mine, ignored)
         ctx.meta = (n_valid, smoothing, vocab_size, logits.dtype)
         return loss
