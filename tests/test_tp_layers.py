@@ -233,3 +233,34 @@ def test_vocab_parallel_cross_entropy_peak_bytes_are_its_formula(dtype, smoothin
     assert forward <= 4 * per_logit + small, forward / per_logit
     grad_copy = 0 if dtype == torch.float32 else 2 * per_logit
     assert meter.peak <= 4 * per_logit + grad_copy + small, meter.peak / per_logit
+
+
+def _reduce_in_place():
+    from megazero.tensor_parallel.mappings import reduce_from_tp_region
+
+    pctx = ParallelContext(Topology(tp=2))
+    w = torch.nn.Parameter(torch.full((3, 4), float(pctx.tp_rank + 1)))
+    x = torch.ones(2, 4)
+    partial = x @ w.t()  # (2, 3): what a row-parallel GEMM gives each rank
+    out = reduce_from_tp_region(partial, pctx.tp_group)
+    same = out.data_ptr() == partial.data_ptr()
+    out.sum().backward()
+    saved = torch.nn.Parameter(torch.ones(2, 3))
+    refused = False
+    try:
+        y = torch.exp(saved)
+        reduce_from_tp_region(y, pctx.tp_group).sum().backward()
+    except RuntimeError:
+        refused = True  # exp saves its output for backward: overwritten in place, autograd refuses
+    return same, out.tolist(), w.grad.tolist(), refused
+
+
+def test_row_parallel_all_reduce_is_in_place_and_guarded():
+    """g (a row-parallel output's all-reduce) overwrites the GEMM output instead of cloning it: the
+    same storage, the sum of the ranks' partials, the weights' gradient unchanged; a tensor that
+    backward needs (exp's output) is refused loudly by autograd, never silently corrupted."""
+    for same, out, grad, refused in run_ranks(_reduce_in_place, 2, timeout=60):
+        assert same
+        assert out == [[12.0] * 3] * 2  # 4·1 + 4·2
+        assert grad == [[2.0] * 4] * 3
+        assert refused

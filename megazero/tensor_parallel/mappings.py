@@ -57,6 +57,8 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: GroupHandle) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, group: GroupHandle) -> torch.Tensor:
+    """A copy of `x` all-reduced over `group` (for a gradient handed to backward, which another branch
+    may share)."""
     x = x.contiguous().clone() if group.size > 1 else x
     comm.all_reduce(x, group)
     return x
@@ -80,7 +82,15 @@ class _ReduceFromTPRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        """In place, as Megatron-LM: `x` is a partial sum just computed (a row-parallel GEMM's output)
+        and nothing else reads it; `mark_dirty` makes autograd refuse, loudly, any graph that saved it."""
+        if group.size == 1:
+            return x.view_as(x)
+        if not x.is_contiguous() or x._is_view() or x.is_leaf:  # not a fresh result: reduce a copy
+            return _all_reduce(x, group)
+        comm.all_reduce(x, group)
+        ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
