@@ -131,3 +131,21 @@ def test_rope_tables_built_under_inference_mode_still_train():
         attn(x)  # the first call builds the tables
     attn(x.requires_grad_()).sum().backward()  # they can be saved for backward
     assert x.grad is not None
+
+
+def test_alibi_mask_is_built_once_per_model_and_a_fused_kernel_takes_it():
+    """ALiBi's float mask: one per model (shared by the layers), built once for a sequence length, dtype
+    and device however many layers and micro-batches run; 4-D, so SDPA's flash kernel (CPU) takes it
+    where the old 3-D mask sent every call to the math backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    spec = load_spec(SPECS + "gpt.py:debug-alibi")
+    builders = layer_builders(spec, single_rank_group(), seed=3)
+    a, b = builders[1](None).attn, builders[2](None).attn
+    assert a.alibi_mask is b.alibi_mask
+    q, k, v = qkv(spec, 16)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # no math fallback allowed
+        for _ in range(3):  # micro-batches
+            outs = [attn.sdpa_core(q, k, v) for attn in (a, b)]
+    assert a.alibi_mask.builds == 1
+    assert rel(outs[0], a.reference_core(q, k, v)) < 1e-5

@@ -18,7 +18,8 @@ The attention core (scores, causal softmax, attention dropout, context) has two 
 
 * `SelfAttention.sdpa_core`: `torch.nn.functional.scaled_dot_product_attention` (flash or
   memory-efficient kernels on CUDA, a fused flash kernel on CPU) with native grouped-query attention
-  (K/V are never repeated) and ALiBi as an additive float mask. It never materialises the
+  (K/V are never repeated) and ALiBi as an additive float mask (`AlibiBias`: one per model, 4-D so that
+  a fused kernel takes it). It never materialises the
   (b, a/t, s, s) scores on the flash path. It runs whenever attention dropout is inactive (p = 0, or eval).
 * `SelfAttention.reference_core`: the explicit twin (GEMM, `kernels.scaled_upper_triang_masked_softmax`,
   dropout, GEMM), K/V repeated per query head. It runs when attention dropout is active in training,
@@ -64,6 +65,29 @@ def alibi_bias(slopes: torch.Tensor, seq: int, dtype: torch.dtype) -> torch.Tens
     return bias.masked_fill(rel > 0, float("-inf")).to(dtype)
 
 
+class AlibiBias:
+    """One model's ALiBi float mask for the fused core, (1, a/t, s, s) in the compute dtype: built once
+    per sequence length, device and dtype, and shared by every layer (the LayerContext holds it), instead
+    of an fp32 (heads, s, s) rebuilt by every layer for every micro-batch. Four dimensions, because
+    SDPA's fused kernels (flash on CPU, memory-efficient on CUDA) take a float mask only as 2-D or 4-D:
+    a 3-D one sends every call to the math backend, which materialises the scores. Local."""
+
+    def __init__(self, slopes: list[float]):
+        self.slopes = slopes  # this TP rank's heads
+        self._masks: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+        self.builds = 0
+
+    def get(self, seq: int, device, dtype: torch.dtype) -> torch.Tensor:
+        key = (seq, torch.device(device), dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            with torch.inference_mode(False):
+                slopes = torch.tensor(self.slopes, dtype=torch.float32, device=device)
+                mask = self._masks[key] = alibi_bias(slopes, seq, dtype).unsqueeze(0)  # (1, a/t, s, s)
+            self.builds += 1
+        return mask
+
+
 class SelfAttention(nn.Module):
     """Causal multi-head / grouped-query self-attention of global layer `index` (see module docstring).
 
@@ -98,6 +122,7 @@ class SelfAttention(nn.Module):
             slopes = alibi_slopes(spec.heads)[lctx.tp_rank * self.local_heads:(lctx.tp_rank + 1) * self.local_heads]
             self.register_buffer("alibi", torch.tensor(slopes, dtype=torch.float32,
                                                        device=lctx.device), persistent=False)
+            self.alibi_mask = lctx.alibi_bias or AlibiBias(slopes)  # the model's, shared by its layers
         # None, or ``fn(core, q, k, v)`` that runs the core as a recompute region (selective checkpointing:
         # `ActivationCheckpointer.attention_core`, handed in through the LayerContext)
         self.core_checkpoint = lctx.attention_core(f"{p}.core") if lctx.attention_core is not None else None
@@ -127,7 +152,11 @@ class SelfAttention(nn.Module):
         Query head i reads KV head i // (a/kv) (SDPA's enable_gqa: the same grouping as repeat_interleave)."""
         gqa = self.local_kv != self.local_heads
         if self.position == "alibi":
-            bias = alibi_bias(self.alibi, q.shape[2], q.dtype)  # (a/t, s, s), -inf above the diagonal
+            bias = self.alibi_mask.get(q.shape[2], q.device, q.dtype)  # (1, a/t, s, s), -inf above the diagonal
+            if gqa and q.is_cuda:  # CUDA's kernel for float masks (memory-efficient) has no grouped-query mode
+                group = self.local_heads // self.local_kv
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (b, a/t, s, d)
+                gqa = False
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 

@@ -37,6 +37,7 @@ class LayerContext:
     ep_group: GroupHandle | None = None  # MoE: the expert-parallel group (None: every expert here)
     expert_tp_group: GroupHandle | None = None  # MoE: the TP group experts' ffn is split over (None: whole experts)
     decisions: object | None = None  # MoE: the checkpointer's `Decisions` (a recompute replays the routing)
+    alibi_bias: object | None = None  # position='alibi': the model's `attention.AlibiBias`, shared by its layers
 
     @property
     def tp_size(self) -> int:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from megazero.runtime.comm import GroupHandle, single_rank_group
+from megazero.models.attention import AlibiBias, alibi_slopes
 from megazero.models.block import TransformerBlock
 from megazero.models.common import LayerContext
 from megazero.models.rope import RopeTables
@@ -73,11 +74,15 @@ def layer_builders(spec: ModelSpec, tp_group: GroupHandle, *, seed: int = 0, seq
     expert_tp_group = _expert_tp_group(tp_group, expert_tp)
     tracker = tracker or RNGStatesTracker(seed, tp_group.rank, pp_rank)
     rope = RopeTables(spec.head_dim, spec.rope_theta) if spec.position == "rope" else None  # shared by the layers
+    alibi = None
+    if spec.position == "alibi":  # this TP rank's heads' slopes, one mask for every layer
+        local = spec.heads // tp_group.size
+        alibi = AlibiBias(alibi_slopes(spec.heads)[tp_group.rank * local:(tp_group.rank + 1) * local])
 
     def make_lctx(device) -> LayerContext:
         device = torch.device(device) if device is not None else torch.device("cpu")
         return LayerContext(spec, tp_group, seed, sequence_parallel and tp_group.size > 1, tracker, device, dtype,
-                            wgrad_store, attention_core, rope, ep_group, expert_tp_group, decisions)
+                            wgrad_store, attention_core, rope, ep_group, expert_tp_group, decisions, alibi)
 
     def block(i):
         return LayerBuilder(f"layers.{i}", "block", i, lambda device: TransformerBlock(make_lctx(device), i))
