@@ -128,12 +128,18 @@ def save(directory: str, tag: str, step: int, module, optimizer, pctx, lr_schedu
     pctx.background_group, and a `PendingSave` is returned at once: training may go on (the snapshot
     is the state at this call); `PendingSave.wait()` returns the path or raises the agreed error.
     """
-    layout, tensors, entries = _snapshot(module, optimizer, pctx, kinds, copy=async_save)
+    layout, tensors, entries, copied = _snapshot(module, optimizer, pctx, kinds, copy=async_save)
     meta = _meta(step, module, pctx, optimizer, lr_scheduler, config, client_state, engine_state, kinds)
     args = (directory, tag, layout, tensors, entries, meta, pctx.global_rank, save_latest, keep_last)
     if not async_save:
         return write_and_commit(*args, pctx.world_group)
-    return PendingSave(os.path.join(directory, tag), lambda: write_and_commit(*args, pctx.background_group))
+
+    def work():
+        if copied is not None:  # the device-to-host copies, enqueued in stream order: the thread waits, not training
+            copied.synchronize()
+        return write_and_commit(*args, pctx.background_group)
+
+    return PendingSave(os.path.join(directory, tag), work)
 
 
 class PendingSave:
@@ -163,15 +169,23 @@ class PendingSave:
 
 
 def _snapshot(module, optimizer, pctx, kinds, copy: bool):
-    """(file layout [(key, dtype, shape)], tensors in that order, manifest entries) of this rank's boxes
-    and RNG states; the tensors are views of the optimizer's buffers, or host copies with `copy`."""
+    """(file layout [(key, dtype, shape)], tensors in that order, manifest entries, a CUDA event or None)
+    of this rank's boxes and RNG states; the tensors are views of the optimizer's buffers, or, with
+    `copy`, views of host copies: each (group, kind)'s owned slices copied in one pass into one buffer
+    (pinned where CUDA exists, copied without blocking the host; the event marks their end)."""
     layout, tensors, entries = [], [], []
+    staged: dict[tuple[int, str], list[torch.Tensor]] = {}
     fname = f"rank{pctx.global_rank}.safetensors"
     for i, (name, shape, (g, b), offset, piece) in enumerate(_pieces(module, optimizer, pctx, writing=True)):
         for kind in kinds:
             key = f"{kind}/{name}/{i}"
-            t = _view(getattr(optimizer.groups[g], kind)[b], offset, piece)
-            tensors.append(t.to("cpu", copy=True) if copy else t)
+            slices = getattr(optimizer.groups[g], kind)
+            if copy:
+                if (g, kind) not in staged:
+                    staged[(g, kind)] = _stage(slices)
+                slices = staged[(g, kind)]
+            t = _view(slices[b], offset, piece)
+            tensors.append(t)
             layout.append((key, t.dtype, tuple(t.shape)))
             entries.append((name, list(shape), kind, fname, key, list(piece.box[0]), list(piece.box[1])))
     for key, t in _rng_tensors(module).items():  # fresh copies already
@@ -180,7 +194,23 @@ def _snapshot(module, optimizer, pctx, kinds, copy: bool):
     for key, t in optimizer.rank_state().items():  # fresh copies already
         tensors.append(t.cpu())
         layout.append((f"rank/{key}", t.dtype, tuple(t.shape)))
-    return layout, tensors, entries
+    copied = None
+    if copy and any(parts[0].is_pinned() for parts in staged.values() if parts):
+        copied = torch.cuda.Event()
+        copied.record()
+    return layout, tensors, entries, copied
+
+
+def _stage(slices: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of a group's per-bucket owned slices of one kind, in one buffer (pinned and copied
+    without blocking the host when they are on a GPU: the caller records an event after)."""
+    sizes = [t.numel() for t in slices]
+    on_gpu = bool(slices) and slices[0].device.type == "cuda"
+    flat = torch.empty(sum(sizes), dtype=slices[0].dtype if slices else torch.float32, pin_memory=on_gpu)
+    parts = list(torch.split(flat, sizes))
+    for host, src in zip(parts, slices):
+        host.copy_(src.reshape(-1), non_blocking=on_gpu)
+    return parts
 
 
 def write_and_commit(directory, tag, layout, tensors, entries, meta, rank, save_latest, keep_last, group) -> str:
