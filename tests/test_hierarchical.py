@@ -105,10 +105,38 @@ def test_zero_trains_the_same_with_two_level_reductions(stage):
     bytes across the nodes."""
     cfg = dict(TRAIN, zero=dict(TRAIN["zero"], stage=stage))
     flat = run_ranks(_train, 8, cfg, timeout=300)
-    tiered = run_ranks(_train, 8, dict(cfg, comm={"hierarchical": True}), timeout=300)
+    overlapped = dict(cfg, zero=dict(cfg["zero"], overlap_comm=True))  # the two-level chains run behind backward
+    tiered = run_ranks(_train, 8, dict(overlapped, comm={"hierarchical": True}), timeout=300)
     for a, b in zip(tiered[0][0] + tiered[0][1], flat[0][0] + flat[0][1]):
         assert abs(a - b) <= 1e-6 * abs(b), (tiered[0][:2], flat[0][:2])
     worst = max(abs(tiered[0][2][k] - v).max() for k, v in flat[0][2].items())
     assert worst <= 1e-5, worst
     flat_cross, tier_cross = sum(r[4] for r in flat), sum(r[4] for r in tiered)
     assert flat_cross / tier_cross == pytest.approx(1.75, rel=2e-3), (flat_cross, tier_cross)
+
+
+def _late_peer():
+    import time
+
+    pctx = ParallelContext(Topology(dp=4), ranks_per_node=2, hierarchical=True)
+    rank = dist.get_rank()
+    x = torch.full((1000,), float(rank + 1))
+    if rank == 3:
+        time.sleep(1.0)  # a slow peer: its node's reduce-scatter, hence the chain, cannot finish before
+    start = time.perf_counter()
+    work = comm.all_reduce(x, pctx.dp_group, async_op=True)
+    launched = time.perf_counter() - start
+    busy = x.new_ones(200, 200) @ x.new_ones(200, 200)  # the caller goes on (a backward's next layer)
+    work.wait()
+    waited = time.perf_counter() - start
+    return launched, waited, float(x[0]), float(busy[0, 0])
+
+
+def test_hierarchical_reductions_overlap_like_flat_ones():
+    """comm.hierarchical with overlap_comm: an asynchronous two-level all-reduce returns at once and runs
+    its three dependent steps behind the caller (one worker thread per hierarchy, launch order kept),
+    so a slow peer delays the wait, not the launch; before, the launch ran the whole chain."""
+    for rank, (launched, waited, value, _) in enumerate(run_ranks(_late_peer, 4, timeout=60)):
+        assert value == 10.0  # 1 + 2 + 3 + 4
+        if rank == 0:
+            assert launched < 0.3 and waited > 0.7, (launched, waited)

@@ -223,7 +223,7 @@ def all_reduce(tensor: torch.Tensor, group: GroupHandle, op: str = "sum", async_
         return None
     _verify(group, "all_reduce", tensor, extra=op, tag=tag)
     if group.hierarchy is not None and op == "sum":
-        return group.hierarchy.all_reduce(tensor)
+        return group.hierarchy.all_reduce(tensor, async_op)
     _record(group, "all_reduce", 2 * (n - 1) / n * tensor.numel(), tensor)
     return dist.all_reduce(tensor, op=_op(op), group=group.pg, async_op=async_op)
 
@@ -240,7 +240,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: GroupHandle
         return None
     _verify(group, "reduce_scatter", input, extra=op, tag=tag)
     if group.hierarchy is not None and op == "sum":
-        return group.hierarchy.reduce_scatter(output, input)
+        return group.hierarchy.reduce_scatter(output, input, async_op)
     _record(group, "reduce_scatter", (n - 1) * output.numel(), output)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, op=_op(op), group=group.pg, async_op=async_op)
@@ -258,7 +258,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, as
         return None
     _verify(group, "all_gather", input, tag=tag)
     if group.hierarchy is not None:
-        return group.hierarchy.all_gather(output, input)
+        return group.hierarchy.all_gather(output, input, async_op)
     _record(group, "all_gather", (n - 1) * input.numel(), input)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group.pg, async_op=async_op)
