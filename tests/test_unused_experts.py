@@ -267,10 +267,10 @@ def skewed_run_layout(config: dict, overrides=(), steps: int = 2, record: bool =
         upper = torch.arange(logits.shape[1], device=logits.device) >= logits.shape[1] // 2
         return logits - 30.0 * upper
 
-    def counted(self, x, counts):
+    def counted(self, x, counts=None, **kw):
         if getattr(next(self.parameters()), "expert", False):  # routed experts, not a shared one
             rows.append(x.shape[0])
-        return run_experts(self, x, counts)
+        return run_experts(self, x, counts, **kw)
 
     MoELayer.router_logits, GroupedExperts.forward = skewed, counted
     report = run_layout(config, overrides, steps)

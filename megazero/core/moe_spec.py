@@ -81,4 +81,12 @@ class MoESpec:
         return math.ceil(round(self.capacity_factor * seq_len * self.top_k / self.num_experts, 9))
 
 
-__all__ = ["MoESpec", "MoESpecError"]
+def grouped_gemm_fits(hidden: int, ffn: int, itemsize: int) -> bool:
+    """Whether an expert's GEMMs of `hidden` x `ffn` (its ffn on this TP rank) with elements of `itemsize`
+    bytes have the 16-byte aligned row strides `torch._grouped_mm` needs (the rows (N, h) and (N, f),
+    the weights and the gradients): `megazero.moe.experts.GroupedExperts` runs its experts as grouped
+    GEMMs then, else padded to the largest count (the planner's ledger follows the same choice)."""
+    return (hidden * itemsize) % 16 == 0 and (ffn * itemsize) % 16 == 0
+
+
+__all__ = ["MoESpec", "MoESpecError", "grouped_gemm_fits"]

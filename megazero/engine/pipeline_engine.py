@@ -85,7 +85,7 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         st = self.executor.run(self.program, data_iter, self.num_microbatches)
         self.last_info = dict(st.info)
         spec = getattr(self.module, "model_spec", None)
-        if spec is not None and spec.moe is not None:  # load balance of the step, agreed over the world
+        if spec is not None and spec.moe is not None:  # load balance, agreed over the world (read when logged)
             self.last_info["moe"] = step_stats(self.module, self.pctx.world_group, self.pctx.tp_size, spec.layers,
                                                spec.moe.num_experts, self.device)
         if self.lr_scheduler is not None and not st.info.get("skipped", False):

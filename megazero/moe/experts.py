@@ -12,6 +12,12 @@ column-parallel (shard (E/P, f/t, h), ``tp_dim = 1``), down / fc2 row-parallel (
 TP rank (TP replicated, ``tp_dim`` None). Each expert's initial values depend only on the seed, the
 parameter's name and the expert's global index (`megazero.tensor_parallel.init.make_param` draws the
 TP shard of the logical (f, h) tensor of expert e), so every layout starts from the same model.
+
+The routed experts run as one grouped GEMM per weight, `torch._grouped_mm` over the rows grouped by
+expert with int32 offsets on the device (three GEMMs forward for SwiGLU, two for GeLU / ReLU, however
+many experts), without host synchronisation; where it cannot run (an older torch, float64, ffn / t
+or h rows not 16-byte aligned) as a batched matmul over the rows padded to the largest count, which
+the host reads once unless the caller knows it (`GroupedExperts.forward`).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.core.moe_spec import grouped_gemm_fits
 from megazero.runtime import comm
 from megazero.runtime.comm import GroupHandle, single_rank_group
 from megazero.tensor_parallel.init import local_size, make_param
@@ -26,6 +33,8 @@ from megazero.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_
 
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def expert_param(local: int, num_experts: int, ep_rank: int, shape: tuple[int, ...], name: str, seed: int,
@@ -80,8 +89,19 @@ class GroupedExperts(nn.Module):
         setattr(self, self.out_bias_name, expert_param(shape=(hidden,), name=f"{name}.{out}_bias", std=0.0,
                                                        init="zeros", **make) if bias else None)
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """`rows` (N, h) grouped by local expert, `counts[e]` rows each; returns (N, h).
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor | list[int] | None = None, padded: bool = False,
+                known: list[int] | None = None) -> torch.Tensor:
+        """`rows` (N, h) grouped by local expert, `counts` (local,) int64 on the device: rows per expert
+        (a list of ints: the same, known on the host); None: every row to the one expert (the shared
+        experts: plain GEMMs). `padded`: rows may follow the counted ones (N ≥ Σ counts, the dropped
+        assignments at ep = 1); they get zero outputs and a zero gradient. `known`: the counts on the
+        host when the caller has them (they spare the fallback its synchronisation). Returns (N, h).
+
+        The routed experts run as one grouped GEMM per weight (`torch._grouped_mm` with the counts'
+        cumulative ends as int32 offsets on the device: no host synchronisation) where this torch has
+        it and dtype and strides allow (`grouped_gemm_fits`; on a GPU also 16-byte aligned pointers);
+        else as a batched matmul over the rows padded to the largest count (`_padded`: its one host
+        synchronisation reads that count, unless `known` gives it). Biases are gathered per row.
 
         Communication over the expert TP group (none with one rank): f on the rows (identity forward,
         all-reduce of their gradient backward) and g on the outputs (all-reduce of the partial sums
@@ -92,30 +112,85 @@ class GroupedExperts(nn.Module):
         `megazero.moe.layer.combine`) and the replicated router decides on them alike, so the
         all-reduces' shapes, which follow `rows`, agree."""
         tp = self.tp_group
-        split = tp.size > 1
-        if split:
+        if isinstance(counts, (list, tuple)):
+            known, counts = list(counts), torch.tensor(counts, dtype=torch.long, device=rows.device)
+        if tp.size > 1:
             rows = copy_to_tp_region(rows, tp)
-        outs = []
-        for e, part in enumerate(rows.split(counts)):
-            if self.activation == "swiglu":
-                inner = F.silu(F.linear(part, self.gate[e], _row(self.gate_bias, e))) * F.linear(
-                    part, self.up[e], _row(self.up_bias, e))  # (n_e, f/t)
-                y = F.linear(inner, self.down[e])
-            else:
-                y = F.linear(_ACTIVATIONS[self.activation](F.linear(part, self.fc1[e], _row(self.fc1_bias, e))),
-                             self.fc2[e])
-            outs.append(y)  # (n_e, h), a partial sum over the expert TP group
-        y = torch.cat(outs)  # (N, h)
-        if split:
-            y = reduce_from_tp_region(y, tp)
         out_bias = getattr(self, self.out_bias_name)
+        if counts is None:  # one expert takes every row
+            y = self._mlp(rows, lambda x, w, b: F.linear(x, w[0], None if b is None else b[0]))
+            y = reduce_from_tp_region(y, tp) if tp.size > 1 else y
+            return y if out_bias is None else y + out_bias[0]
+        n = rows.shape[0]
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (local,) each expert's end row
+        at = torch.arange(n, dtype=torch.int32, device=rows.device)
+        valid = (at < offs[-1]).unsqueeze(1) if padded else None  # (N, 1): the counted rows
+        expert = torch.searchsorted(offs, at, right=True).clamp_max_(self.local - 1)  # (N,) each row's expert
+        if self.grouped(rows):
+            def linear(x, w, b):  # (N, in) -> (N, out), the rows past the offsets' end zero (else garbage)
+                y = _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
+                y = y if b is None else y + b[expert]
+                return y if valid is None else torch.where(valid, y, 0)
+
+            y = self._mlp(rows if valid is None else torch.where(valid, rows, 0), linear)
+        else:
+            y = self._padded(rows, counts, offs, expert, valid, known)
+        if tp.size > 1:
+            y = reduce_from_tp_region(y, tp)
         if out_bias is not None:
-            y = y + torch.cat([out_bias[e].expand(n, -1) for e, n in enumerate(counts)])  # (N, h): each row its expert's
+            bias = out_bias[expert]  # (N, h): each row its expert's
+            y = y + (bias if valid is None else torch.where(valid, bias, 0))
         return y
 
+    def _mlp(self, x: torch.Tensor, linear) -> torch.Tensor:
+        """The experts' MLP on `x` with `linear(x, weight, bias)` (the output bias apart: after the TP
+        reduction); each (rows, ffn / t) intermediate is a partial sum's factor over the expert TP group."""
+        if self.activation == "swiglu":
+            inner = F.silu(linear(x, self.gate, self.gate_bias)) * linear(x, self.up, self.up_bias)
+            return linear(inner, self.down, None)
+        return linear(_ACTIVATIONS[self.activation](linear(x, self.fc1, self.fc1_bias)), self.fc2, None)
 
-def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
-    return None if bias is None else bias[e]
+    def grouped(self, rows: torch.Tensor) -> bool:
+        """Whether `rows` run as grouped GEMMs (`forward`): torch has `_grouped_mm`, the dtype is one it
+        takes and the weights share it, the strides fit (`grouped_gemm_fits`), on a GPU the pointers are
+        16-byte aligned, there is at least one row; on meta only bf16 (what its meta function allows)."""
+        w = self.gate if self.activation == "swiglu" else self.fc1  # (local, f/t, h)
+        if not HAS_GROUPED_MM or rows.shape[0] == 0 or rows.dtype not in GROUPED_DTYPES:
+            return False
+        if any(p.dtype != rows.dtype for p in self.parameters()) or not grouped_gemm_fits(
+                w.shape[2], w.shape[1], rows.element_size()):
+            return False
+        if rows.device.type == "meta":
+            return rows.dtype == torch.bfloat16
+        return rows.device.type == "cpu" or all(t.data_ptr() % 16 == 0 for t in (rows, *self.parameters()))
+
+    def _padded(self, rows, counts, offs, expert, valid, known) -> torch.Tensor:
+        """The fallback: `rows` (N, h) placed into (local, C, h), C the largest count (read on the host
+        unless `known`: this path's one synchronisation), through batched matmuls, and gathered back;
+        rows past the counts all go to one spare row, never read (index_put accumulates: no write races),
+        and get zero outputs and gradients."""
+        n, h, local = rows.shape[0], rows.shape[1], self.local
+        C = max(known) if known is not None else int(counts.max())  # host synchronisation (the fallback's)
+        index = expert * C + (torch.arange(n, device=rows.device) - (offs - counts)[expert])  # (N,) padded row
+        if valid is not None:
+            index = torch.where(valid.squeeze(1), index, local * C)
+        xp = rows.new_zeros(local * C + 1, h).index_put((index,), rows, accumulate=True)[:local * C]
+        yp = self._mlp(xp.view(local, C, h), lambda x, w, b: torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2))
+                       if b is not None else torch.bmm(x, w.transpose(1, 2)))  # (local, C, h)
+        return torch.cat([yp.reshape(local * C, h), yp.new_zeros(1, h)]).index_select(0, index)  # (N, h)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; backward hands on a contiguous gradient (`torch._grouped_mm`'s backward wants 16-byte
+    aligned strides)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def gather_expert_tensors(tensors: dict, module: nn.Module, ep_group) -> dict:

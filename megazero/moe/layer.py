@@ -4,14 +4,19 @@ bring the outputs back and combine them weighted; shared experts run on every to
 One forward on x (s, b, h), E experts over an ep group of P ranks, k experts per token:
 
 1. router logits (b·s, E) = tokens · routerᵀ in fp32; `megazero.moe.routing.decide` picks the top k
-   and the assignments within capacity, and the rows per expert are exchanged (`dispatch.exchange_counts`):
-   the `DispatchPlan`; `megazero.moe.routing.route` computes the weights and the aux and z losses;
-2. the kept assignments, sorted by expert, are gathered into rows (N, h) and sent to the rank of
-   their expert (`dispatch.AllToAll` over `ep_group`);
-3. the received rows, regrouped by local expert, go through `experts.GroupedExperts` (with expert tensor
-   parallelism, over the expert TP group: f on the rows, g on the outputs, so that the outputs are
-   whole before they are weighted: the router, replicated over TP, gets the same gradient on every TP
-   rank);
+   and the assignments within capacity; `dispatch.plan_dispatch` sorts the b·s·k assignments by
+   expert (stable argsort of a key: the expert, or E when dropped) and, with P > 1, exchanges the
+   rows per expert over `ep_group` (`dispatch.exchange_counts`) and reads the all-to-all's split sizes
+   on the host: the `DispatchPlan`; `megazero.moe.routing.route` computes the weights and the aux and
+   z losses (and the counts for the statistics, on the device);
+2. the assignments, sorted by expert, are gathered into rows (n, h): with P = 1 all b·s·k of them, the
+   dropped ones after the last expert's; with P > 1 the kept ones only, sent to the rank of their
+   expert (`dispatch.AllToAll` over `ep_group`);
+3. the received rows, regrouped by local expert, go through `experts.GroupedExperts` (one grouped GEMM
+   per weight; with P = 1 the dropped rows, past the counts, give zero outputs and gradients; with
+   expert tensor parallelism, over the expert TP group: f on the rows, g on the outputs, so that the
+   outputs are whole before they are weighted: the router, replicated over TP, gets the same gradient
+   on every TP rank);
 4. the outputs go back (the reverse all-to-all), are scaled by their weights and summed per token in
    a fixed order (`combine`: each in its (token, slot) cell of a (b·s, k, h) tensor, summed over k; not
    `index_add`, whose CUDA kernel adds in no fixed order for k >= 3, so TP replicas could hold hidden
@@ -19,9 +24,14 @@ One forward on x (s, b, h), E experts over an ep group of P ranks, k experts per
    all-reduces differently; the rows' gather of step 2 sums its gradient the same way, `GatherRows`);
    the shared experts' output is added; the result is (s, b, h).
 
+Host synchronisations: none with one ep rank; with P > 1 exactly one per forward, the `.tolist()` of
+the split sizes in step 1 (NCCL's all-to-all takes them on the host), and none in a recompute. (Where
+grouped GEMMs cannot run, the experts' padded fallback reads the largest count once with P = 1.)
+
 Under activation recompute the replayed forward reuses the forward's `DispatchPlan` (see `MoELayer`):
 numerics that are not bit-identical (another GPU kernel in the recompute) could otherwise route a
-near-tied token elsewhere, change the all-to-all split sizes between ranks and hang or corrupt them.
+near-tied token elsewhere, change the all-to-all split sizes between ranks and hang or corrupt them;
+the plan carries the split sizes already on the host, so the recompute does not wait for the device.
 The weights are still recomputed, differentiably, from the replayed logits at the saved experts.
 
 The aux and z losses join the training loss through their gradient (`AttachLosses`): the layer's
@@ -36,7 +46,6 @@ shared experts' (b·s, h) likewise.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -44,9 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.core.moe_spec import MoESpec
-from megazero.moe.dispatch import AllToAll, exchange_counts
+from megazero.moe.dispatch import AllToAll, DispatchPlan, plan_dispatch
 from megazero.moe.experts import GroupedExperts
-from megazero.moe.routing import Decision, Routing, decide, route
+from megazero.moe.routing import Routing, decide, route
 from megazero.runtime.comm import GroupHandle
 from megazero.tensor_parallel.init import make_param
 
@@ -98,45 +107,24 @@ def set_aux_loss_scale(module: nn.Module, value: float) -> int:
 
 
 class RoutingStats:
-    """Sums over the micro-batches trained since the last `pop`: aux and z losses, kept assignments per
-    expert, dropped assignments, micro-batches."""
+    """Sums over the micro-batches trained since the last `pop`, on the device (no host sync): aux and z
+    losses, dropped assignments, micro-batches, kept assignments per expert."""
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
-        self.sums: torch.Tensor | None = None  # [aux, z, tokens per expert...] fp64 on the device: no host sync
-        self.dropped, self.micro_batches = 0, 0
+        self.sums: torch.Tensor | None = None  # (4 + E,) fp64: [aux, z, dropped, micro-batches, tokens...]
 
     def add(self, r: Routing) -> None:
-        row = torch.cat([torch.stack([r.aux_loss.detach(), r.z_loss.detach()]).double(),
-                         r.tokens_per_expert.double()])
+        row = torch.cat([torch.stack([r.aux_loss.detach().double(), r.z_loss.detach().double(), r.dropped.double(),
+                                      torch.ones((), dtype=torch.float64, device=r.dropped.device)]),
+                         r.tokens_per_expert.double()])  # (4 + E,)
         self.sums = row if self.sums is None else self.sums + row
-        self.dropped += r.dropped
-        self.micro_batches += 1
 
-    def pop(self) -> torch.Tensor:
-        """[aux, z, dropped, micro-batches, tokens per expert...] (fp64; zeros when nothing was added)
-        since the last pop; resets."""
-        if self.sums is None:
-            return torch.zeros(4 + self.num_experts, dtype=torch.float64)
-        counts = torch.tensor([float(self.dropped), float(self.micro_batches)], dtype=torch.float64,
-                              device=self.sums.device)
-        out = torch.cat([self.sums[:2], counts, self.sums[2:]])
-        self.sums, self.dropped, self.micro_batches = None, 0, 0
+    def pop(self) -> torch.Tensor | None:
+        """[aux, z, dropped, micro-batches, tokens per expert...] (4 + E,) fp64 on the device, summed since
+        the last pop (None when nothing was added); resets."""
+        out, self.sums = self.sums, None
         return out
-
-
-@dataclass
-class DispatchPlan:
-    """A micro-batch's routing decision and where its rows go: `decision` (experts, kept assignments);
-    `token`, `slot` (N,): the kept assignments sorted by expert (stable, token-major within one);
-    `counts` (E,): rows per expert; `received` (P, E/P): the rows each ep source sends for each local
-    expert (None with one ep rank). Made once per forward; an activation recompute replays it."""
-
-    decision: Decision
-    token: torch.Tensor
-    slot: torch.Tensor
-    counts: torch.Tensor
-    received: torch.Tensor | None
 
 
 class MoELayer(nn.Module):
@@ -189,12 +177,12 @@ class MoELayer(nn.Module):
             self.last_routing = dataclasses.replace(r, weights=r.weights.detach(), aux_loss=r.aux_loss.detach(),
                                                     z_loss=r.z_loss.detach())  # holds no graph
         token, slot = plan.token, plan.slot
-        rows = GatherRows.apply(tokens, token, slot, self.spec.top_k)  # tokens[token], deterministic backward
-        y = self._run_experts(rows, plan)  # (N, h), in the same order
+        rows = GatherRows.apply(tokens, token, slot, self.spec.top_k)  # (n, h) tokens[token], deterministic backward
+        y = self._run_experts(rows, plan)  # (n, h), in the same order
         weighted = y * r.weights[token, slot].unsqueeze(-1).to(y.dtype)
         out = combine(weighted, token, slot, b * s, self.spec.top_k)  # (b·s, h)
         if self.shared is not None:
-            out = out + self.shared(tokens, [b * s])
+            out = out + self.shared(tokens)
         out = out.view(b, s, h).transpose(0, 1)  # (s, b, h)
         return AttachLosses.apply(out, r.aux_loss, r.z_loss, (self.spec.aux_loss_coef, self.spec.z_loss_coef),
                                   self.aux_scale, lambda: self.stats.add(r))
@@ -203,35 +191,27 @@ class MoELayer(nn.Module):
         """(b·s, E) fp32 router logits of `tokens` (b·s, h)."""
         return F.linear(tokens.float(), self.router.float())
 
-    @torch.no_grad()
     def _plan(self, logits: torch.Tensor, seq_len: int) -> DispatchPlan:
-        """Decide the routing and exchange the rows per expert over the ep group (one all-to-all of
-        E/P integers per peer when it has more than one rank)."""
-        decision = decide(logits, seq_len, self.spec)
-        token, slot = decision.keep.nonzero(as_tuple=True)  # kept assignments, token-major
-        experts = decision.indices[token, slot]
-        order = torch.argsort(experts, stable=True)
-        token, slot, experts = token[order], slot[order], experts[order]
-        counts = torch.bincount(experts, minlength=self.spec.num_experts)  # (E,)
-        received = exchange_counts(counts, self.ep_group) if self.ep_group.size > 1 else None  # (P, E/P)
-        return DispatchPlan(decision, token, slot, counts, received)
+        """Decide the routing and where its rows go (`megazero.moe.dispatch.plan_dispatch`: with more than
+        one ep rank one all-to-all of E/P integers per peer over the ep group and the layer's one host
+        synchronisation, the split sizes)."""
+        return plan_dispatch(decide(logits, seq_len, self.spec), self.spec.num_experts, self.ep_group)
 
     def _run_experts(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        """`rows` (N, h) sorted by expert: send each to its expert's ep rank, run the local experts (over
-        the expert TP group: `GroupedExperts.forward`), return their whole outputs in `rows`' order."""
-        group, counts, received = self.ep_group, plan.counts, plan.received
-        if group.size == 1:
-            return self.experts(rows, counts.tolist())
-        sends = counts.view(group.size, -1).sum(1).tolist()
-        recvs = received.sum(1).tolist()
-        arrived = AllToAll.apply(rows, recvs, sends, group)  # (M, h), by (source rank, local expert)
-        local = torch.arange(received.shape[1], device=rows.device).repeat(group.size)  # expert of each block
-        expert_of_row = local.repeat_interleave(received.flatten())
+        """`rows` (n, h) sorted by expert (`DispatchPlan`): send each to its expert's ep rank, run the local
+        experts (over the expert TP group: `GroupedExperts.forward`), return their whole outputs in
+        `rows`' order (zero for dropped assignments). No host synchronisation: the splits are the plan's."""
+        group = self.ep_group
+        if group.size == 1:  # every assignment has a row: the dropped ones, past the counts, give zeros
+            return self.experts(rows, plan.counts, padded=self.spec.capacity_factor is not None)
+        M = sum(plan.recvs)
+        arrived = AllToAll.apply(rows, plan.recvs, plan.sends, group)  # (M, h), by (source rank, local expert)
+        local = torch.arange(len(plan.local), device=rows.device).repeat(group.size)  # (P·E/P,) expert of each block
+        expert_of_row = local.repeat_interleave(plan.received.flatten(), output_size=M)  # (M,)
         regroup = torch.argsort(expert_of_row, stable=True)  # by (local expert, source rank)
-        out = self.experts(arrived[regroup], received.sum(0).tolist())
-        inverse = torch.empty_like(regroup)
-        inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
-        return AllToAll.apply(out[inverse], sends, recvs, group)  # back in arrival order, then home
+        out = self.experts(arrived[regroup], plan.received.sum(0), known=plan.local)  # (M, h)
+        inverse = torch.empty_like(regroup).scatter_(0, regroup, torch.arange(M, device=regroup.device))
+        return AllToAll.apply(out[inverse], plan.sends, plan.recvs, group)  # back in arrival order, then home
 
 
 class GatherRows(torch.autograd.Function):

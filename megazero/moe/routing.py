@@ -1,5 +1,6 @@
-"""The router's decision for a batch of sequences (no communication): top-k experts per token, their
-weights, which assignments fit each expert's capacity, and the load-balancing and z losses.
+"""The router's decision for a batch of sequences (no communication, no host synchronisation: every
+result stays on the device, counts included): top-k experts per token, their weights, which
+assignments fit each expert's capacity, and the load-balancing and z losses.
 
 Tokens come as rows ``(b·s, h)`` with sequence j in rows ``j·s .. j·s+s−1``; capacity and both
 losses are per sequence (see `megazero.core.moe_spec`), so a sequence routes the same way in any
@@ -33,8 +34,8 @@ class Decision:
 class Routing:
     """`indices`, `weights`: (b·s, k) chosen experts and their weights (fp32, differentiable);
     `keep`: (b·s, k) bool, the assignments within capacity; `aux_loss`, `z_loss`: 0-d fp32 tensors
-    (coefficients not applied); `tokens_per_expert`: (E,) kept assignments; `dropped`: assignments
-    dropped (an int)."""
+    (coefficients not applied); `tokens_per_expert`: (E,) int64, kept assignments; `dropped`: 0-d int64,
+    assignments dropped. All on the logits' device: nothing here is read on the host."""
 
     indices: torch.Tensor
     weights: torch.Tensor
@@ -42,7 +43,7 @@ class Routing:
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     tokens_per_expert: torch.Tensor
-    dropped: int
+    dropped: torch.Tensor
 
 
 def _scores(logits: torch.Tensor, spec: MoESpec) -> torch.Tensor:
@@ -92,8 +93,11 @@ def route(logits: torch.Tensor, seq_len: int, spec: MoESpec, decision: Decision 
     P = p.view(b, seq_len, E).mean(1)  # (b, E)
     aux = (E * (f * P).sum(-1)).mean()
     z = torch.logsumexp(logits, dim=-1).square().mean()
-    tokens = torch.bincount(d.indices[d.keep], minlength=E)
-    return Routing(d.indices, weights, d.keep, aux, z, tokens, int((~d.keep).sum()))
+    with torch.no_grad():  # counted on the device (bincount and mask indexing would wait for it)
+        kept = d.keep.flatten().long()  # (b·s·k,)
+        tokens = torch.zeros(E, dtype=torch.long, device=logits.device).scatter_add_(0, d.indices.flatten(), kept)
+        dropped = kept.numel() - kept.sum()  # 0-d
+    return Routing(d.indices, weights, d.keep, aux, z, tokens, dropped)
 
 
 __all__ = ["Decision", "Routing", "decide", "route"]

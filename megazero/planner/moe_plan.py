@@ -15,7 +15,8 @@ sequence (`MoESpec.capacity`; none: unlimited).
 * Rows per micro-batch. Each rank routes its own R = b·s tokens. The assumption: routing is balanced,
   every expert takes k·s / E assignments of each sequence, except that capacity keeps at most C of
   them. So a rank keeps (and sends) N = b·min(k·s, E·C) assignments; with P = 1 its experts run
-  exactly those (M = N, whatever the imbalance between them); with P > 1 the busiest ep rank receives
+  exactly those (M = N, whatever the imbalance between them; their buffers hold all k·b·s rows,
+  the dropped ones after the counts: moe_ledger.py); with P > 1 the busiest ep rank receives
   M = b·min(ρ·k·s, E·C) rows (ρ = 1: M = N; the cap: its E / P experts take at most C rows of each
   of the P·b sequences). Balanced routing sends N / P rows to each ep rank, its own included.
 * All-to-all, elements one rank sends to the others per micro-batch: forward, dispatch N·(P−1)/P·h
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 class MoEShape:
     """One MoE layer on one rank, per micro-batch (module docstring): `local` = E / P experts; `ffn` and
     `shared` the routed expert's and the shared experts' widths on this TP rank (/ t_e); `tokens` R;
-    `sent` N; `received` M."""
+    `sent` N; `received` M; `capped`: a capacity is set (assignments may drop)."""
 
     num_experts: int
     local: int
@@ -53,6 +54,7 @@ class MoEShape:
     score: str
     normalize: bool
     bias: bool = False
+    capped: bool = False
 
     @property
     def expert_params(self) -> int:
@@ -103,7 +105,7 @@ def moe_shape(spec, layout) -> MoEShape | None:
     return MoEShape(num_experts=E, local=E // P, top_k=k, ffn=moe.ffn // etp,
                     shared=(moe.shared_ffn or moe.ffn) * moe.shared_experts // etp, mats=moe.matrices,
                     hidden=spec.hidden, tokens=b * s, sent=int(sent), received=int(received), ep=P, etp=etp,
-                    score=moe.score, normalize=moe.normalize_topk, bias=spec.bias)
+                    score=moe.score, normalize=moe.normalize_topk, bias=spec.bias, capped=cap is not None)
 
 
 def active_mlp_params(spec) -> int:

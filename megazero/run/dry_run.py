@@ -28,8 +28,9 @@ the head and their tied-weight group), dp rank dp-1 and tp rank tp-1 too: each d
 there has two simulated members to compare. pp + 4 ranks; `every_stage=True` adds the two at every
 stage (3 x pp), `ranks=` takes any set.
 
-Stand-ins for what depends on the data: MoE routing (`aten.nonzero` and host reads of routing
-counts) cannot run on meta; a Mixture-of-Experts config is refused by name.
+Stand-ins for what depends on the data: MoE routing (with ep > 1 the all-to-all's split sizes are
+read on the host; the experts' padded fallback reads the busiest expert's count) cannot run on meta;
+a Mixture-of-Experts config is refused by name.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import json
 import os
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 
 import torch
 
@@ -100,13 +101,21 @@ class MetricsWriter:
         self._f.flush()
 
     def write(self, record: dict) -> None:
+        """`record` as one line; a mapping that is not a dict (the MoE statistics, read on the host
+        only now: `megazero.moe.stats.MoEStepStats`) is written as one."""
         if self._f is not None:
-            self._f.write(json.dumps(record, sort_keys=True) + "\n")
+            self._f.write(json.dumps(record, sort_keys=True, default=_as_dict) + "\n")
             self._f.flush()
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
+
+
+def _as_dict(value):
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def format_bytes(n: float) -> str:
