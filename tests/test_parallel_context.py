@@ -23,10 +23,10 @@ def _check_groups(order):
     topo = Topology(pp=2, dp=2, tp=2, order=order)
     pctx = ParallelContext(topo)
     r = dist.get_rank()
-    got = {name: _members(getattr(pctx, f"{name}_group")) for name in ("tp", "dp", "pp", "mp", "world")}
+    got = {name: _members(getattr(pctx, f"{name}_group")) for name in ("tp", "dp", "pp", "world")}
     got["embedding"] = _members(pctx.embedding_group)
     expect = {"tp": topo.group_of(r, "tp"), "dp": topo.group_of(r, "dp"), "pp": topo.group_of(r, "pp"),
-              "mp": topo.group_of(r, "pp", "tp"), "world": list(range(8)),
+              "world": list(range(8)),
               "embedding": topo.group_of(r, "pp")}
     return got, expect, (pctx.tp_rank, pctx.dp_rank, pctx.pp_rank), tuple(pctx.coords[:1]) + (pctx.coords.dp, pctx.coords.tp)
 
@@ -123,3 +123,34 @@ def test_harness_reports_rank_and_traceback_and_never_hangs():
     assert time.monotonic() - t0 < 30
     cores = os.cpu_count()
     assert run_ranks(_thread_count, 4, timeout=60) == [(max(1, cores // 4), "4")] * 4
+
+
+def _created_groups():
+    created = []
+    real = dist.new_group
+
+    def spy(ranks=None, *args, **kwargs):
+        created.append((tuple(ranks), kwargs.get("backend")))
+        return real(ranks, *args, **kwargs)
+
+    dist.new_group = spy
+    try:
+        pctx = ParallelContext(Topology(pp=2, dp=2, tp=2))
+        before = list(created)
+        pctx.background_group  # the first asynchronous save
+        pctx.background_group
+        return before, created[len(before):], pctx.world_group.pg is dist.group.WORLD
+    finally:
+        dist.new_group = real
+
+
+def test_only_the_groups_megazero_uses_are_created():
+    """Every new_group is a communicator NCCL may build (hundreds of MB each): no model-parallel group
+    (nothing used it), no second world group (the default group serves), and the gloo background group
+    only when an asynchronous save first needs it, once."""
+    topo = Topology(pp=2, dp=2, tp=2)
+    for before, later, world_is_default in run_ranks(_created_groups, 8, timeout=60):
+        made = {ranks for ranks, _ in before}
+        assert not made & {tuple(g) for g in topo.model_parallel_groups()}
+        assert tuple(range(8)) not in made and world_is_default
+        assert later == [(tuple(range(8)), "gloo")]

@@ -26,7 +26,7 @@ from megazero.engine.kernel_plan import load_kernels
 from megazero.engine.module_engine import ModuleEngine
 from megazero.engine.pipeline_engine import PipelineEngine
 from megazero.pipeline.pipeline_module import PipelineModule
-from megazero.run.launch import detect, init_distributed, local_device
+from megazero.run.launch import detect, init_distributed, local_device, nccl_environment
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 
@@ -136,6 +136,7 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                           f"activation_checkpointer=ActivationCheckpointer.from_config(...)) or pass a model spec")
     _check_hpz_in_a_node(cfg, topology)
     if device is None:  # the dry run (device meta) computes nothing: no kernel to build
+        nccl_environment(cfg.comm.backend)  # before the kernels' load may create the CUDA context
         load_kernels(cfg, model, local_device(cfg.comm.backend))
     info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
     if device is not None:

@@ -10,6 +10,7 @@ pp_group. With one stage this is plain gradient accumulation.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megazero.core import instructions as I
 from megazero.core.schedules import forward_only, get_schedule, splits_backward
@@ -24,8 +25,16 @@ from megazero.pipeline.p2p import PipeP2P
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
+from megazero.runtime.stall_watch import StallWatch, limit_for
 from megazero.tensor_parallel.weight_grad import WeightGradStore, defer_linears
 from megazero.zero.lr_schedule import step_lr_scheduler
+
+
+def _stall_watch(pctx: ParallelContext) -> StallWatch | None:
+    """The executor's stall watch (`megazero.runtime.stall_watch`) when there are peers to wait for."""
+    if pctx.topology.world_size == 1 or not dist.is_initialized() or dist.get_backend() == "fake":
+        return None  # alone, or the dry run's recording group (nothing ever waits)
+    return StallWatch(limit_for(dist.get_backend(), pctx.timeout_s), pctx.global_rank)
 
 
 class PipelineEngine(CheckpointMethods, EngineSurface):
@@ -58,7 +67,7 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
             defer_linears(module, store)  # plain nn.Linear layers (megazero's own take the store at build)
         self.executor = PipelineExecutor(module, self.p2p, optimizer, pctx.pp_rank, pctx.pp_size,
                                          rank=pctx.global_rank, on_instruction=on_instruction,
-                                         wgrad_store=store, device=self.device)
+                                         wgrad_store=store, device=self.device, watch=_stall_watch(pctx))
         if module.activation_checkpointer is not None:  # its contiguous buffer holds the forwards in flight
             module.activation_checkpointer.set_in_flight(peaks(self.program)[0])
         self.global_steps = 0

@@ -154,8 +154,9 @@ class PipelineExecutor:
 
     def __init__(self, stage: Stage, p2p: PipeP2P | None, optimizer: StepOptimizer, stage_index: int,
                  num_stages: int, rank: int = 0, on_instruction=None, wgrad_store: WeightGradStore | None = None,
-                 device="cpu"):
+                 device="cpu", watch=None):
         self.stage, self.p2p, self.opt = stage, p2p, optimizer
+        self.watch = watch  # a `megazero.runtime.stall_watch.StallWatch`: told each position, armed during run()
         self.device = torch.device(device)
         self.wgrad_store = wgrad_store  # zero bubble: linear layers defer their weight GEMMs to W
         self.stage_index, self.num_stages, self.rank = stage_index, num_stages, rank
@@ -182,6 +183,8 @@ class PipelineExecutor:
         # (start, stop) of each span run at once: a batch of p2p instructions, else one instruction
         runs = dict(I.p2p_runs(program)) if self.batched else {}
         marks = []  # (instruction, start token, end token) until the clock resolves them (CUDA events)
+        if self.watch is not None:
+            self.watch.arm()
         try:
             if self.batched:
                 self._connect()
@@ -200,6 +203,8 @@ class PipelineExecutor:
                         self.on_instruction(*marks.pop(0))
                 pos = stop
         finally:  # on CUDA: one synchronisation per step turns the events into times (also after a failure)
+            if self.watch is not None:
+                self.watch.disarm()
             if marks:
                 times = self.clock.resolve([t for _, start, end in marks for t in (start, end)])
                 for k, (ins, _, _) in enumerate(marks):
@@ -215,7 +220,11 @@ class PipelineExecutor:
 
     def _run_one(self, program, pos: int, ins, st, batch: P2PBatch | None = None) -> None:
         """Instruction `pos` of `program` (a p2p one posted to `batch` when given), its failure
-        re-raised as a PipelineError naming where."""
+        re-raised as a PipelineError naming where (and told to the stall watch first: on NCCL a wait
+        that cannot complete does not raise here)."""
+        if self.watch is not None:
+            self.watch.note(f"stage {self.stage_index} (rank {self.rank}) at {ins.describe()} "
+                            f"(instruction {pos + 1} of {len(program)})")
         try:
             if pos == st.last_weight_grad:
                 self.opt.set_last_microbatch(True)

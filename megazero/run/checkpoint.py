@@ -134,10 +134,12 @@ def save(directory: str, tag: str, step: int, module, optimizer, pctx, lr_schedu
     if not async_save:
         return write_and_commit(*args, pctx.world_group)
 
+    group = pctx.background_group  # here, in the training thread: every rank creates it at the same point
+
     def work():
         if copied is not None:  # the device-to-host copies, enqueued in stream order: the thread waits, not training
             copied.synchronize()
-        return write_and_commit(*args, pctx.background_group)
+        return write_and_commit(*args, group)
 
     return PendingSave(os.path.join(directory, tag), work)
 

@@ -6,6 +6,20 @@ MASTER_PORT exported by the batch script), picks NCCL when CUDA is available and
 (or the configured backend), gives each local rank max(1, cores // local ranks) torch threads,
 and initialises the default group with the configured timeout. Without any of these variables
 it runs as a single process (world size 1) and creates no process group.
+
+On NCCL (`nccl_environment`, before the CUDA context exists) it sets, unless the user already has:
+
+* ``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware queue per device, so kernels start in the order
+  they were issued across streams; the TP overlap (a column region's all-reduce in flight while its
+  weight-gradient GEMMs run) relies on the collective being queued first.
+* ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``: a collective that times out or fails ends the process
+  (without NCCL's clean-up, which can itself hang) instead of leaving it blocked.
+* ``TORCH_NCCL_TRACE_BUFFER_SIZE=2000`` and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``: NCCL's flight recorder
+  keeps the last 2,000 collectives of every group and writes them on a timeout
+  (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, default /tmp/nccl_trace_rank_<rank>).
+
+The default group is initialised without ``device_id``: NCCL then builds each group's communicator
+at its first collective instead of every group's at once.
 """
 from __future__ import annotations
 
@@ -54,10 +68,27 @@ def local_device(backend: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+NCCL_ENVIRONMENT = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+                    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+"""What megazero sets for an NCCL run when the environment does not say otherwise (module docstring)."""
+
+
+def nccl_environment(backend: str = "auto") -> dict[str, str]:
+    """Set `NCCL_ENVIRONMENT`'s variables the user has not set, when this process will use CUDA and
+    NCCL (`local_device`); returns the ones set here. Call it before anything creates the CUDA
+    context (CUDA_DEVICE_MAX_CONNECTIONS is read then)."""
+    if local_device(backend).type != "cuda" or backend not in ("auto", "nccl"):
+        return {}
+    added = {k: v for k, v in NCCL_ENVIRONMENT.items() if k not in os.environ}
+    os.environ.update(added)
+    return added
+
+
 def init_distributed(timeout_s: float = 300, backend: str = "auto") -> DistInfo:
     """Initialise the default process group (if not already) and return this process' facts."""
     rank, world, local, local_world = detect()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    nccl_environment(backend)
     device = local_device(backend)
     use_cuda = device.type == "cuda"
     if use_cuda:
@@ -71,6 +102,6 @@ def init_distributed(timeout_s: float = 300, backend: str = "auto") -> DistInfo:
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun, "
                                "or export them in your Slurm script (see the README)")
-        dist.init_process_group(chosen, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if use_cuda else None)
+        # no device_id: with it NCCL would build every new_group's communicator at once (eager init)
+        dist.init_process_group(chosen, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local, local_world, device, chosen)

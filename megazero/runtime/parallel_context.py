@@ -26,13 +26,19 @@ class ParallelContext:
     """Process groups for one Topology, and this rank's coordinates.
 
     Attributes: ``tp_group/tp_rank/tp_size`` and the same for ``dp`` and ``pp``;
-    ``mp_group`` (model parallel: pp x tp), ``embedding_group`` (first + last pipeline stage),
+    ``embedding_group`` (first + last pipeline stage),
     ``ep_group`` (expert parallel: `ep` consecutive dp ranks, which hold different experts) and
     ``edp_group`` (expert data parallel: the dp ranks holding the same experts; dp / ep of them),
-    ``world_group`` (every rank, for global norms and agreement), ``background_group`` (every rank
-    again, a gloo group of its own: an asynchronous checkpoint agrees and commits over it from a
-    background thread, so its collectives never interleave with training's), ``stats`` (CommStats shared by all
-    of this context's groups), and ``pp_prev_rank/pp_next_rank`` (global ranks or None).
+    ``world_group`` (every rank: the default process group itself, for global norms and agreement),
+    ``background_group`` (every rank again, a gloo group of its own, built by its first use, which every
+    rank makes together: an asynchronous checkpoint agrees and commits over it from a background thread,
+    so its collectives never interleave with training's; a run without asynchronous saves never opens
+    it, nor needs gloo's sockets between nodes), ``stats`` (CommStats shared by all of this context's
+    groups), and ``pp_prev_rank/pp_next_rank`` (global ranks or None).
+
+    Only groups megazero communicates over are created (no model-parallel pp x tp group, no second
+    world group), and NCCL builds each communicator at its first collective (the default group is
+    initialised without ``device_id``, `megazero.run.launch`): a group a run never uses costs nothing.
 
     `ranks_per_node`: consecutive global ranks per node (None: one node); every group knows its
     members' nodes, so CommStats counts what crosses them. `hierarchical`: the data-parallel groups
@@ -75,13 +81,12 @@ class ParallelContext:
         self.tp_group = self._build("tp", topology.axis_groups("tp"))
         self.dp_group = self._build_data_parallel("dp", topology.axis_groups("dp"))
         self.pp_group = self._build("pp", topology.axis_groups("pp"))
-        self.mp_group = self._build("mp", topology.model_parallel_groups())
         self.embedding_group = self._build("embedding", topology.embedding_groups())
         self.ep_group = self._build("ep", topology.expert_groups(ep))
         self.edp_group = self._build_data_parallel("edp", topology.expert_data_groups(ep))
         self.hpz_group = self._build("hpz", topology.data_parallel_runs(hpz))  # ZeRO++ hpZ: k consecutive dp ranks
-        self.world_group = self._build("world", [list(range(world))])
-        self.background_group = self._build_background(world)
+        self.world_group = self._world(world)
+        self._background: GroupHandle | None = None
         self.pp_prev_rank, self.pp_next_rank = topology.pipeline_peers(self.global_rank)
 
     def _build(self, axis: str, groups: list[list[int]]) -> GroupHandle:
@@ -115,6 +120,22 @@ class ParallelContext:
         intra = self._build(axis + ".intra", [g for s in splits for g in s[0]])
         inter = self._build(axis + ".inter", [g for s in splits for g in s[1]])
         return dataclasses.replace(handle, hierarchy=Hierarchy(intra, inter))
+
+    def _world(self, world: int) -> GroupHandle:
+        """Every rank, over the default process group (no communicator of its own)."""
+        if world == 1:
+            return GroupHandle("world", (0,), 0, None, self.stats, self.timeout_s)
+        return GroupHandle("world", tuple(range(world)), self.global_rank, dist.group.WORLD, self.stats,
+                           self.timeout_s, nodes=tuple(r // self.ranks_per_node for r in range(world)),
+                           order=self.order)
+
+    @property
+    def background_group(self) -> GroupHandle:
+        """See the class docstring: created at the first access, which every rank must make (the first
+        asynchronous save: every rank saves)."""
+        if self._background is None:
+            self._background = self._build_background(self.topology.world_size)
+        return self._background
 
     def _build_background(self, world: int) -> GroupHandle:
         """A second world group on gloo (host objects, any device) with its own CommStats: it is used
