@@ -68,8 +68,17 @@ def _trainer_sites(run_dir: str) -> list[str]:
     cfg = load_run_config("configs/debug_gpt.yaml", [
         "parallel.pp=1", "parallel.tp=1", "data.path=null", "train.steps=8", "log.interval=4",
         "train.global_batch_size=4", "log.progress_bar=false", f"run_dir={run_dir}"])
+    callbacks = []
+    real = train.initialize_from_config
+
+    def spy(*args, **kwargs):  # per-instruction CUDA events cost a wait per step: only when shown
+        callbacks.append(kwargs.get("on_instruction"))
+        return real(*args, **kwargs)
+
+    train.initialize_from_config = spy
     with SyncCounter() as syncs:
         train.run(cfg, 0)
+    assert callbacks == [None], callbacks
     return [site for _, site in syncs.events]
 
 

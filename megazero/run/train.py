@@ -94,7 +94,9 @@ def run(cfg: Config, rank: int) -> int:
     """Train the resolved config `cfg` (from `load_run_config`) as global rank `rank`; returns the exit code."""
     tracer = _tracer(cfg, rank) if cfg.trace.enabled else None
     timers = Timers(tracer)
-    engine, optimizer, data, scheduler = initialize_from_config(cfg, on_instruction=timers)
+    # per-instruction times only when shown: on a GPU they are CUDA events, resolved once per step (a wait)
+    timed = cfg.log.wall_clock_breakdown or tracer is not None
+    engine, optimizer, data, scheduler = initialize_from_config(cfg, on_instruction=timers if timed else None)
     pctx = engine.pctx
     start_step, resumed = 0, None
     source = cfg.checkpoint.dir if checkpoint.has_checkpoint(cfg.checkpoint.dir) else cfg.checkpoint.load
