@@ -2,8 +2,6 @@
 accumulation track the fp32 run; an inf gradient on one rank makes every rank skip the step and
 lower the scale, which rises again after loss_scale_window clean steps; comm volumes per stage.
 """
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +9,6 @@ import torch.distributed as dist
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.core.topology import Topology
 from megazero.zero.loss_scaler import LossScaler
-from megazero.zero.flat_group import FlatGroup
 from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
 from tests.harness import run_ranks
 from tests.test_zero import batch, make_model
@@ -118,7 +115,7 @@ def memory_worker(stage, dtype):
     torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
     opt.after_backward()
     opt.step()
-    return opt.memory_breakdown(), opt.num_params(), [max(b.numel for b in g.layout.buckets) for g in opt.groups]
+    return opt.memory_breakdown(), opt.num_params()
 
 
 # bytes per parameter (params, grads, master, optimizer states) as (replicated, divided by Nd).
@@ -135,67 +132,9 @@ EXPECT = {
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_model_state_memory_matches_the_zero_table(stage, dtype):
     nd = 4
-    mem, psi, buckets = run_ranks(memory_worker, nd, stage, dtype, timeout=90)[0]
+    mem, psi = run_ranks(memory_worker, nd, stage, dtype, timeout=90)[0]
     rep, sharded = EXPECT[(dtype, stage)]
     expect = rep * psi + sharded * psi / nd
     model_states = mem["params"] + mem["grads"] + mem["master"] + mem["optimizer_states"]
     assert abs(model_states - expect) <= 0.05 * expect, (mem, expect)
-    # the reductions' fp32 temporaries only (megazero.zero.flat_group.TemporaryPool), per group without
-    # overlap: one reduce-scatter output of its largest bucket / nd (stages 1-3) and the bucket slots
-    # (2-3) alive at once: one, or a second while a complete bucket waits for its turn (ZeRO-3 here)
-    assert mem["comm_buffers"] == 0  # no pinned staging: nothing offloaded
-    shards = sum(4 * (b // nd) for b in buckets) if stage else 0
-    slots = mem["grad_buckets"] - shards
-    assert slots == 0 if stage <= 1 else slots in (4 * sum(buckets), 8 * sum(buckets)), (mem, buckets)
-
-
-def allocation_worker(stage, overlap):
-    """Three steps of four micro-batches; what the flat group allocated in steps 2-3 (fp32 tensors made
-    at megazero/zero/flat_group.py, seen by the dispatcher), and the pool's own count after each step."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from megazero.runtime.sync_counter import call_site
-
-    class Allocations(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.sites = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default,
-                        torch.ops.aten.new_zeros.default, torch.ops.aten.new_empty.default,
-                        torch.ops.aten.empty_strided.default) and out.dtype == torch.float32 and out.numel() > 0:
-                where = call_site()
-                if where.startswith("megazero/zero/flat_group.py"):
-                    self.sites.append(where)
-            return out
-
-    pctx = ParallelContext(Topology(dp=dist.get_world_size()))
-    model = make_model(torch.float32)
-    opt = ZeroOptimizer(list(model.parameters()), pctx, stage=stage, spec=SPEC, overlap_comm=overlap,
-                        units=[model[0], model[2], model[4]], reduce_bucket_size=400)
-    counts, seen = [], Allocations()
-    for step in range(3):
-        with seen if step else contextlib.nullcontext():
-            for mb in range(4):
-                x, y = batch(4 * step + mb)
-                opt.set_last_microbatch(mb == 3)
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.after_backward()
-            opt.step()
-        counts.append(sum(g.pool.allocations for g in opt.groups))
-    big = [(max(b.numel for b in g.layout.buckets), len(g.layout.buckets)) for g in opt.groups]
-    return counts, seen.sites, opt.memory_breakdown()["grad_buckets"], big
-
-
-@pytest.mark.parametrize("stage,overlap", [(1, False), (2, False), (2, True), (3, True)])
-def test_reduction_temporaries_are_allocated_once_and_reused(stage, overlap):
-    """ZeRO-1/2/3's fp32 bucket slots and reduce-scatter outputs come from a pool filled in the first
-    micro-batch: no allocation by the flat group in later micro-batches and steps, the pool's count
-    stays, and the memory breakdown's grad_buckets reports what it holds."""
-    for counts, sites, held, big in run_ranks(allocation_worker, 4, stage, overlap, timeout=120):
-        assert sites == [], sites
-        assert counts[0] == counts[1] == counts[2] > 0, counts
-        # at most a slot per bucket (complete ones wait for their turn) and MAX_INFLIGHT output shards
-        assert 0 < held <= sum(4 * (n * b + FlatGroup.MAX_INFLIGHT * b // 4) for b, n in big), (held, big)
+    assert mem["comm_buffers"] == 0  # nothing left in flight after the step

@@ -30,50 +30,6 @@ def _flat_views(flat: torch.Tensor, ranges: list[tuple[int, int]], base: int = 0
     return [flat[s - base:e - base] for s, e in ranges]
 
 
-class TemporaryPool:
-    """The fp32 temporaries of one flat group's gradient reductions, allocated once and reused every
-    micro-batch: bucket slots (stages 2-3: a micro-batch's gradients of one bucket, the reduce-scatter's
-    input) of the largest bucket's size, and reduce-scatter output shards (stages 1-3) of its 1/n.
-    A request takes a free one (zeroed for a slot) or allocates another; `give_back` returns it once
-    its reduction has ended. Steady state: as many as are alive at once (one bucket filling and
-    FlatGroup.MAX_INFLIGHT reductions with overlap_comm; one of each without), allocated in the first
-    micro-batch; `allocations` counts them. No communication."""
-
-    def __init__(self, bucket_numel: int, dp_size: int, device):
-        self.sizes = {"bucket": bucket_numel, "shard": bucket_numel // dp_size if dp_size else 0}
-        self.device = device
-        self.free: dict[str, list[torch.Tensor]] = {"bucket": [], "shard": []}
-        self.owners: dict[int, tuple[str, torch.Tensor]] = {}  # id(view handed out) -> (kind, whole buffer)
-        self.made: list[torch.Tensor] = []
-        self.allocations = 0
-
-    def _take(self, kind: str, numel: int) -> torch.Tensor:
-        if self.free[kind]:
-            whole = self.free[kind].pop()
-        else:
-            whole = torch.empty(self.sizes[kind], dtype=torch.float32, device=self.device)
-            self.made.append(whole)
-            self.allocations += 1
-        view = whole[:numel]
-        self.owners[id(view)] = (kind, whole)
-        return view
-
-    def bucket(self, numel: int) -> torch.Tensor:
-        """A zeroed fp32 slot of `numel` elements for one bucket's gradients."""
-        return self._take("bucket", numel).zero_()
-
-    def shard(self, numel: int) -> torch.Tensor:
-        """An fp32 output of `numel` elements for one reduce-scatter (its contents are overwritten)."""
-        return self._take("shard", numel)
-
-    def give_back(self, view: torch.Tensor) -> None:
-        kind, whole = self.owners.pop(id(view))
-        self.free[kind].append(whole)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.made)
-
-
 class FlatGroup:
     """Flat storage and per-bucket communication for one list of parameters.
 
@@ -109,10 +65,9 @@ class FlatGroup:
         self._build_master()
         self.pending = [0] * len(lay.buckets)  # grads still expected in the current micro-batch
         self.reset_pending()
-        self._bucket_grad: dict[int, torch.Tensor] = {}  # stage 2-3: bucket -> its fp32 slot (from the pool)
-        self.pool = TemporaryPool(max((b.numel for b in self.layout.buckets), default=0), dp_group.size, self.device)
+        self._bucket_grad: dict[int, torch.Tensor] = {}  # stage 2-3: bucket-sized fp32 temporaries
         self._gathered: dict[int, torch.Tensor] = {}  # stage 3: bucket -> its full buffer (0 bytes while released)
-        self._inflight: list = []  # (work or None, bucket, temp shard or None, bucket slot or None) not finished yet
+        self._inflight: list = []  # (work or None, bucket, temp shard or None) of reductions not finished yet
         self._next = 0  # the bucket whose reduction is launched next: every rank launches them in index order
         self._ready: set[int] = set()  # buckets complete (every gradient arrived) and not launched yet
         self._host_grad: torch.Tensor | None = None  # offload from an accelerator: pinned staging for Adam
@@ -245,7 +200,7 @@ class FlatGroup:
         bk = self.layout.buckets[b]
         buf = self._bucket_grad.get(b)
         if buf is None:
-            buf = self._bucket_grad[b] = self.pool.bucket(bk.numel)
+            buf = self._bucket_grad[b] = torch.zeros(bk.numel, dtype=torch.float32, device=self.device)
         return buf[s - bk.start:e - bk.start]
 
     def grad_done(self, i: int) -> int | None:
@@ -300,23 +255,23 @@ class FlatGroup:
             full.div_(self.grad_divisor)
             if self.stage == 0:
                 work = comm.all_reduce(full, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
-                self._inflight.append((work, b, None, None))
+                self._inflight.append((work, b, None))
             else:
-                tmp = self.pool.shard(bk.numel // n)
+                tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
                 work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
-                self._inflight.append((work, b, tmp, None))
+                self._inflight.append((work, b, tmp))
         else:
             full = self._bucket_grad.pop(b, None)
             if full is None:  # no gradient of this bucket arrived on this rank this micro-batch
-                full = self.pool.bucket(bk.numel)
+                full = torch.zeros(bk.numel, dtype=torch.float32, device=self.device)
             full.div_(self.grad_divisor)
-            tmp = self.pool.shard(bk.numel // n)
+            tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
             if self.zeropp.quantized_gradients:  # qgZ: int8 blocks by all-to-all (synchronous)
                 quantized_reduce_scatter(tmp, full, self.dp)
                 work = None
             else:
                 work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
-            self._inflight.append((work, b, tmp, full))  # the bucket slot is the reduction's input until it ends
+            self._inflight.append((work, b, tmp))
         if not async_op:
             self.wait()
 
@@ -326,7 +281,7 @@ class FlatGroup:
             self._finish(*entry)
         self._inflight.clear()
 
-    def _finish(self, work, b: int, tmp: torch.Tensor | None, slot: torch.Tensor | None) -> None:
+    def _finish(self, work, b: int, tmp: torch.Tensor | None) -> None:
         if work is not None:
             work.wait()
         if tmp is not None:
@@ -334,9 +289,6 @@ class FlatGroup:
                 self.grad_owned[b].copy_(tmp)
             else:
                 self.grad_owned[b].add_(tmp)
-            self.pool.give_back(tmp)
-        if slot is not None:
-            self.pool.give_back(slot)
         if self.on_reduced is not None:
             self.on_reduced(self, b)
 
@@ -358,8 +310,6 @@ class FlatGroup:
             self.grad_flat.zero_()
         else:
             self.grad_shard.zero_()
-            for slot in self._bucket_grad.values():
-                self.pool.give_back(slot)
             self._bucket_grad.clear()
         self.reset_pending()
 
@@ -453,8 +403,9 @@ class FlatGroup:
         gathered = sum(t.untyped_storage().nbytes() for t in self._gathered.values())  # stage 3: held buckets
         gathered += sum(nbytes(t) for t in self._secondary.values())  # hpZ: the parts kept until the step
         grads = nbytes(self.grad_flat) if self.full_grads else nbytes(self.grad_shard)
-        staging = nbytes(self._host_grad) if self._host_grad is not None else 0  # offload from an accelerator
+        buckets = sum(nbytes(t) for t in self._bucket_grad.values())
+        if self._host_grad is not None:  # offload from an accelerator: the pinned gradient staging
+            buckets += nbytes(self._host_grad)
         return {"params": params + gathered, "grads": grads,
                 "master": nbytes(self.master_flat) if self.separate_master else 0,
-                "optimizer_states": nbytes(self.state_flat), "comm_buffers": staging,
-                "grad_buckets": self.pool.nbytes()}  # the reductions' temporaries, kept for the run
+                "optimizer_states": nbytes(self.state_flat), "comm_buffers": buckets}

@@ -464,8 +464,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now: params, grads, master, optimizer_states (1-bit Adam's worker and
-        server errors included: 4·(P + P/dp) bytes per bucket of P elements, P padded to 8·dp), comm_buffers (pinned staging),
-        grad_buckets (the reductions' fp32 temporaries, `FlatGroup.pool`)."""
+        server errors included: 4·(P + P/dp) bytes per bucket of P elements, P padded to 8·dp), comm_buffers."""
         total: dict[str, int] = {}
         for group in self.groups:
             for k, v in group.memory().items():
