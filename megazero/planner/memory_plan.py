@@ -166,7 +166,8 @@ class _Group:
 def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group]:
     """This stage's flat groups, as `megazero.zero.grouping.make_groups` makes them from the parameter
     order of `megazero.engine.factories.param_groups` (Megatron's split: matrices, then vectors, each in
-    model order; pp=1 shares the tied weight, counted once): the routed experts first, then the rest."""
+    model order; pp=1 shares the tied weight, counted once): the routed experts first, then the rest,
+    each laid out in the order backward completes it (`megazero.zero.grouping._backward_order`)."""
     params = []  # (Param, unit)
     for chunk in chunks:
         for kind, unit in chunk:
@@ -180,6 +181,15 @@ def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group
             tied_seen = tied_seen or p.tied
             kept.append((p, u))
         params = kept
+    seen_in_unit: dict[int, int] = {}
+    backward_key = {}  # id of a (Param, unit) pair -> its place in backward order (grouping._backward_order)
+    for x in params:
+        j = seen_in_unit[x[1]] = seen_in_unit.get(x[1], -1) + 1
+        backward_key[id(x)] = (-x[1], -j)  # the last unit first; inside a unit, reverse registration order
+
+    def backward_order(xs):
+        return sorted(xs, key=lambda x: backward_key[id(x)])
+
     ordered = [x for x in params if x[0].matrix] + [x for x in params if not x[0].matrix]
     experts = [x for x in ordered if x[0].expert]
     ordered = [x for x in ordered if not x[0].expert]
@@ -192,8 +202,8 @@ def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group
         groups.append(_Group("experts", build_layout([x[0].numel for x in experts], layout.edp, bucket, cuts), 3,
                              True, layout.offload_param or opt))
     elif experts:
-        groups.append(_Group("experts", build_layout([x[0].numel for x in experts[::-1]], layout.edp, bucket),
-                             min(layout.zero, 2), False, opt))
+        groups.append(_Group("experts", build_layout([x[0].numel for x in backward_order(experts)], layout.edp,
+                                                     bucket), min(layout.zero, 2), False, opt))
     if layout.zero == 3:
         sharded, cuts = _by_unit([x for x in rest if x[0].numel >= persistence_threshold])
         persistent = [x for x in rest if x[0].numel < persistence_threshold]
@@ -202,11 +212,11 @@ def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group
             shared = next((lay.bucket_of(i) for i, x in enumerate(sharded) if x[0].tied), None)
             groups.append(_Group("sharded", lay, 3, True, layout.offload_param or opt, shared))
         if persistent:
-            groups.append(_Group("persistent", build_layout([x[0].numel for x in persistent[::-1]], dp, bucket),
-                                 2, False, opt))
+            groups.append(_Group("persistent", build_layout([x[0].numel for x in backward_order(persistent)], dp,
+                                                            bucket), 2, False, opt))
     elif rest:
-        groups.append(_Group("main", build_layout([x[0].numel for x in rest[::-1]], dp, bucket), layout.zero,
-                             False, opt))
+        groups.append(_Group("main", build_layout([x[0].numel for x in backward_order(rest)], dp, bucket),
+                             layout.zero, False, opt))
     if tied:
         shard = layout.zero == 3
         groups.append(_Group("tied", build_layout([x[0].numel for x in tied], dp, bucket), layout.zero, shard,
