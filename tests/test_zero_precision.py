@@ -2,6 +2,8 @@
 accumulation track the fp32 run; an inf gradient on one rank makes every rank skip the step and
 lower the scale, which rises again after loss_scale_window clean steps; comm volumes per stage.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +11,7 @@ import torch.distributed as dist
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.core.topology import Topology
 from megazero.zero.loss_scaler import LossScaler
+from megazero.zero.flat_group import FlatGroup
 from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
 from tests.harness import run_ranks
 from tests.test_zero import batch, make_model
@@ -138,3 +141,57 @@ def test_model_state_memory_matches_the_zero_table(stage, dtype):
     model_states = mem["params"] + mem["grads"] + mem["master"] + mem["optimizer_states"]
     assert abs(model_states - expect) <= 0.05 * expect, (mem, expect)
     assert mem["comm_buffers"] == 0  # nothing left in flight after the step
+
+
+def allocation_worker(stage, overlap):
+    """Three steps of four micro-batches. Returns the fp32 tensors of a bucket's size the flat group
+    allocated (seen by the dispatcher at megazero/zero/flat_group.py) after the first micro-batch, the
+    slots made after each step, and the bytes the slots hold after the run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megazero.runtime.sync_counter import call_site
+
+    pctx = ParallelContext(Topology(dp=dist.get_world_size()))
+    model = make_model(torch.float32)
+    opt = ZeroOptimizer(list(model.parameters()), pctx, stage=stage, spec=SPEC, overlap_comm=overlap,
+                        units=[model[0], model[2], model[4]], reduce_bucket_size=400)
+    sizes = {b.numel for g in opt.groups for b in g.layout.buckets}
+
+    class BucketAllocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sites = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default,
+                        torch.ops.aten.new_zeros.default, torch.ops.aten.empty_strided.default) \
+                    and out.dtype == torch.float32 and out.numel() in sizes:
+                where = call_site()
+                if where.startswith("megazero/zero/flat_group.py"):
+                    self.sites.append((where, out.numel()))
+            return out
+
+    seen, made = BucketAllocations(), []
+    for step in range(3):
+        for mb in range(4):
+            with seen if (step, mb) != (0, 0) else contextlib.nullcontext():
+                x, y = batch(4 * step + mb)
+                opt.set_last_microbatch(mb == 3)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.after_backward()
+        opt.step()
+        made.append([g.slots.made for g in opt.groups])
+    return seen.sites, made, opt.memory_breakdown()["grad_buckets"], sorted(sizes)
+
+
+@pytest.mark.parametrize("stage,overlap", [(2, False), (2, True), (3, False), (3, True)])
+def test_bucket_slots_are_allocated_once_and_reused(stage, overlap):
+    """ZeRO-2/3's fp32 bucket slots (a micro-batch's gradients of one bucket, then its reduce-scatter's
+    input) are made in the first micro-batch and reused by every later micro-batch and step: no
+    bucket-sized allocation by the flat group after it, the same slots after every step (as many as
+    were alive at once: one per bucket at most), reported as the memory breakdown's grad_buckets."""
+    for sites, made, held, sizes in run_ranks(allocation_worker, 4, stage, overlap, timeout=120):
+        assert sites == [], sites
+        assert made[0] == made[1] == made[2] and all(n > 0 for n in made[0]), made
+        assert 0 < held <= sum(made[0]) * 4 * max(sizes), (held, made, sizes)

@@ -30,6 +30,52 @@ def _flat_views(flat: torch.Tensor, ranges: list[tuple[int, int]], base: int = 0
     return [flat[s - base:e - base] for s, e in ranges]
 
 
+class SlotPool:
+    """The fp32 bucket slots of one flat group (stages 2-3: a micro-batch's gradients of one bucket,
+    then the input of its reduce-scatter): made in the first micro-batch that needs them and reused by
+    every later one, instead of a bucket-sized allocation per bucket and micro-batch (2 GB each at
+    DeepSpeed's default 5e8 elements). `take(numel)` hands out a zeroed free slot of exactly that size or
+    makes one; `give_back` returns it once the reduction no longer reads it (at its end on an
+    accelerator, where NCCL reads its input until then; at its launch on the CPU, where gloo copies
+    its input first: holding it to the end cost a bucket per reduction in flight, measured). The pool
+    holds as many slots as were filling or reducing at once: one, or FlatGroup.MAX_INFLIGHT + 1 with
+    overlap_comm, more while complete buckets wait for their turn (see `trim` for a data-dependent
+    graph's). `made` counts them. Local: no communication."""
+
+    def __init__(self, device):
+        self.device = device
+        self.free: list[torch.Tensor] = []
+        self.slots: list[torch.Tensor] = []
+
+    @property
+    def made(self) -> int:
+        return len(self.slots)
+
+    def take(self, numel: int) -> torch.Tensor:
+        for i, t in enumerate(self.free):
+            if t.numel() == numel:
+                return self.free.pop(i).zero_()
+        slot = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        self.slots.append(slot)
+        return slot
+
+    def give_back(self, slot: torch.Tensor) -> None:
+        self.free.append(slot)
+
+    def trim(self, keep: int) -> None:
+        """Between micro-batches (every slot free): keep the `keep` largest. For reductions launched at
+        a unit's end (`megazero.zero.unit_ends.UnitEnds`: a unit's buckets all alive at once, a ZeRO-3
+        layer's fp32 gradients), which held for the run would sit on the next forward's peak: those
+        beyond `keep` are made again in each micro-batch."""
+        if len(self.free) == len(self.slots) and len(self.slots) > keep:
+            self.free.sort(key=lambda t: -t.numel())
+            self.free, dropped = self.free[:keep], self.free[keep:]
+            self.slots = [t for t in self.slots if all(t is not d for d in dropped)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.slots)
+
+
 class FlatGroup:
     """Flat storage and per-bucket communication for one list of parameters.
 
@@ -65,9 +111,10 @@ class FlatGroup:
         self._build_master()
         self.pending = [0] * len(lay.buckets)  # grads still expected in the current micro-batch
         self.reset_pending()
-        self._bucket_grad: dict[int, torch.Tensor] = {}  # stage 2-3: bucket-sized fp32 temporaries
+        self._bucket_grad: dict[int, torch.Tensor] = {}  # stage 2-3: bucket -> its slot (from `slots`)
+        self.slots = SlotPool(self.device)
         self._gathered: dict[int, torch.Tensor] = {}  # stage 3: bucket -> its full buffer (0 bytes while released)
-        self._inflight: list = []  # (work or None, bucket, temp shard or None) of reductions not finished yet
+        self._inflight: list = []  # (work or None, bucket, temp shard or None, slot or None) not finished yet
         self._next = 0  # the bucket whose reduction is launched next: every rank launches them in index order
         self._ready: set[int] = set()  # buckets complete (every gradient arrived) and not launched yet
         self._host_grad: torch.Tensor | None = None  # offload from an accelerator: pinned staging for Adam
@@ -200,7 +247,7 @@ class FlatGroup:
         bk = self.layout.buckets[b]
         buf = self._bucket_grad.get(b)
         if buf is None:
-            buf = self._bucket_grad[b] = torch.zeros(bk.numel, dtype=torch.float32, device=self.device)
+            buf = self._bucket_grad[b] = self.slots.take(bk.numel)
         return buf[s - bk.start:e - bk.start]
 
     def grad_done(self, i: int) -> int | None:
@@ -255,23 +302,26 @@ class FlatGroup:
             full.div_(self.grad_divisor)
             if self.stage == 0:
                 work = comm.all_reduce(full, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
-                self._inflight.append((work, b, None))
+                self._inflight.append((work, b, None, None))
             else:
                 tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
                 work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
-                self._inflight.append((work, b, tmp))
+                self._inflight.append((work, b, tmp, None))
         else:
-            full = self._bucket_grad.pop(b, None)
-            if full is None:  # no gradient of this bucket arrived on this rank this micro-batch
-                full = torch.zeros(bk.numel, dtype=torch.float32, device=self.device)
-            full.div_(self.grad_divisor)
+            slot = self._bucket_grad.pop(b, None)
+            if slot is None:  # no gradient of this bucket arrived on this rank this micro-batch
+                slot = self.slots.take(bk.numel)
+            slot.div_(self.grad_divisor)
             tmp = torch.empty(bk.numel // n, dtype=torch.float32, device=self.device)
             if self.zeropp.quantized_gradients:  # qgZ: int8 blocks by all-to-all (synchronous)
-                quantized_reduce_scatter(tmp, full, self.dp)
+                quantized_reduce_scatter(tmp, slot, self.dp)
                 work = None
             else:
-                work = comm.reduce_scatter(tmp, full, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
-            self._inflight.append((work, b, tmp))
+                work = comm.reduce_scatter(tmp, slot, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
+            if work is None or slot.device.type == "cpu":  # read already (gloo copies its input at launch)
+                self.slots.give_back(slot)
+                slot = None
+            self._inflight.append((work, b, tmp, slot))
         if not async_op:
             self.wait()
 
@@ -281,9 +331,11 @@ class FlatGroup:
             self._finish(*entry)
         self._inflight.clear()
 
-    def _finish(self, work, b: int, tmp: torch.Tensor | None) -> None:
+    def _finish(self, work, b: int, tmp: torch.Tensor | None, slot: torch.Tensor | None) -> None:
         if work is not None:
             work.wait()
+        if slot is not None:  # NCCL has read the bucket: its slot serves the next one
+            self.slots.give_back(slot)
         if tmp is not None:
             if self.full_grads:
                 self.grad_owned[b].copy_(tmp)
@@ -310,6 +362,8 @@ class FlatGroup:
             self.grad_flat.zero_()
         else:
             self.grad_shard.zero_()
+            for slot in self._bucket_grad.values():
+                self.slots.give_back(slot)
             self._bucket_grad.clear()
         self.reset_pending()
 
@@ -403,9 +457,8 @@ class FlatGroup:
         gathered = sum(t.untyped_storage().nbytes() for t in self._gathered.values())  # stage 3: held buckets
         gathered += sum(nbytes(t) for t in self._secondary.values())  # hpZ: the parts kept until the step
         grads = nbytes(self.grad_flat) if self.full_grads else nbytes(self.grad_shard)
-        buckets = sum(nbytes(t) for t in self._bucket_grad.values())
-        if self._host_grad is not None:  # offload from an accelerator: the pinned gradient staging
-            buckets += nbytes(self._host_grad)
+        staging = nbytes(self._host_grad) if self._host_grad is not None else 0  # offload from an accelerator
         return {"params": params + gathered, "grads": grads,
                 "master": nbytes(self.master_flat) if self.separate_master else 0,
-                "optimizer_states": nbytes(self.state_flat), "comm_buffers": buckets}
+                "optimizer_states": nbytes(self.state_flat), "comm_buffers": staging,
+                "grad_buckets": self.slots.nbytes()}  # the bucket slots, kept for the run

@@ -261,6 +261,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.gatherer.release_all()
         if self.unit_ends is not None:
             self.unit_ends.reset()
+            for group in self.groups:  # a unit's buckets were alive at once: keep only a steady backward's
+                group.slots.trim(FlatGroup.MAX_INFLIGHT + 1)
 
     # -- the step -----------------------------------------------------------------------------------
     def reduce_grads(self) -> None:
@@ -464,7 +466,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now: params, grads, master, optimizer_states (1-bit Adam's worker and
-        server errors included: 4·(P + P/dp) bytes per bucket of P elements, P padded to 8·dp), comm_buffers."""
+        server errors included: 4·(P + P/dp) bytes per bucket of P elements, P padded to 8·dp), comm_buffers, grad_buckets (the flat groups' fp32 bucket slots, made once and
+        kept: `megazero.zero.flat_group.SlotPool`)."""
         total: dict[str, int] = {}
         for group in self.groups:
             for k, v in group.memory().items():
