@@ -466,8 +466,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now: params, grads, master, optimizer_states (1-bit Adam's worker and
-        server errors included: 4·(P + P/dp) bytes per bucket of P elements, P padded to 8·dp), comm_buffers, grad_buckets (the flat groups' fp32 bucket slots, made once and
-        kept: `megazero.zero.flat_group.SlotPool`)."""
+        server errors included: 4·(P + P/dp) bytes per bucket of P elements, P padded to 8·dp), comm_buffers,
+        grad_buckets (the flat groups' fp32 bucket slots, made once and kept: `flat_group.SlotPool`)."""
         total: dict[str, int] = {}
         for group in self.groups:
             for k, v in group.memory().items():
