@@ -43,11 +43,14 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
 def add_config_arguments(parser):
     """DeepSpeed's `add_config_arguments`: adds --deepspeed, --deepspeed_config (a megazero or
-    DeepSpeed config file, read by `initialize(args=args)`) and --local_rank to an argparse parser."""
+    DeepSpeed config file, read by `initialize(args=args)`) and the deprecated --deepscale and
+    --deepscale_config to an argparse parser, as DeepSpeed's does. Not --local_rank: scripts add it
+    themselves (DeepSpeed's tutorials do), and a second definition makes argparse fail."""
     group = parser.add_argument_group("megazero", "megazero (DeepSpeed-compatible) configuration")
     group.add_argument("--deepspeed", default=False, action="store_true", help="accepted for DeepSpeed scripts")
     group.add_argument("--deepspeed_config", default=None, type=str, help="config file (megazero or DeepSpeed JSON)")
-    group.add_argument("--local_rank", "--local-rank", default=-1, type=int, help="set by older launchers")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated: --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated: --deepspeed_config")
     return parser
 
 

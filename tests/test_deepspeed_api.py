@@ -130,3 +130,46 @@ def test_zero_init_refuses_a_hugging_face_model_before_building_it():
         with megazero.zero.Init():
             GPT2LMHeadModel(config)
     GPT2LMHeadModel(config)  # outside the block, constructors are megazero-free again
+
+
+def test_add_config_arguments_is_deepspeeds_and_leaves_local_rank_to_the_script(tmp_path):
+    """DeepSpeed's tutorials add --local_rank themselves after add_config_arguments; DeepSpeed's own
+    function adds --deepspeed, --deepspeed_config and the deprecated --deepscale(_config): the same here,
+    so the script's own --local_rank does not collide ("conflicting option string")."""
+    import json
+
+    import deepspeed
+
+    ours = megazero.add_config_arguments(argparse.ArgumentParser())
+    theirs = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    assert sorted(a.dest for a in ours._actions) == sorted(a.dest for a in theirs._actions)
+    ours.add_argument("--local_rank", type=int, default=-1)  # as the tutorials do
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(CFG))
+    args = ours.parse_args(["--deepscale_config", str(path), "--local_rank", "0"])
+    engine, *_ = megazero.initialize(args=args, model=model())
+    assert engine.gradient_accumulation_steps() == 2
+
+
+def test_engine_accessors_deepspeed_scripts_read():
+    """fp16_enabled / bfloat16_enabled / zero_optimization_stage, DeepSpeed's size attributes and
+    global_samples, and set_gradient_accumulation_boundary's override of when step() updates."""
+    cfg = dict(CFG, bf16={"enabled": True}, zero_optimization={"stage": 2})
+    engine, *_ = megazero.initialize(model=model(), config=cfg)
+    assert engine.bfloat16_enabled() and not engine.fp16_enabled() and engine.zero_optimization_stage() == 2
+    assert (engine.global_rank, engine.world_size, engine.dp_world_size, engine.mp_world_size) == (0, 1, 1, 1)
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    for _ in range(4):  # two steps of two micro-batches
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+    assert engine.global_steps == 2 and engine.global_samples == 2 * engine.train_batch_size()
+    engine.set_gradient_accumulation_boundary(True)  # every micro-batch now ends a step
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    assert engine.global_steps == 3
+    engine.set_gradient_accumulation_boundary(False)
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    assert engine.global_steps == 3 and not engine.is_gradient_accumulation_boundary()
+    fp32, *_ = megazero.initialize(model=model(), config=CFG)
+    assert not fp32.bfloat16_enabled() and not fp32.fp16_enabled() and fp32.zero_optimization_stage() == 0

@@ -93,9 +93,10 @@ def _sets_pp(config, overrides) -> bool:
 
 def _config_source(args, config, config_params):
     """The one config given: `config`, `config_params` (DeepSpeed's older name) or
-    `args.deepspeed_config` (DeepSpeed's command-line flag)."""
+    `args.deepspeed_config` (DeepSpeed's command-line flag; `args.deepscale_config`, its deprecated name)."""
     given = {"config": config, "config_params": config_params,
-             "args.deepspeed_config": getattr(args, "deepspeed_config", None) if args is not None else None}
+             "args.deepspeed_config": getattr(args, "deepspeed_config", None) if args is not None else None,
+             "args.deepscale_config": getattr(args, "deepscale_config", None) if args is not None else None}
     present = [k for k, v in given.items() if v is not None]
     if len(present) > 1:
         raise ConfigError(f"initialize: a config was given twice ({' and '.join(present)}); pass one of them")

@@ -31,6 +31,7 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
         self.gas, self.micro_batch_size = gradient_accumulation_steps, micro_batch_size
         self.local_rank, self.device = local_rank, torch.device(device)
         self.syncing = True  # False inside no_sync()
+        self.boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, else counted
         self.micro_steps = 0
         self.global_steps = 0
         self.pending_save = None  # the asynchronous checkpoint save in flight (engine/checkpointing.py)
@@ -45,7 +46,16 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
         return self.gas
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next `step()` steps the optimizer: every gas-th micro-batch, or what
+        `set_gradient_accumulation_boundary` said."""
+        if self.boundary_override is not None:
+            return self.syncing and self.boundary_override
         return self.syncing and (self.micro_steps + 1) % self.gas == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual override of the accumulation boundary (for scripts that decide it, e.g.
+        with variable accumulation): until changed, `step()` steps the optimizer only when True."""
+        self.boundary_override = bool(is_boundary)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -1,7 +1,12 @@
 """DeepSpeed's engine accessors, shared by both engines: modes, learning rates, batch sizes, the
-last step's gradient norm, where the engine runs. An engine has `module`, `optimizer`, `pctx`,
-`micro_batch_size`, `local_rank`, `device`, `last_info` and `gradient_accumulation_steps()`."""
+last step's gradient norm, where the engine runs, its precision, ZeRO stage and sizes. An engine has
+`module`, `optimizer`, `pctx`, `micro_batch_size`, `local_rank`, `device`, `last_info`, `global_steps`
+and `gradient_accumulation_steps()`. DeepSpeed's attributes `global_rank`, `world_size`,
+`dp_world_size`, `mp_world_size` (its model-parallel size: the tensor-parallel one) and
+`global_samples` are read-only properties here."""
 from __future__ import annotations
+
+import torch
 
 
 class EngineSurface:
@@ -26,6 +31,30 @@ class EngineSurface:
         it synchronises with the device when the step left it there (``nonfinite_gradients=ignore``)."""
         norm = self.last_info.get("grad_norm")
         return None if norm is None else float(norm)
+
+    global_rank = property(lambda self: self.pctx.global_rank)
+    world_size = property(lambda self: self.pctx.topology.world_size)
+    dp_world_size = property(lambda self: self.pctx.dp_size)
+    mp_world_size = property(lambda self: self.pctx.tp_size)
+
+    @property
+    def global_samples(self) -> int:
+        """Samples trained so far: steps x the global batch (DeepSpeed counts the same)."""
+        return self.global_steps * self.train_batch_size()
+
+    def _working_dtype(self) -> torch.dtype:
+        return next((p.dtype for p in self.module.parameters() if p.is_floating_point()), torch.float32)
+
+    def fp16_enabled(self) -> bool:
+        """Whether the module trains in fp16 (``precision: fp16``, DeepSpeed's fp16.enabled)."""
+        return self._working_dtype() == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        """Whether the module trains in bf16 (``precision: bf16``, DeepSpeed's bf16.enabled)."""
+        return self._working_dtype() == torch.bfloat16
+
+    def zero_optimization_stage(self) -> int:
+        return self.optimizer.stage
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.micro_batch_size
