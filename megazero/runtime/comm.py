@@ -167,6 +167,17 @@ def after(work, finish):
     return Pending([work], finish)
 
 
+def input_read_at_launch(work, input: torch.Tensor) -> bool:
+    """Whether an asynchronous collective has finished reading `input` when its launch returns, so the
+    caller may reuse that memory before waiting: yes when it completed (None, or a `Pending` with no
+    work left) and for gloo's CPU collectives, which copy their input when launched; no on NCCL (it
+    reads the input until the work completes) and for a hierarchical chain (it runs later, on its
+    worker thread). Local: no communication."""
+    if work is None or (isinstance(work, Pending) and not work.works and work.finish is None):
+        return True
+    return input.device.type == "cpu" and isinstance(work, dist.Work)
+
+
 def single_rank_group(axis: str = "world", stats: CommStats | None = None) -> GroupHandle:
     """A trivial group of this process alone: every op is a local no-op. For single-process runs."""
     return GroupHandle(axis, (0,), 0, None, stats or CommStats())

@@ -36,8 +36,9 @@ class SlotPool:
     every later one, instead of a bucket-sized allocation per bucket and micro-batch (2 GB each at
     DeepSpeed's default 5e8 elements). `take(numel)` hands out a zeroed free slot of exactly that size or
     makes one; `give_back` returns it once the reduction no longer reads it (at its end on an
-    accelerator, where NCCL reads its input until then; at its launch on the CPU, where gloo copies
-    its input first: holding it to the end cost a bucket per reduction in flight, measured). The pool
+    accelerator, where NCCL reads its input until then, and for a hierarchical chain, which runs later;
+    at its launch on the CPU, where gloo copies its input first: holding it to the end cost a bucket per
+    reduction in flight, measured; see `comm.input_read_at_launch`). The pool
     holds as many slots as were filling or reducing at once: one, or FlatGroup.MAX_INFLIGHT + 1 with
     overlap_comm, more while complete buckets wait for their turn (see `trim` for a data-dependent
     graph's). `made` counts them. Local: no communication."""
@@ -318,7 +319,7 @@ class FlatGroup:
                 work = None
             else:
                 work = comm.reduce_scatter(tmp, slot, self.dp, async_op=async_op, tag=f"{self.name} bucket {b}")
-            if work is None or slot.device.type == "cpu":  # read already (gloo copies its input at launch)
+            if comm.input_read_at_launch(work, slot):  # e.g. gloo, which copies its input at launch
                 self.slots.give_back(slot)
                 slot = None
             self._inflight.append((work, b, tmp, slot))
