@@ -1,8 +1,10 @@
 """megazero: 3D-parallel (pipeline x tensor x ZeRO data parallel) training of large transformers.
 
 The names a DeepSpeed script uses after ``import megazero as deepspeed``: `initialize`,
-`init_distributed`, `add_config_arguments`, and the subpackages `zero`, `pipe` and `ops` (imported
-on first use, so that ``import megazero`` stays light).
+`init_distributed`, `add_config_arguments`, and the subpackages at DeepSpeed's paths (`zero`, `pipe`,
+`ops`, `utils`, `accelerator`, `comm`, `checkpointing`, `moe`, `runtime.pipe`, `runtime.utils`; the
+DeepSpeed-only code behind them is in `megazero.compat`), imported on first use, so that
+``import megazero`` stays light.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import importlib
 __version__ = "0.1.0"
 
 _SUBPACKAGES = ("zero", "pipe", "ops", "utils", "engine", "run", "core", "runtime", "models", "data", "tensor_parallel",
-                "pipeline", "activation_checkpoint")
+                "pipeline", "activation_checkpoint", "accelerator", "comm", "checkpointing", "moe", "compat")
 
 
 def initialize(*args, **kwargs):

@@ -19,6 +19,7 @@ from torch import nn
 
 from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve
 from megazero.core.config.loading import read_file, read_tree
+from megazero.compat.pipe_topology import as_megazero
 from megazero.core.topology import Topology
 from megazero.engine.factories import (build_model, build_optimizer, build_scheduler, check_model_and_schedule,
                                        compute_dtype, synthetic_batches, take_over)
@@ -71,7 +72,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError("initialize(mpu=...): megazero builds its own process groups from the config's "
                           "parallel.pp / parallel.tp / parallel.dp (DeepSpeed: the pipeline and tensor-parallel "
                           "sizes); pass mpu=None and set those")
-    if isinstance(model, PipelineModule) and not _sets_pp(config, overrides):
+    if isinstance(model, PipelineModule) and model.topology is not None:
+        overrides = (*overrides, *_topology_overrides(model.topology, config, overrides))
+    elif isinstance(model, PipelineModule) and not _sets_pp(config, overrides):
         overrides = (*overrides, f"parallel.pp={model.num_stages}")  # DeepSpeed: the module's num_stages decides
     cfg = load_run_config(config if config is not None else {}, overrides)
     return initialize_from_config(cfg, model, model_parameters, training_data, lr_scheduler, on_instruction,
@@ -89,6 +92,15 @@ def _sets_pp(config, overrides) -> bool:
         return False
     tree = read_tree(config)[0] if isinstance(config, dict) else read_file(config)[0]
     return tree.get("parallel", {}).get("pp") is not None
+
+
+def _topology_overrides(topology, config, overrides) -> tuple[str, ...]:
+    """The layout of a PipelineModule built with DeepSpeed's `topology` (pipe, data, model -> pp, dp,
+    tp, in its order), as overrides; a config that sets parallel.pp itself must agree (checked with the
+    module's num_stages by `_check_pipeline_module`)."""
+    t = as_megazero(topology)
+    out = [f"parallel.tp={t.tp}", f"parallel.dp={t.dp}", f"parallel.order=[{','.join(t.order)}]"]
+    return tuple(out if _sets_pp(config, overrides) else [f"parallel.pp={t.pp}", *out])
 
 
 def _config_source(args, config, config_params):

@@ -3,10 +3,13 @@ last step's gradient norm, where the engine runs, its precision, ZeRO stage and 
 `module`, `optimizer`, `pctx`, `micro_batch_size`, `local_rank`, `device`, `last_info`, `global_steps`
 and `gradient_accumulation_steps()`. DeepSpeed's attributes `global_rank`, `world_size`,
 `dp_world_size`, `mp_world_size` (its model-parallel size: the tensor-parallel one) and
-`global_samples` are read-only properties here."""
+`global_samples` are read-only properties here, and `grid` (DeepSpeed's PipelineParallelGrid) is
+read off the ParallelContext."""
 from __future__ import annotations
 
 import torch
+
+from megazero.compat.pipe_topology import PipelineParallelGrid
 
 
 class EngineSurface:
@@ -31,6 +34,11 @@ class EngineSurface:
         it synchronises with the device when the step left it there (``nonfinite_gradients=ignore``)."""
         norm = self.last_info.get("grad_norm")
         return None if norm is None else float(norm)
+
+    @property
+    def grid(self) -> PipelineParallelGrid:
+        """DeepSpeed's `engine.grid`: this rank's pp / dp / tp ranks, sizes and torch process groups."""
+        return PipelineParallelGrid(self.pctx)
 
     global_rank = property(lambda self: self.pctx.global_rank)
     world_size = property(lambda self: self.pctx.topology.world_size)

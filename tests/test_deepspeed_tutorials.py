@@ -1,0 +1,107 @@
+"""DeepSpeed's tutorial scripts, written as DeepSpeed writes them and changed only in their imports
+(``import megazero as deepspeed``, ``from megazero.accelerator import get_accelerator``), train like
+the same training in plain PyTorch on the same batches, 2-4 gloo ranks. Where DeepSpeed's semantics
+decide the numbers (its WarmupLR schedule), the reference uses DeepSpeed 0.19.8's own class.
+
+- tests/deepspeed_scripts/cifar_cnn.py (training/cifar/cifar10_deepspeed.py): a CNN, its own
+  --local_rank, `get_accelerator()`, the config as a dict (Adam, WarmupLR, clipping), the loader of
+  `training_data`; ZeRO 0-3, fp32 and bf16, 2 ranks.
+- tests/deepspeed_scripts/pipeline_cnn.py (training/pipeline_parallelism/train.py): a torchvision-style
+  CNN joined into a layer list with a lambda, `PipelineModule(..., partition_method="parameters")`,
+  `deepspeed.runtime.utils.set_random_seed`, `engine.grid`, `train_batch()`; pp 2 x dp 2.
+- tests/deepspeed_scripts/megatron_style.py (Megatron-DeepSpeed's use of `deepspeed.checkpointing`):
+  `configure(mpu, ...)`, `checkpoint(custom_forward, ...)` per block, dropout inside
+  `get_cuda_rng_tracker().fork()` seeded by `model_parallel_cuda_manual_seed`; its reference runs the
+  same model with DeepSpeed 0.19.8's own `deepspeed.checkpointing` under torch DDP.
+"""
+import copy
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+TOL = 1e-5
+
+
+def _rel(got, want) -> float:
+    got, want = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+# -- the CIFAR tutorial --------------------------------------------------------------------------------
+
+CNN_CASES = [(stage, dtype) for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)]
+
+
+def cnn_worker(cases):
+    from tests.deepspeed_scripts import cifar_cnn
+
+    return {f"{stage}-{dtype}": cifar_cnn.main(["--stage", str(stage), "--dtype", dtype]) for stage, dtype in cases}
+
+
+def cnn_reference(dtype: str, dp: int = 2, epochs: int = 2, train_batch: int = 16):
+    """The tutorial's training in plain PyTorch: each dp rank's shuffled DistributedSampler batches
+    (seed 0, as DeepSpeed's loader), the mean of the ranks' gradients, clipping at 1.0, AdamW (DeepSpeed's
+    "Adam" with weight decay is AdamW), DeepSpeed's own WarmupLR stepped after each optimizer step. bf16:
+    a bf16 copy of the model computes, its gradients accumulate in fp32 per rank (DeepSpeed's bf16 with
+    fp32 master weights and fp32 gradient accumulation), the fp32 master (made from the bf16 weights, as
+    DeepSpeed makes it: with the fp32 initial values instead, 48 of 216 elements of one weight differ in
+    bf16 after the first step) is updated and copied back."""
+    import torch.utils.data as tud
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    from tests.deepspeed_scripts import cifar_cnn
+
+    torch.manual_seed(0)
+    master = cifar_cnn.Net()
+    low = copy.deepcopy(master).to(torch.bfloat16) if dtype == "bf16" else master
+    with torch.no_grad():  # DeepSpeed casts the module to bf16 first: its fp32 master starts from the bf16 values
+        for p, q in zip(master.parameters(), low.parameters()):
+            p.copy_(q)
+    opt = torch.optim.AdamW(master.parameters(), lr=0.001, betas=(0.8, 0.999), eps=1e-8, weight_decay=3e-7)
+    sched = WarmupLR(opt, warmup_min_lr=0, warmup_max_lr=0.001, warmup_num_steps=1000)
+    data = cifar_cnn.trainset()
+    loaders = [tud.DataLoader(data, batch_size=train_batch // dp,
+                              sampler=tud.DistributedSampler(data, num_replicas=dp, rank=r)) for r in range(dp)]
+    losses = {r: [] for r in range(dp)}
+    for _ in range(epochs):
+        for batches in zip(*loaders):
+            grads = [torch.zeros_like(p) for p in master.parameters()]
+            for r, (x, y) in enumerate(batches):
+                low.zero_grad()
+                out = low(x.to(torch.bfloat16) if dtype == "bf16" else x)
+                loss = torch.nn.functional.cross_entropy(out, y)
+                loss.backward()
+                losses[r].append(loss.item())
+                for g, p in zip(grads, low.parameters()):
+                    g += p.grad.float()
+            for p, g in zip(master.parameters(), grads):
+                p.grad = g / dp
+            torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if dtype == "bf16":
+                with torch.no_grad():
+                    for q, p in zip(low.parameters(), master.parameters()):
+                        q.copy_(p)
+    probe = data.tensors[0][:4]
+    with torch.no_grad():
+        logits = low.eval()(probe.to(torch.bfloat16) if dtype == "bf16" else probe).float()
+    return losses, logits.tolist()
+
+
+def test_the_cifar_tutorial_trains_like_pytorch():
+    results = run_ranks(cnn_worker, 2, CNN_CASES, timeout=300)
+    for dtype in ("fp32", "bf16"):
+        losses, logits = cnn_reference(dtype)
+        for stage in (0, 1, 2, 3):
+            for rank, result in enumerate(results):
+                got = result[f"{stage}-{dtype}"]
+                assert got["dp"] == 2 and got["device"] == "cpu"
+                assert len(got["losses"]) == len(losses[rank]) == 8  # 2 epochs x 4 micro-batches of 8 per rank
+                err = _rel(got["losses"], losses[rank])
+                print(f"cifar tutorial ZeRO-{stage} {dtype} rank {rank}: losses {err:.1e}, logits "
+                      f"{_rel(got['logits'], logits):.1e} relative")
+                assert err <= TOL, (stage, dtype, rank, err)
+                assert _rel(got["logits"], logits) <= TOL, (stage, dtype, rank)
