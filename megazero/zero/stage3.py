@@ -146,7 +146,10 @@ class _PreBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, callback, x):
         ctx.callback = callback
-        return x.view_as(x)
+        # not x.view_as(x): autograd forbids in-place ops on a custom Function's view outputs, and a
+        # user's next layer may be one (torchvision's ReLU(inplace=True)); detach() shares x's storage
+        # and version counter, so an in-place op that would corrupt a saved tensor still raises
+        return x.detach()
 
     @staticmethod
     def backward(ctx, grad):
