@@ -63,22 +63,40 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     Config). `optimizer`: a client optimizer (torch's Adam, AdamW or SGD, megazero.ops.adam's, or a
     callable returning one from the parameters) that the ZeRO optimizer takes over with its parameter
     groups and hyper-parameters. `lr_scheduler`: a scheduler instance (on the client optimizer or
-    the returned one) or a callable taking the optimizer. `mpu` is refused (the layout comes from
-    the config's parallel section); `dist_init_required` is accepted (megazero initializes
+    the returned one) or a callable taking the optimizer. `mpu` (Megatron's) is accepted when its
+    sizes are the config's (megazero builds its own groups; `_check_mpu`); `dist_init_required` is accepted (megazero initializes
     torch.distributed when it is not yet).
     """
     config = _config_source(args, config, config_params)
-    if mpu is not None:
-        raise ConfigError("initialize(mpu=...): megazero builds its own process groups from the config's "
-                          "parallel.pp / parallel.tp / parallel.dp (DeepSpeed: the pipeline and tensor-parallel "
-                          "sizes); pass mpu=None and set those")
     if isinstance(model, PipelineModule) and model.topology is not None:
         overrides = (*overrides, *_topology_overrides(model.topology, config, overrides))
     elif isinstance(model, PipelineModule) and not _sets_pp(config, overrides):
         overrides = (*overrides, f"parallel.pp={model.num_stages}")  # DeepSpeed: the module's num_stages decides
     cfg = load_run_config(config if config is not None else {}, overrides)
+    if mpu is not None:
+        _check_mpu(mpu, cfg)
     return initialize_from_config(cfg, model, model_parameters, training_data, lr_scheduler, on_instruction,
                                   client_optimizer=optimizer, collate_fn=collate_fn)
+
+
+def _check_mpu(mpu, cfg: Config) -> None:
+    """A Megatron-style `mpu` (DeepSpeed's model-parallel unit) is accepted when it describes the
+    config's layout: megazero builds its own groups from parallel.pp / tp / dp, so an mpu with other
+    sizes is refused, naming them (before any process group of megazero's exists)."""
+    def size(*names):
+        for name in names:
+            if hasattr(mpu, name):
+                return int(getattr(mpu, name)())
+        return 1
+
+    theirs = {"tp": size("get_tensor_model_parallel_world_size", "get_model_parallel_world_size"),
+              "pp": size("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"),
+              "dp": size("get_data_parallel_world_size")}
+    ours = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": cfg.parallel.dp}
+    if theirs != ours:
+        raise ConfigError(f"initialize(mpu=...): the mpu's layout {theirs} differs from the config's parallel section "
+                          f"{ours}; megazero builds its own process groups from parallel.pp / parallel.tp / "
+                          f"parallel.dp: set them to the mpu's sizes (or pass mpu=None)")
 
 
 def _sets_pp(config, overrides) -> bool:
