@@ -46,6 +46,19 @@ class _Accelerator:
 
     create_op_builder = get_op_builder = op_builder_dir
 
+    def supports_nvtx_domain(self) -> bool:
+        return False
+
+    def pin_empty(self, *size, dtype, device="cpu"):
+        """An empty host tensor, pinned where a GPU makes pinning mean something."""
+        return torch.empty(*size, dtype=dtype, device=device, pin_memory=torch.cuda.is_available())
+
+    def pin_empty_like(self, tensor, device="cpu", dtype=None):
+        return self.pin_empty(*tensor.shape, dtype=dtype or tensor.dtype, device=device)
+
+    def unpin_memory(self, tensor):
+        return tensor  # a pinned tensor is unpinned when freed; nothing to do ahead
+
     def build_extension(self):
         from torch.utils.cpp_extension import BuildExtension
 
@@ -218,7 +231,7 @@ class CudaAccelerator(_Accelerator):
     def replay_graph(self, graph) -> None:
         graph.replay()
 
-    def pin_memory(self, tensor, align_bytes=1):
+    def pin_memory(self, tensor, make_copy=True, match_shape=True):
         return tensor.pin_memory()
 
     def is_pinned(self, tensor) -> bool:
@@ -374,7 +387,7 @@ class CpuAccelerator(_Accelerator):
     def replay_graph(self, graph) -> None:
         return None
 
-    def pin_memory(self, tensor, align_bytes=1):
+    def pin_memory(self, tensor, make_copy=True, match_shape=True):
         return tensor  # nothing to pin a host tensor for
 
     def is_pinned(self, tensor) -> bool:

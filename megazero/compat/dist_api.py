@@ -27,8 +27,9 @@ from megazero.compat.accelerator import get_accelerator
 
 ReduceOp = dist.ReduceOp
 
-# DeepSpeed's bandwidth arithmetic (utils/comms_logging.py): algorithmic bandwidth = moved / latency with
-# moved = size x n for the gathering ops (size: the shard), 2 x size for an all-reduce, size otherwise;
+# DeepSpeed's bandwidth arithmetic (utils/comms_logging.py): the message size is the bytes of the argument
+# DeepSpeed names `tensor` (`input_list`, `tensors`, ...); algorithmic bandwidth = moved / latency with
+# moved = size x n for the gathering ops, 2 x size for an all-reduce, size otherwise;
 # bus bandwidth = algorithmic x (n-1)/n for these collectives, = algorithmic for the rest
 _GATHERED = ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor")
 _RING = _GATHERED + ("all_reduce", "all_reduce_coalesced", "all_to_all_single", "all_to_all")
@@ -196,25 +197,25 @@ def all_gather_object(object_list, obj, group=None):
     return dist.all_gather_object(object_list, obj, group=group)
 
 
-@_timed("all_gather_into_tensor", "input_tensor")
-def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+@_timed("all_gather_into_tensor", "tensor")
+def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False):
+    return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
 
 
 def allgather_fn(output_tensor, input_tensor, group=None, async_op=False, debug=None):
-    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op, log_name="allgather_fn")
 
 
-@_timed("reduce_scatter_tensor", "output_tensor")
-def reduce_scatter_tensor(output_tensor, input_tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+@_timed("reduce_scatter_tensor", "tensor")
+def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, debug=None):
     return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op, prof=prof)
 
 
-@_timed("reduce_scatter", "output")
+@_timed("reduce_scatter", "input_list")
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
 
@@ -235,9 +236,9 @@ def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
     return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
 
 
-@_timed("all_to_all_single", "input")
-def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+@_timed("all_to_all_single", "tensor")
+def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group,
                                   async_op=async_op)
 
 
