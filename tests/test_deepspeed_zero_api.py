@@ -144,6 +144,13 @@ def test_tiled_linear_options():
         megazero.zero.TiledLinear(8, 6, in_splits=9)
 
 
+def _table(text: str) -> list[str]:
+    """The rows of a printed estimate, spaces removed (DeepSpeed prints its enum as OffloadDeviceEnum.cpu
+    under Python 3.11, where megazero prints cpu, as DeepSpeed's docs show)."""
+    return [line.replace(" ", "").replace("OffloadDeviceEnum.", "") for line in text.splitlines() if "GB|" in
+            line.replace(" ", "")]
+
+
 @pytest.mark.parametrize("gpus, nodes", [(1, 1), (8, 1), (8, 4), (4, 16)])
 def test_the_memory_estimators_equal_deepspeeds(gpus, nodes, capsys):
     from deepspeed.runtime.zero import stage3 as ds3
@@ -166,9 +173,9 @@ def test_the_memory_estimators_equal_deepspeeds(gpus, nodes, capsys):
                          (stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live,
                           ds2.estimate_zero2_model_states_mem_needs_all_live)):
         ours(model, gpus, nodes)
-        mine = capsys.readouterr().out
+        mine = _table(capsys.readouterr().out)
         theirs(model, gpus, nodes)
-        assert mine.replace(" ", "") == capsys.readouterr().out.replace(" ", "")
+        assert mine == _table(capsys.readouterr().out) and len(mine) in (2, 6)
     assert deepspeed.runtime.zero.stage3 is stage3
 
 
