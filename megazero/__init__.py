@@ -26,21 +26,11 @@ def initialize(*args, **kwargs):
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
                      verbose: bool = True, timeout=None, init_method: str | None = None,
                      dist_init_required: bool | None = None, config=None, rank: int = -1, world_size: int = -1):
-    """DeepSpeed's `init_distributed`: the default process group from torchrun's (or Slurm's)
-    environment, on `dist_backend` (None: nccl on GPUs, gloo otherwise). `timeout` is a timedelta or
-    seconds. MPI discovery, ports, init methods and explicit ranks are the launcher's business here:
-    anything but their defaults is refused, naming the argument."""
-    from datetime import timedelta
+    """See `megazero.compat.dist_api.init_distributed` (DeepSpeed's arguments)."""
+    from megazero.compat.dist_api import init_distributed as _init
 
-    from megazero.run.launch import init_distributed as _init
-
-    for name, value, default in (("init_method", init_method, None), ("rank", rank, -1),
-                                 ("world_size", world_size, -1)):
-        if value != default:
-            raise ValueError(f"init_distributed({name}={value!r}): megazero reads rank and world size from the "
-                             f"launcher's environment (torchrun or Slurm); leave {name} unset")
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 1800)
-    return _init(float(seconds), dist_backend or "auto")
+    return _init(dist_backend, auto_mpi_discovery, distributed_port, verbose, timeout or 1800, init_method,
+                 dist_init_required, config, rank, world_size)
 
 
 def add_config_arguments(parser):

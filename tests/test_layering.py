@@ -8,7 +8,7 @@ The folder a module lives in is its layer:
     L3 megazero/models/
     L4 megazero/engine/, run/, data/, compat/ (DeepSpeed's names over the engine), and the package
        __init__ (the top-level API); the DeepSpeed import paths that only re-export (accelerator/,
-       comm/, checkpointing/, pipe/, utils/, ops/, runtime/pipe/, runtime/utils/, runtime/zero/) are L4 too: a
+       comm/, checkpointing/, pipe/, utils/, ops/, runtime/pipe/, runtime/utils/, runtime/zero/, profiling/, monitor/) are L4 too: a
        folder inside a layer's folder may be listed with its own layer (the longest listed prefix wins)
 
 A module may import its own layer and the layers below, never above; megazero never imports
@@ -33,7 +33,7 @@ LAYERS = {
     "models": 3,
     "engine": 4, "run": 4, "data": 4, "ops": 4, "pipe": 4, "utils": 4, "": 4,
     "compat": 4, "accelerator": 4, "comm": 4, "checkpointing": 4, "runtime.pipe": 4, "runtime.utils": 4,
-    "runtime.zero": 4,
+    "runtime.zero": 4, "profiling": 4, "monitor": 4,
 }
 FORBIDDEN = ("model_specs", "tools", "benchmarks")
 

@@ -124,11 +124,19 @@ def _timed(name: str, payload: str | None):
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500, verbose=True,
                      timeout=timedelta(minutes=30), init_method=None, dist_init_required=None, config=None,
                      rank=-1, world_size=-1) -> None:
-    """DeepSpeed's `deepspeed.comm.init_distributed` (the same as `megazero.init_distributed`)."""
-    from megazero import init_distributed as _init
+    """DeepSpeed's `init_distributed` (also `megazero.init_distributed`): the default process group from
+    torchrun's (or Slurm's) environment, on `dist_backend` (None: nccl on GPUs, gloo otherwise).
+    `timeout` is a timedelta or seconds. MPI discovery, ports, init methods and explicit ranks are the
+    launcher's business here: anything but their defaults is refused, naming the argument."""
+    from megazero.run.launch import init_distributed as _init
 
-    _init(dist_backend, auto_mpi_discovery, distributed_port, verbose, timeout, init_method, dist_init_required,
-          config, rank, world_size)
+    for name, value, default in (("init_method", init_method, None), ("rank", rank, -1),
+                                 ("world_size", world_size, -1)):
+        if value != default:
+            raise ValueError(f"init_distributed({name}={value!r}): megazero reads rank and world size from the "
+                             f"launcher's environment (torchrun or Slurm); leave {name} unset")
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 1800)
+    return _init(float(seconds), dist_backend or "auto")
 
 
 def is_initialized() -> bool:

@@ -19,6 +19,9 @@ from torch import nn
 
 from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve
 from megazero.core.config.loading import read_file, read_tree
+from megazero.compat.dist_api import comms_logger
+from megazero.compat.dist_api import configure as configure_comms_logger
+from megazero.compat.monitor import MonitorMaster, check_installed
 from megazero.compat.pipe_topology import as_megazero
 from megazero.core.topology import Topology
 from megazero.engine.factories import (build_model, build_optimizer, build_scheduler, check_model_and_schedule,
@@ -166,6 +169,12 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                           f"initialize cannot checkpoint it; build it with build_pipeline_model(..., "
                           f"activation_checkpointer=ActivationCheckpointer.from_config(...)) or pass a model spec")
     _check_hpz_in_a_node(cfg, topology)
+    check_installed(cfg.log)  # a monitor's package (tensorboard, wandb), before any process group
+    if cfg.log.flops_profiler.enabled and isinstance(model, PipelineModule) or (
+            cfg.log.flops_profiler.enabled and (model is None or isinstance(model, str))):
+        raise ConfigError("log.flops_profiler.enabled (DeepSpeed: flops_profiler.enabled): the profiler counts one "
+                          "module's forward, which a pipeline splits over its stages' instructions; it runs with "
+                          "a plain nn.Module (use log.peak_tflops for the trainer's MFU)")
     if device is None:  # the dry run (device meta) computes nothing: no kernel to build
         nccl_environment(cfg.comm.backend)  # before the kernels' load may create the CUDA context
         load_kernels(cfg, model, local_device(cfg.comm.backend))
@@ -187,14 +196,19 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     scheduler = _scheduler(lr_scheduler, cfg, optimizer)
     t = cfg.train
     loader = _training_loader(training_data, cfg, pctx, collate_fn) if training_data is not None else None
+    monitor = MonitorMaster(cfg.log, pctx.global_rank)
+    if cfg.log.comms_logger.enabled:  # DeepSpeed's comms logger: megazero.comm's calls, the engine's counters
+        configure_comms_logger(cfg)
+        comms_logger().engine_stats.append(pctx.stats)
     if isinstance(module, PipelineModule):
         engine = PipelineEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps,
                                 cfg.pipeline.schedule, cfg.pipeline.chunks, t.micro_batch_size, compute_dtype(cfg),
                                 on_instruction=on_instruction, device=info.device, local_rank=info.local_rank,
-                                training_data=loader)
+                                training_data=loader, monitor=monitor)
     else:
         engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps, t.micro_batch_size,
-                              info.local_rank, info.device, training_data=loader)
+                              info.local_rank, info.device, training_data=loader, monitor=monitor,
+                              flops_profiler=cfg.log.flops_profiler)
     return engine, optimizer, loader if loader is not None else _dataloader(cfg, pctx, module, engine), scheduler
 
 
@@ -256,8 +270,8 @@ def _model(model, cfg: Config, pctx: ParallelContext, device):
             raise ConfigError("model.spec: no model given; pass model=... or set model.spec "
                               "(e.g. model.spec=model_specs/gpt.py:debug)")
         return build_model(cfg, pctx, device=device)  # each rank builds its own layers on its device
-    if isinstance(model, PipelineModule):
-        return model.to(device)
+    # a model passed in built computes in the configured precision, as DeepSpeed casts it (module.half() /
+    # .bfloat16()): its fp32 master weights start from the 16-bit values
     return model.to(device=device, dtype=compute_dtype(cfg))
 
 
