@@ -13,7 +13,8 @@ import importlib
 __version__ = "0.1.0"
 
 _SUBPACKAGES = ("zero", "pipe", "ops", "utils", "engine", "run", "core", "runtime", "models", "data", "tensor_parallel",
-                "pipeline", "activation_checkpoint", "accelerator", "comm", "checkpointing", "moe", "compat")
+                "pipeline", "activation_checkpoint", "accelerator", "comm", "checkpointing", "moe", "compat", "profiling",
+                "monitor")
 
 
 def initialize(*args, **kwargs):

@@ -119,9 +119,15 @@ def test_missing_monitor_packages_and_the_profiler_on_a_pipeline_are_refused(mon
 
 
 def test_get_model_profile_counts_the_gemms():
-    from megazero.profiling.flops_profiler import get_model_profile
+    from megazero.profiling.flops_profiler import FlopsProfiler, get_model_profile
 
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     flops, macs, params = get_model_profile(net, input_shape=(5, 32), print_profile=False, as_string=False)
     assert flops == 2 * 5 * (32 * 64 + 64 * 10) and macs == flops / 2
     assert params == 32 * 64 + 64 + 64 * 10 + 10
+    prof = FlopsProfiler(net)  # DeepSpeed's class, driven by hand
+    prof.start_profile()
+    net(torch.randn(5, 32))
+    prof.stop_profile()
+    assert prof.get_total_flops() == flops and prof.get_total_duration() > 0
+    assert "Sequential.0" in prof.report(top_modules=2)

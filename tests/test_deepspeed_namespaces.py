@@ -27,6 +27,7 @@ def test_the_cpu_accelerator_answers_like_deepspeeds():
     with acc.stream(None):
         pass
     acc.synchronize()
+    acc.set_device(0)  # a no-op on the host, as DeepSpeed's CPU accelerator
     t = acc.FloatTensor([1, 2])
     assert t.dtype == torch.float32 and acc.on_accelerator(t) and acc.LongTensor([1]).dtype == torch.long
     acc.reset_max_memory_allocated()
@@ -159,6 +160,7 @@ def test_the_engine_grid_and_a_pipeline_module_built_from_a_topology():
 def _comm_worker():
     import megazero.comm as dist
 
+    dist.init_distributed()  # already up (the harness made the group): DeepSpeed's call is then a no-op
     dist.configure(enabled=True, prof_all=True, verbose=False)
     t = torch.ones(1000)
     dist.all_reduce(t)
@@ -286,11 +288,24 @@ def test_log_dist_logs_on_the_ranks_asked(caplog):
     assert "[Rank -1] hello" in caplog.text
 
 
+def test_repeating_loader_starts_a_new_shuffled_epoch():
+    from megazero.utils import RepeatingLoader
+
+    data = torch.utils.data.TensorDataset(torch.arange(6))
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = RepeatingLoader(torch.utils.data.DataLoader(data, batch_size=3, sampler=sampler))
+    first = [next(loader)[0].tolist() for _ in range(2)]
+    second = [next(loader)[0].tolist() for _ in range(2)]  # the next epoch: set_epoch(1), another order
+    assert sorted(sum(first, [])) == sorted(sum(second, [])) == list(range(6)) and first != second
+    assert loader.epoch == 1
+
+
 def test_the_import_paths_exist():
     import megazero as deepspeed
 
     for path in ("accelerator", "comm", "checkpointing", "runtime.pipe", "runtime.utils", "utils", "pipe", "zero",
-                 "ops", "moe"):
+                 "ops", "moe", "monitor", "profiling.flops_profiler", "runtime.zero.stage3", "utils.zero_to_fp32",
+                 "runtime.pipe.topology"):
         obj = deepspeed
         for part in path.split("."):
             obj = getattr(obj, part)

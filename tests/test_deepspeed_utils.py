@@ -99,7 +99,10 @@ def test_safe_get_and_set_equal_pytorch_and_zero_to_fp32_recovers_the_weights(st
     for k, v in want.items():
         torch.testing.assert_close(saved[k], v, rtol=1e-6, atol=1e-7)
     from megazero.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict, \
-        load_state_dict_from_zero_checkpoint
+        get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(save_dir)
+    assert sorted(state) == sorted(want) and all(torch.equal(state[k], saved[k]) for k in want)
 
     files = convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(tmp_path / "sharded"), max_shard_size=200)
     assert [os.path.basename(f) for f in files][-1] == "pytorch_model.bin.index.json" and len(files) >= 3

@@ -177,6 +177,14 @@ def test_the_memory_estimators_equal_deepspeeds(gpus, nodes, capsys):
         theirs(model, gpus, nodes)
         assert mine == _table(capsys.readouterr().out) and len(mine) in (2, 6)
     assert deepspeed.runtime.zero.stage3 is stage3
+    for ours, theirs, args in ((stage3.estimate_zero3_model_states_mem_needs_all_cold,
+                                ds3.estimate_zero3_model_states_mem_needs_all_cold, (70e9, 1e9)),
+                               (stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold,
+                                ds2.estimate_zero2_model_states_mem_needs_all_cold, (70e9,))):
+        ours(*args, gpus, nodes)
+        mine = _table(capsys.readouterr().out)
+        theirs(*args, gpus, nodes)
+        assert mine == _table(capsys.readouterr().out)
 
 
 def test_lamb_is_refused_by_name():

@@ -9,6 +9,7 @@ from megazero.compat.tensor_fragment import (safe_get_full_fp32_param, safe_get_
                                              safe_set_full_optimizer_state, safe_set_local_fp32_param,
                                              safe_set_local_grad, safe_set_local_optimizer_state)
 from megazero.data.repeating import RepeatingLoader
+from megazero.utils import zero_to_fp32  # noqa: E402,F401  (deepspeed.utils.zero_to_fp32 as an attribute too)
 
 __all__ = ["RepeatingLoader", "logger", "log_dist", "print_dist", "set_log_level_from_string",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",

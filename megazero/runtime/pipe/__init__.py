@@ -3,6 +3,7 @@
 from megazero.compat.pipe_topology import (PipeDataParallelTopology, PipelineParallelGrid,
                                            PipeModelDataParallelTopology, ProcessTopology)
 from megazero.pipeline.pipeline_module import LayerSpec, PipelineModule, TiedLayerSpec
+from megazero.runtime.pipe import topology  # noqa: F401  (deepspeed.runtime.pipe.topology as an attribute too)
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology", "PipeDataParallelTopology",
            "PipeModelDataParallelTopology", "PipelineParallelGrid"]
