@@ -279,6 +279,15 @@ def test_set_random_seed_seeds_what_deepspeeds_seeds():
     assert draws[0] == draws[1]
 
 
+def test_see_memory_usage_prints_what_deepspeeds_prints(capsys):
+    import megazero as deepspeed
+
+    assert deepspeed.runtime.utils.see_memory_usage("quiet") is None  # without force: nothing
+    text = deepspeed.runtime.utils.see_memory_usage("after build", force=True)
+    out = capsys.readouterr().out
+    assert text in out and out.startswith("after build\nMA ") and "CPU Virtual Memory:  used = " in out
+
+
 def test_log_dist_logs_on_the_ranks_asked(caplog):
     from megazero.utils import log_dist, logger
 
