@@ -73,10 +73,15 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
             self.syncing = True
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss (scaled by 1/gas and the loss scale)."""
+        """Backward of one micro-batch's loss (scaled by 1/gas and the loss scale). May be called more than
+        once per micro-batch (a GAN's discriminator: real and fake losses); the gradients add up. Only
+        this backward's gradients go into the optimizer's flat buffers: those another engine's backward or
+        a `loss.backward()` of the user's leave on the module's parameters stay in `p.grad`, as in PyTorch
+        (`ZeroOptimizer.own_backward`)."""
         self.optimizer.set_last_microbatch(self.is_gradient_accumulation_boundary())
         set_aux_loss_scale(self.module, self.optimizer.scaler.scale / self.gas)  # MoE layers' aux losses, as the loss
-        self.optimizer.scale_loss(loss / self.gas).backward()
+        with self.optimizer.own_backward():
+            self.optimizer.scale_loss(loss / self.gas).backward()
         self.optimizer.after_backward()
 
     def step(self) -> None:

@@ -30,6 +30,7 @@ TP rank), `tied_name` (summed over the embedding group).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass
@@ -84,14 +85,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     model may leave parameters without a gradient on some ranks only (a user's module under the module
     engine); stages 2-3 then launch their reductions at the end of each unit's backward
     (`megazero.zero.unit_ends.UnitEnds`) instead of when a bucket completes, so every dp rank issues
-    them at the same places."""
+    them at the same places. `own_backward_only`: gradients enter the flat buffers only inside
+    `own_backward()` (the module engine's backward); those autograd computes elsewhere (another engine's
+    backward through these parameters, a `loss.backward()` of the user's, a `p.grad` write) stay in
+    `p.grad` as PyTorch leaves them, where `module.zero_grad()` clears them (see `own_backward` for when the
+    rest join the step's gradient). Off: every gradient autograd accumulates is taken (megazero's
+    pipelines, whose executor runs the backward)."""
 
     def __init__(self, params, pctx, stage: int = 0, spec: OptimizerSpec = OptimizerSpec(),
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = False, offload_optimizer: bool = False, offload_param: bool = False,
                  gradient_clipping: float = 0.0, loss_scaler: LossScaler | None = None,
                  units=None, prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
-                 nonfinite: str = "skip", zeropp: ZeroPlusPlus | None = None, data_dependent_graph: bool = False):
+                 nonfinite: str = "skip", zeropp: ZeroPlusPlus | None = None, data_dependent_graph: bool = False,
+                 own_backward_only: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {stage}")
         if spec.type not in ("adam", "adamw", "sgd", "onebit_adam"):
@@ -117,6 +124,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_microbatch = True
         self._reduced = False
         self._early = None  # EarlyUpdates, set below when the step allows them
+        self.own_backward_only = own_backward_only
+        self._in_own_backward = False  # inside `own_backward()`
         defaults = {"lr": spec.lr, "betas": tuple(spec.betas), "eps": spec.eps, "weight_decay": spec.weight_decay,
                     "momentum": spec.momentum}
         given = list(params)
@@ -189,10 +198,69 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Tell stages 0-1 whether the coming backward is the step's last (overlap launches then)."""
         self.last_microbatch = last
 
+    @contextlib.contextmanager
+    def own_backward(self):
+        """The module engine's backward runs inside: with `own_backward_only`, only gradients computed here
+        go into the flat buffers. A gradient a parameter already holds in `p.grad` when it begins (from a
+        backward outside, or written by the user) joins this backward's: PyTorch would accumulate into it
+        (stages 2-3: into its bucket, reduced with this micro-batch's). One still in `p.grad` at the step
+        joins there (`_take_outside_grads`). Local: no communication; a loop over the parameters on the host.
+        With overlap_comm, stages 0-1 reduce during the step's last backward: another backward after it,
+        before the step, would add into buckets already reduced, and is refused."""
+        for group in self.groups:
+            if group.full_grads and group.launched():
+                raise RuntimeError(f"engine.backward: a backward after the step's gradient reductions were launched "
+                                   f"(ZeRO stage {self.stage} with overlap_comm reduces during the backward at the "
+                                   f"accumulation boundary); call backward once per micro-batch (e.g. "
+                                   f"engine.backward(loss_a + loss_b)) or set zero_optimization.overlap_comm false")
+        if self.unit_ends is not None:  # a backward outside may have ended units: this one starts afresh
+            self.unit_ends.reset()
+        if self.gatherer is not None:  # stage 3: units a backward outside gathered and never released
+            self.gatherer.release_all()
+        for group, i, p in self._outside_grads():
+            self._absorb(group, i, p)
+        self._in_own_backward = True
+        try:
+            yield
+        finally:
+            self._in_own_backward = False
+
+    def _outside_grads(self) -> list[tuple[FlatGroup, int, torch.nn.Parameter]]:
+        """(group, index, parameter) of every parameter holding a gradient in `p.grad` (put there outside
+        `own_backward`)."""
+        return [(group, i, p) for group in self.groups for i, p in enumerate(group.params) if p.grad is not None]
+
+    @torch.no_grad()
+    def _absorb(self, group: FlatGroup, i: int, p: torch.nn.Parameter) -> None:
+        """Add p.grad, scaled by the loss scale as the engine's own gradients are, into its fp32 slot, and
+        drop it. Counts nothing: its bucket is reduced with the rest of the micro-batch's (stages 2-3) or
+        step's (0-1)."""
+        grad, p.grad = p.grad, None
+        group.grad_view(i).view(group.shapes[i]).add_(grad.reshape(group.shapes[i]), alpha=self.scaler.scale)
+
+    def _take_outside_grads(self) -> None:
+        """At the step: gradients that reached `p.grad` after the step's last `own_backward` (a backward
+        outside, a `p.grad` write) join the step's gradient at stages 0-1 (their buckets reduce now). Stages
+        2-3 reduced every bucket inside the backward, and an extra reduction here would have to be agreed
+        by every dp rank: refused, with what to do instead."""
+        for group, i, p in self._outside_grads():
+            if not group.full_grads or group.launched(group.layout.bucket_of(i)):
+                where = getattr(p, "logical_name", None) or f"parameter {i} of flat group {group.name!r} {tuple(group.shapes[i])}"
+                why = (f"ZeRO stage {self.stage} reduce-scatters each micro-batch's gradients inside engine.backward"
+                       if not group.full_grads else "overlap_comm reduced its bucket during the last engine.backward")
+                raise RuntimeError(f"engine.step(): {where} holds a gradient in p.grad that came after the last "
+                                   f"engine.backward (a backward outside the engine, or a p.grad write); {why}, so it "
+                                   f"cannot join this step. Clear it (module.zero_grad()) before engine.step(), or "
+                                   f"compute it before engine.backward (it then joins that backward's gradient)")
+            self._absorb(group, i, p)
+
     @torch.no_grad()
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         """Autograd's hook: add p.grad into its slot and drop it before the bucket's reduction
-        launches (so the peak does not hold autograd's gradient and the reduction at once)."""
+        launches (so the peak does not hold autograd's gradient and the reduction at once). With
+        `own_backward_only`, outside `own_backward` it leaves p.grad as it is."""
+        if self.own_backward_only and not self._in_own_backward:
+            return
         grad, p.grad = p.grad, None
         group, i = self._where[id(p)]
         group.grad_view(i).view(group.shapes[i]).add_(grad.reshape(group.shapes[i]))
@@ -237,9 +305,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Stages 2-3 with `data_dependent_graph` (`UnitEnds`' callback): unit u's backward ended; launch each
         group's buckets up to its b in `through`, complete or not, over the group's dp group (at stage 3
         before any earlier unit's gathers), and release the unit. (Not for megazero's pipelines: their graph
-        is fixed, and zero-bubble schedules add weight gradients after a unit's backward.)"""
-        for group, b in through:
-            group.launch_through(b, async_op=self.overlap, complete_or_not=True)
+        is fixed, and zero-bubble schedules add weight gradients after a unit's backward.) In a backward
+        outside `own_backward` (with `own_backward_only`) it only releases the unit: no gradient was taken."""
+        if not self.own_backward_only or self._in_own_backward:
+            for group, b in through:
+                group.launch_through(b, async_op=self.overlap, complete_or_not=True)
         if self.gatherer is not None:
             self.gatherer.backward_ended(u)
 
@@ -271,6 +341,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._reduced:
             return
         self._reduced = True
+        if self.own_backward_only:
+            self._take_outside_grads()
+        if self.gatherer is not None:  # stage 3: units a backward outside gathered would go stale
+            self.gatherer.release_all()
         for group in self.groups:
             if group.full_grads and not self.compressing:  # 1-bit Adam: each rank keeps its own gradient
                 group.flush(async_op=self.overlap)
