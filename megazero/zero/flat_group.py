@@ -264,11 +264,6 @@ class FlatGroup:
     # fixed instead: bucket 0, 1, 2, ... every micro-batch (stages 2-3) or step (stages 0-1), each
     # launched once its turn has come and it is complete (`bucket_ready`), the rest at `flush`.
 
-    def launched(self, b: int = 0) -> bool:
-        """Whether bucket b's reduction (by default the first's) was launched in the current round (the
-        micro-batch at stages 2-3, the step at 0-1)."""
-        return b < self._next
-
     def bucket_ready(self, b: int, async_op: bool = False) -> None:
         """Bucket b is complete: launch, in index order, every bucket whose turn has come (b and those
         after it that are complete, once every bucket before them is launched). Communicates over

@@ -126,6 +126,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._early = None  # EarlyUpdates, set below when the step allows them
         self.own_backward_only = own_backward_only
         self._in_own_backward = False  # inside `own_backward()`
+        self._boundary_backward = False  # stages 0-1 with overlap_comm: a backward at the boundary ran this step
         defaults = {"lr": spec.lr, "betas": tuple(spec.betas), "eps": spec.eps, "weight_decay": spec.weight_decay,
                     "momentum": spec.momentum}
         given = list(params)
@@ -205,14 +206,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         backward outside, or written by the user) joins this backward's: PyTorch would accumulate into it
         (stages 2-3: into its bucket, reduced with this micro-batch's). One still in `p.grad` at the step
         joins there (`_take_outside_grads`). Local: no communication; a loop over the parameters on the host.
-        With overlap_comm, stages 0-1 reduce during the step's last backward: another backward after it,
-        before the step, would add into buckets already reduced, and is refused."""
-        for group in self.groups:
-            if group.full_grads and group.launched():
-                raise RuntimeError(f"engine.backward: a backward after the step's gradient reductions were launched "
-                                   f"(ZeRO stage {self.stage} with overlap_comm reduces during the backward at the "
-                                   f"accumulation boundary); call backward once per micro-batch (e.g. "
-                                   f"engine.backward(loss_a + loss_b)) or set zero_optimization.overlap_comm false")
+        With overlap_comm, stages 0-1 reduce during the step's last backward: a second backward at the
+        boundary, before the step, would add into buckets already reduced, and is refused on every rank
+        alike (by count, not by which buckets this rank's data completed)."""
+        if self._overlapping_now():
+            if self._boundary_backward:
+                raise RuntimeError(f"engine.backward: a second backward at the accumulation boundary before the step; "
+                                   f"ZeRO stage {self.stage} with overlap_comm launches the step's gradient reductions "
+                                   f"during the first (a later backward would add into buckets already reduced). Call "
+                                   f"backward once per micro-batch (e.g. engine.backward(loss_a + loss_b)) or set "
+                                   f"zero_optimization.overlap_comm false")
+            self._boundary_backward = True
         if self.unit_ends is not None:  # a backward outside may have ended units: this one starts afresh
             self.unit_ends.reset()
         if self.gatherer is not None:  # stage 3: units a backward outside gathered and never released
@@ -224,6 +228,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             yield
         finally:
             self._in_own_backward = False
+
+    def _overlapping_now(self) -> bool:
+        """Whether the coming backward launches stage 0-1 reductions as buckets complete (`_grad_finished`)."""
+        return self.overlap and self.last_microbatch and not self.compressing and any(g.full_grads for g in self.groups)
 
     def _outside_grads(self) -> list[tuple[FlatGroup, int, torch.nn.Parameter]]:
         """(group, index, parameter) of every parameter holding a gradient in `p.grad` (put there outside
@@ -244,10 +252,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         2-3 reduced every bucket inside the backward, and an extra reduction here would have to be agreed
         by every dp rank: refused, with what to do instead."""
         for group, i, p in self._outside_grads():
-            if not group.full_grads or group.launched(group.layout.bucket_of(i)):
+            if not group.full_grads or self._boundary_backward:  # the latter: every rank alike, by count
                 where = getattr(p, "logical_name", None) or f"parameter {i} of flat group {group.name!r} {tuple(group.shapes[i])}"
                 why = (f"ZeRO stage {self.stage} reduce-scatters each micro-batch's gradients inside engine.backward"
-                       if not group.full_grads else "overlap_comm reduced its bucket during the last engine.backward")
+                       if not group.full_grads else "with overlap_comm it reduces them during the last engine.backward")
                 raise RuntimeError(f"engine.step(): {where} holds a gradient in p.grad that came after the last "
                                    f"engine.backward (a backward outside the engine, or a p.grad write); {why}, so it "
                                    f"cannot join this step. Clear it (module.zero_grad()) before engine.step(), or "
@@ -340,9 +348,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         tied shards over the embedding group; wait for everything in flight. Idempotent within a step."""
         if self._reduced:
             return
-        self._reduced = True
         if self.own_backward_only:
             self._take_outside_grads()
+        self._reduced = True
         if self.gatherer is not None:  # stage 3: units a backward outside gathered would go stale
             self.gatherer.release_all()
         for group in self.groups:
@@ -434,7 +442,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             norm = self._squared_norm().sqrt()[0]  # 0-d; float(norm) synchronises
             self.step_count += 1
             self._update_all(1.0)
-            self.zero_grad()
+            self._zero_flat_grads()
             return info | {"skipped": False, "grad_norm": norm, "skipped_steps": self.skipped_steps}
         norm = self.global_grad_norm()
         if not math.isfinite(norm):
@@ -446,12 +454,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise NonFiniteGradients(f"step {self.step_count + 1}: non-finite gradients ({where}); "
                                          f"nonfinite_gradients=skip skips such steps instead")
             self.skipped_steps += 1
-            self.zero_grad()
+            self._zero_flat_grads()
             return info | {"skipped": True, "grad_norm": float("nan"), "skipped_steps": self.skipped_steps}
         coef = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
         self.step_count += 1
         self._update_all(coef)
-        self.zero_grad()
+        self._zero_flat_grads()
         self.scaler.update(False)
         return info | {"skipped": False, "grad_norm": norm, "skipped_steps": self.skipped_steps}
 
@@ -485,7 +493,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
                               weight_decay=wds, adamw_mode=s.type == "adamw", bias_correction=s.bias_correction)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated so far, as torch's `Optimizer.zero_grad`: the flat buffers' and
+        whatever the parameters hold in `p.grad` (set to None, or zeroed in place with
+        `set_to_none=False`). Local: no communication (a reduction in flight is waited for)."""
+        for group in self.groups:
+            for p in group.params:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+        self._zero_flat_grads()
+
+    def _zero_flat_grads(self) -> None:
+        """Drop the flat buffers' gradients (the step's end; `zero_grad`)."""
         self._reduced = False
+        self._boundary_backward = False
         if self._early is not None:  # an early update already applied stays applied (see offload_overlap)
             self._early.finish()
         for group in self.groups:
