@@ -15,7 +15,7 @@ relative after the case's steps), or against the documented difference, or refus
 - several `engine.backward` calls before one step add up: same (stages 0-1 with overlap_comm: refused).
 - a parameter with no gradient in a step: a parameter used on one rank only gets the dp average (same);
   one no rank used is updated with a zero gradient (its Adam moments decay) where torch.optim skips it
-  (differs, as DeepSpeed's ZeRO optimizers).
+  (differs from PyTorch, same as DeepSpeed at every stage: tests/test_deepspeed_grad_semantics.py).
 
 One `run_ranks` per stage runs every case (a module fixture); each test checks one case.
 """
