@@ -9,6 +9,11 @@ rank, in this process), at ZeRO 0-3.
 - a parameter used in one step and by nothing in the next: DeepSpeed updates it with a zero gradient at
   every stage (it moves: its Adam moments decay; at ZeRO 0 its engine fills the missing gradient with
   zeros before the all-reduce), as megazero does; torch.optim.Adam alone would skip it.
+- `loss.backward()` on the engine's output instead of `engine.backward(loss)`, then `engine.step()`:
+  DeepSpeed takes it as the engine's backward at ZeRO 1-3 (its hooks on the engine's outputs) and
+  refuses it at ZeRO 0 (RuntimeError: "use engine.backward(loss)"); in megazero its gradient stays in `p.grad` as PyTorch leaves it and joins the step at ZeRO 0-1 (the
+  same update at gradient_accumulation_steps 1; not divided by it otherwise); ZeRO 2-3 refuse it at
+  the step (RuntimeError): they reduce-scatter only inside `engine.backward`.
 - the two-engine GAN script (tests/deepspeed_scripts/gan.py, only its import changed back to
   DeepSpeed's): DeepSpeed trains it as plain PyTorch at ZeRO 0 only: at ZeRO 1 the generator's backward
   leaks into the discriminator's step (losses off by more than 1e-3 relative), at ZeRO 2-3 it stops with
@@ -73,7 +78,19 @@ def probe(ds, stage):
     e.backward(e(X, use_extra=False).square().mean())
     e.step()
     unused_moved = not torch.equal(before["extra.weight"], full(ds, net)["extra.weight"])
-    return {"grad_none": grad_none, "dropped": dropped, "unused_moved": unused_moved}
+    results = []  # loss.backward() on the engine's output instead of engine.backward(loss), then step
+    for direct in (False, True):
+        e, net = engine()
+        try:
+            loss = e(X).square().mean()
+            loss.backward() if direct else e.backward(loss)
+            e.step()
+            results.append(full(ds, net))
+        except RuntimeError as err:
+            results.append(type(err).__name__)
+    direct = results[1] if isinstance(results[1], str) else \
+        "same" if all(torch.equal(results[0][n], t) for n, t in results[1].items()) else "differs"
+    return {"grad_none": grad_none, "dropped": dropped, "unused_moved": unused_moved, "direct": direct}
 
 
 def gan_under_deepspeed(stages):
@@ -147,6 +164,12 @@ def test_module_zero_grad_between_backward_and_step_as_deepspeed_zero(deepspeed_
 def test_parameter_without_gradient_as_deepspeed_zero(deepspeed_results, megazero_results, stage):
     assert deepspeed_results["probes"][stage]["unused_moved"]
     assert megazero_results[stage]["unused_moved"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_loss_backward_instead_of_engine_backward(deepspeed_results, megazero_results, stage):
+    assert deepspeed_results["probes"][stage]["direct"] == ("RuntimeError" if stage == 0 else "same")
+    assert megazero_results[stage]["direct"] == ("same" if stage <= 1 else "RuntimeError")
 
 
 def test_the_gan_script_under_deepspeed_itself(deepspeed_results):
