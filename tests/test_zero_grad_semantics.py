@@ -82,12 +82,12 @@ def fresh():
 
 # -- each case: (megazero on a rank, plain PyTorch on the global batch) -------------------------------------
 
-def engine_for(stage, overlap=False):
+def engine_for(stage, overlap=False, gas=1):
     import megazero
 
     net = fresh()
     client = torch.optim.Adam(net.parameters(), lr=LR)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage, "overlap_comm": overlap}}
     engine, optimizer, _, _ = megazero.initialize(model=net, optimizer=client, config=cfg)
     return engine, optimizer, client, net
@@ -116,7 +116,8 @@ def mz_outside_then_zero(stage, rank, how):
         x, y = batch(step, rank)
         outside_loss(net, x * 2).backward()
         {"module": lambda: net.zero_grad(), "module-zeros": lambda: net.zero_grad(set_to_none=False),
-         "client": lambda: client.zero_grad(), "returned": lambda: optimizer.zero_grad()}[how]()
+         "client": lambda: client.zero_grad(), "returned": lambda: optimizer.zero_grad(),
+         "returned-zeros": lambda: optimizer.zero_grad(set_to_none=False)}[how]()
         engine.backward(loss_of(engine, x, y))
         engine.step()
     return final(engine)
@@ -226,6 +227,28 @@ def pt_outside_kept(engine_backward):
     return body
 
 
+def mz_outside_with_accumulation(stage, rank):
+    """gradient_accumulation_steps 2: before each micro-batch's engine.backward a backward outside the
+    engine, not cleared: it joins that micro-batch's gradient as it is (engine.backward divides only its
+    own loss by 2)."""
+    engine, *_ = engine_for(stage, gas=2)
+    for step in range(2):
+        for j in range(2):
+            x, y = batch(2 * step + j, rank)
+            outside_loss(engine.module, x * 2).backward()
+            engine.backward(loss_of(engine, x, y))
+            engine.step()
+    return final(engine)
+
+
+def pt_outside_with_accumulation(net, opt, step):
+    opt.zero_grad()
+    for j in range(2):
+        for r in range(DP):
+            outside_loss(net, batch(2 * step + j, r)[0] * 2).div(DP).backward()
+        loss_of(net, *batch(2 * step + j)).div(2).backward()
+
+
 def extra_rows(step, rank=None):
     """Which rows use the side branch: every row at step 0, rank 0's rows at step 1, none at step 2."""
     rows = torch.tensor([[True] * 4, [True, True, False, False], [False] * 4][step])
@@ -260,7 +283,7 @@ def worker(stage):
 
     rank = dist.get_rank()
     out = {}
-    for how in ("module", "module-zeros", "client", "returned"):
+    for how in ("module", "module-zeros", "client", "returned", "returned-zeros"):
         out[f"outside_then_zero/{how}"] = mz_outside_then_zero(stage, rank, how)
     for how in ("module", "client", "returned", "engine"):
         out[f"zero_between/{how}"] = mz_zero_between(stage, rank, how)
@@ -272,6 +295,7 @@ def worker(stage):
     for eb in (True, False):
         out[f"outside_kept/{eb}"] = mz_outside_kept(stage, rank, eb)
     out["unused"] = mz_unused(stage, rank)
+    out["outside_gas2"] = mz_outside_with_accumulation(stage, rank)
     return out
 
 
@@ -300,7 +324,7 @@ def assert_ranks_agree(per_rank, key):
 # -- the tests ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("how", ["module", "module-zeros", "client", "returned"])
+@pytest.mark.parametrize("how", ["module", "module-zeros", "client", "returned", "returned-zeros"])
 def test_zero_grad_clears_gradients_from_outside_the_engine(results, stage, how):
     """module.zero_grad() (set_to_none True and False), the client's and the returned optimizer's
     zero_grad(), before engine.backward, drop what another backward left in p.grad: same as PyTorch."""
@@ -375,6 +399,13 @@ def test_backward_outside_the_engine(results, stage, engine_backward):
         assert_same(got, torch_run(pt_outside_kept(engine_backward)), (stage, engine_backward))
     else:
         assert isinstance(got, str) and "came after the last engine.backward" in got, got
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_backward_outside_the_engine_with_gradient_accumulation(results, stage):
+    per_rank = results(stage)
+    assert_ranks_agree(per_rank, "outside_gas2")
+    assert_same(per_rank[0]["outside_gas2"], torch_run(pt_outside_with_accumulation), stage)
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -501,8 +501,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if p.grad is not None:
                     if set_to_none:
                         p.grad = None
-                    else:
-                        p.grad.detach_().zero_()
+                    else:  # as torch's Optimizer.zero_grad
+                        if p.grad.grad_fn is not None:
+                            p.grad.detach_()
+                        else:
+                            p.grad.requires_grad_(False)
+                        p.grad.zero_()
         self._zero_flat_grads()
 
     def _zero_flat_grads(self) -> None:
