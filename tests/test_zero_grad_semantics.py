@@ -166,6 +166,26 @@ def mz_two_backward(stage, rank, overlap=False):
     return final(engine)
 
 
+def mz_retained_graph(stage, rank):
+    """Two engine.backward calls through one forward's graph (retain_graph=True on the first)."""
+    engine, *_ = engine_for(stage)
+    for step in range(2):
+        x, y = batch(step, rank)
+        out = engine(x)
+        engine.backward((out - y).square().mean(), retain_graph=True)
+        engine.backward(out.sin().mean())
+        engine.step()
+    return final(engine)
+
+
+def pt_retained_graph(net, opt, step):
+    x, y = batch(step)
+    opt.zero_grad()
+    out = net(x)
+    (out - y).square().mean().backward(retain_graph=True)
+    out.sin().mean().backward()
+
+
 def mz_grad_reads(stage, rank):
     """What p.grad holds right after engine.backward (None for every parameter, as DeepSpeed's ZeRO)."""
     engine, *_ = engine_for(stage)
@@ -289,6 +309,7 @@ def worker(stage):
         out[f"zero_between/{how}"] = mz_zero_between(stage, rank, how)
     out["two_backward"] = mz_two_backward(stage, rank)
     out["two_backward/overlap"] = mz_two_backward(stage, rank, overlap=True)
+    out["two_backward/retained"] = mz_retained_graph(stage, rank)
     out["grad_reads"] = mz_grad_reads(stage, rank)
     for when in ("before", "after"):
         out[f"grad_write/{when}"] = mz_grad_write(stage, rank, when)
@@ -350,6 +371,14 @@ def test_several_backward_calls_before_one_step_add_up(results, stage):
     per_rank = results(stage)
     assert_ranks_agree(per_rank, "two_backward")
     assert_same(per_rank[0]["two_backward"], torch_run(pt_two_backward(False)), stage)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_backward_calls_through_one_graph(results, stage):
+    """engine.backward(loss, retain_graph=True), as DeepSpeed's, then a second backward through the graph."""
+    per_rank = results(stage)
+    assert_ranks_agree(per_rank, "two_backward/retained")
+    assert_same(per_rank[0]["two_backward/retained"], torch_run(pt_retained_graph), stage)
 
 
 @pytest.mark.parametrize("stage", STAGES)
