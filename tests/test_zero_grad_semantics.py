@@ -11,8 +11,11 @@ relative after the case's steps), or against the documented difference, or refus
   gradient written there joins the step's at stages 0-1 (averaged over dp, as DDP averages) and is
   refused at the step at stages 2-3; one written before `engine.backward` joins that backward: same.
 - gradients from `torch.autograd.backward` / `loss.backward()` outside `engine.backward` stay in
-  `p.grad` (same); still there at the step they join it at stages 0-1 (same) and are refused at 2-3.
-- several `engine.backward` calls before one step add up: same (stages 0-1 with overlap_comm: refused).
+  `p.grad` (same); still there at the next `engine.backward` they join it (same, with gradient
+  accumulation too: only the engine's own loss is divided by it); still there at the step they join it
+  at stages 0-1 (same) and are refused at 2-3.
+- several `engine.backward` calls before one step add up, through one graph with `retain_graph=True`
+  too: same (stages 0-1 with overlap_comm: a second one at the boundary is refused).
 - a parameter with no gradient in a step: a parameter used on one rank only gets the dp average (same);
   one no rank used is updated with a zero gradient (its Adam moments decay) where torch.optim skips it
   (differs from PyTorch, same as DeepSpeed at every stage: tests/test_deepspeed_grad_semantics.py).
