@@ -213,7 +213,8 @@ def build_optimizer(cfg: Config, model: nn.Module, pctx: ParallelContext, params
         prefetch_bucket_size=z.prefetch_bucket_size, param_persistence_threshold=z.param_persistence_threshold,
         zeropp=ZeroPlusPlus(z.quantized_weights, z.quantized_gradients,
                             pctx.hpz_group if z.hpz_partition_size > 1 else None),
-        data_dependent_graph=not isinstance(model, PipelineModule))  # a user's module may skip parts per batch
+        data_dependent_graph=not isinstance(model, PipelineModule),  # a user's module may skip parts per batch
+        own_backward_only=not isinstance(model, PipelineModule))  # the module engine's: PyTorch's p.grad outside it
 
 
 def build_scheduler(cfg: Config, optimizer) -> LRScheduler | None:

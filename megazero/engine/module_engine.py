@@ -88,14 +88,24 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
         finally:
             self.syncing = True
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss (scaled by 1/gas and the loss scale)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of one micro-batch's loss, divided by gradient_accumulation_steps (unless
+        `scale_wrt_gas` is False) and scaled by the loss scale; returns the loss so divided, as DeepSpeed's.
+        `retain_graph` keeps the graph for another backward through it. May be called more than once per
+        micro-batch (a GAN's discriminator: real and fake losses); the gradients add up. Only this
+        backward's gradients go into the optimizer's flat buffers: those another engine's backward or a
+        `loss.backward()` of the user's leave on the module's parameters stay in `p.grad`, as in PyTorch
+        (`ZeroOptimizer.own_backward`)."""
         self.optimizer.set_last_microbatch(self.is_gradient_accumulation_boundary())
-        set_aux_loss_scale(self.module, self.optimizer.scaler.scale / self.gas)  # MoE layers' aux losses, as the loss
-        self.optimizer.scale_loss(loss / self.gas).backward()
+        divisor = self.gas if scale_wrt_gas else 1
+        set_aux_loss_scale(self.module, self.optimizer.scaler.scale / divisor)  # MoE layers' aux losses, as the loss
+        loss = loss / divisor
+        with self.optimizer.own_backward():
+            self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
         self.optimizer.after_backward()
-        if self.monitor is not None and self.monitor.enabled:
+        if self.monitor is not None and self.monitor.enabled:  # the step's mean loss: the sum of loss / gas
             self._step_loss = loss.detach() if self._step_loss is None else self._step_loss + loss.detach()
+        return loss
 
     def step(self) -> None:
         """Call after every micro-batch: steps the optimizer at the accumulation boundary."""
@@ -107,7 +117,7 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
                 step_lr_scheduler(self.lr_scheduler)
             samples, self.global_steps = self.global_samples, self.global_steps + 1
             if self._step_loss is not None:  # DeepSpeed writes the loss at the samples before the step
-                self._monitor_step(self._step_loss / self.gas, samples)
+                self._monitor_step(self._step_loss, samples)
                 self._step_loss = None
         self.micro_steps += 1
 

@@ -22,7 +22,8 @@ class EngineSurface:
         return self.train(False)
 
     def zero_grad(self) -> None:
-        """Drop the gradients accumulated so far (the ZeRO optimizer's flat buffers)."""
+        """Drop the gradients accumulated so far: the ZeRO optimizer's flat buffers and every parameter's
+        `p.grad` (gradients from outside the engine's backward), as torch's `Optimizer.zero_grad`."""
         self.optimizer.zero_grad()
 
     def get_lr(self) -> list[float]:

@@ -30,6 +30,7 @@ TP rank), `tied_name` (summed over the embedding group).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass
@@ -84,14 +85,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     model may leave parameters without a gradient on some ranks only (a user's module under the module
     engine); stages 2-3 then launch their reductions at the end of each unit's backward
     (`megazero.zero.unit_ends.UnitEnds`) instead of when a bucket completes, so every dp rank issues
-    them at the same places."""
+    them at the same places. `own_backward_only`: gradients enter the flat buffers only inside
+    `own_backward()` (the module engine's backward); those autograd computes elsewhere (another engine's
+    backward through these parameters, a `loss.backward()` of the user's, a `p.grad` write) stay in
+    `p.grad` as PyTorch leaves them, where `module.zero_grad()` clears them (see `own_backward` for when the
+    rest join the step's gradient). Off: every gradient autograd accumulates is taken (megazero's
+    pipelines, whose executor runs the backward)."""
 
     def __init__(self, params, pctx, stage: int = 0, spec: OptimizerSpec = OptimizerSpec(),
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = False, offload_optimizer: bool = False, offload_param: bool = False,
                  gradient_clipping: float = 0.0, loss_scaler: LossScaler | None = None,
                  units=None, prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
-                 nonfinite: str = "skip", zeropp: ZeroPlusPlus | None = None, data_dependent_graph: bool = False):
+                 nonfinite: str = "skip", zeropp: ZeroPlusPlus | None = None, data_dependent_graph: bool = False,
+                 own_backward_only: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {stage}")
         if spec.type not in ("adam", "adamw", "sgd", "onebit_adam"):
@@ -117,6 +124,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_microbatch = True
         self._reduced = False
         self._early = None  # EarlyUpdates, set below when the step allows them
+        self.own_backward_only = own_backward_only
+        self._in_own_backward = False  # inside `own_backward()`
+        self._boundary_backward = False  # stages 0-1 with overlap_comm: a backward at the boundary ran this step
         defaults = {"lr": spec.lr, "betas": tuple(spec.betas), "eps": spec.eps, "weight_decay": spec.weight_decay,
                     "momentum": spec.momentum}
         given = list(params)
@@ -189,10 +199,76 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Tell stages 0-1 whether the coming backward is the step's last (overlap launches then)."""
         self.last_microbatch = last
 
+    @contextlib.contextmanager
+    def own_backward(self):
+        """The module engine's backward runs inside: with `own_backward_only`, only gradients computed here
+        go into the flat buffers. A gradient a parameter already holds in `p.grad` when it begins (from a
+        backward outside, or written by the user) joins this backward's: PyTorch would accumulate into it
+        (stages 2-3: into its bucket, reduced with this micro-batch's). One still in `p.grad` at the step
+        joins there (`_take_outside_grads`). Local: no communication; a loop over the parameters on the host.
+        With overlap_comm, stages 0-1 reduce during the step's last backward: a second backward at the
+        boundary, before the step, would add into buckets already reduced, and is refused on every rank
+        alike (by count, not by which buckets this rank's data completed)."""
+        if self._overlapping_now():
+            if self._boundary_backward:
+                raise RuntimeError(f"engine.backward: a second backward at the accumulation boundary before the step; "
+                                   f"ZeRO stage {self.stage} with overlap_comm launches the step's gradient reductions "
+                                   f"during the first (a later backward would add into buckets already reduced). Call "
+                                   f"backward once per micro-batch (e.g. engine.backward(loss_a + loss_b)) or set "
+                                   f"zero_optimization.overlap_comm false")
+            self._boundary_backward = True
+        if self.unit_ends is not None:  # a backward outside may have ended units: this one starts afresh
+            self.unit_ends.reset()
+        if self.gatherer is not None:  # stage 3: units a backward outside gathered and never released
+            self.gatherer.release_all()
+        for group, i, p in self._outside_grads():
+            self._absorb(group, i, p)
+        self._in_own_backward = True
+        try:
+            yield
+        finally:
+            self._in_own_backward = False
+
+    def _overlapping_now(self) -> bool:
+        """Whether the coming backward launches stage 0-1 reductions as buckets complete (`_grad_finished`)."""
+        return self.overlap and self.last_microbatch and not self.compressing and any(g.full_grads for g in self.groups)
+
+    def _outside_grads(self) -> list[tuple[FlatGroup, int, torch.nn.Parameter]]:
+        """(group, index, parameter) of every parameter holding a gradient in `p.grad` (put there outside
+        `own_backward`)."""
+        return [(group, i, p) for group in self.groups for i, p in enumerate(group.params) if p.grad is not None]
+
+    @torch.no_grad()
+    def _absorb(self, group: FlatGroup, i: int, p: torch.nn.Parameter) -> None:
+        """Add p.grad, scaled by the loss scale as the engine's own gradients are, into its fp32 slot, and
+        drop it. Counts nothing: its bucket is reduced with the rest of the micro-batch's (stages 2-3) or
+        step's (0-1)."""
+        grad, p.grad = p.grad, None
+        group.grad_view(i).view(group.shapes[i]).add_(grad.reshape(group.shapes[i]), alpha=self.scaler.scale)
+
+    def _take_outside_grads(self) -> None:
+        """At the step: gradients that reached `p.grad` after the step's last `own_backward` (a backward
+        outside, a `p.grad` write) join the step's gradient at stages 0-1 (their buckets reduce now). Stages
+        2-3 reduced every bucket inside the backward, and an extra reduction here would have to be agreed
+        by every dp rank: refused, with what to do instead."""
+        for group, i, p in self._outside_grads():
+            if not group.full_grads or self._boundary_backward:  # the latter: every rank alike, by count
+                where = getattr(p, "logical_name", None) or f"parameter {i} of flat group {group.name!r} {tuple(group.shapes[i])}"
+                why = (f"ZeRO stage {self.stage} reduce-scatters each micro-batch's gradients inside engine.backward"
+                       if not group.full_grads else "with overlap_comm it reduces them during the last engine.backward")
+                raise RuntimeError(f"engine.step(): {where} holds a gradient in p.grad that came after the last "
+                                   f"engine.backward (a backward outside the engine, or a p.grad write); {why}, so it "
+                                   f"cannot join this step. Clear it (module.zero_grad()) before engine.step(), or "
+                                   f"compute it before engine.backward (it then joins that backward's gradient)")
+            self._absorb(group, i, p)
+
     @torch.no_grad()
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         """Autograd's hook: add p.grad into its slot and drop it before the bucket's reduction
-        launches (so the peak does not hold autograd's gradient and the reduction at once)."""
+        launches (so the peak does not hold autograd's gradient and the reduction at once). With
+        `own_backward_only`, outside `own_backward` it leaves p.grad as it is."""
+        if self.own_backward_only and not self._in_own_backward:
+            return
         grad, p.grad = p.grad, None
         group, i = self._where[id(p)]
         group.grad_view(i).view(group.shapes[i]).add_(grad.reshape(group.shapes[i]))
@@ -237,9 +313,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Stages 2-3 with `data_dependent_graph` (`UnitEnds`' callback): unit u's backward ended; launch each
         group's buckets up to its b in `through`, complete or not, over the group's dp group (at stage 3
         before any earlier unit's gathers), and release the unit. (Not for megazero's pipelines: their graph
-        is fixed, and zero-bubble schedules add weight gradients after a unit's backward.)"""
-        for group, b in through:
-            group.launch_through(b, async_op=self.overlap, complete_or_not=True)
+        is fixed, and zero-bubble schedules add weight gradients after a unit's backward.) In a backward
+        outside `own_backward` (with `own_backward_only`) it only releases the unit: no gradient was taken."""
+        if not self.own_backward_only or self._in_own_backward:
+            for group, b in through:
+                group.launch_through(b, async_op=self.overlap, complete_or_not=True)
         if self.gatherer is not None:
             self.gatherer.backward_ended(u)
 
@@ -270,7 +348,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         tied shards over the embedding group; wait for everything in flight. Idempotent within a step."""
         if self._reduced:
             return
+        if self.own_backward_only:
+            self._take_outside_grads()
         self._reduced = True
+        if self.gatherer is not None:  # stage 3: units a backward outside gathered would go stale
+            self.gatherer.release_all()
         for group in self.groups:
             if group.full_grads and not self.compressing:  # 1-bit Adam: each rank keeps its own gradient
                 group.flush(async_op=self.overlap)
@@ -360,7 +442,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             norm = self._squared_norm().sqrt()[0]  # 0-d; float(norm) synchronises
             self.step_count += 1
             self._update_all(1.0)
-            self.zero_grad()
+            self._zero_flat_grads()
             return info | {"skipped": False, "grad_norm": norm, "skipped_steps": self.skipped_steps}
         norm = self.global_grad_norm()
         if not math.isfinite(norm):
@@ -372,12 +454,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise NonFiniteGradients(f"step {self.step_count + 1}: non-finite gradients ({where}); "
                                          f"nonfinite_gradients=skip skips such steps instead")
             self.skipped_steps += 1
-            self.zero_grad()
+            self._zero_flat_grads()
             return info | {"skipped": True, "grad_norm": float("nan"), "skipped_steps": self.skipped_steps}
         coef = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
         self.step_count += 1
         self._update_all(coef)
-        self.zero_grad()
+        self._zero_flat_grads()
         self.scaler.update(False)
         return info | {"skipped": False, "grad_norm": norm, "skipped_steps": self.skipped_steps}
 
@@ -411,7 +493,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
                               weight_decay=wds, adamw_mode=s.type == "adamw", bias_correction=s.bias_correction)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated so far, as torch's `Optimizer.zero_grad`: the flat buffers' and
+        whatever the parameters hold in `p.grad` (set to None, or zeroed in place with
+        `set_to_none=False`). Local: no communication (a reduction in flight is waited for)."""
+        for group in self.groups:
+            for p in group.params:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:  # as torch's Optimizer.zero_grad
+                        if p.grad.grad_fn is not None:
+                            p.grad.detach_()
+                        else:
+                            p.grad.requires_grad_(False)
+                        p.grad.zero_()
+        self._zero_flat_grads()
+
+    def _zero_flat_grads(self) -> None:
+        """Drop the flat buffers' gradients (the step's end; `zero_grad`)."""
         self._reduced = False
+        self._boundary_backward = False
         if self._early is not None:  # an early update already applied stays applied (see offload_overlap)
             self._early.finish()
         for group in self.groups:
