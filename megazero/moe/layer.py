@@ -56,6 +56,7 @@ from megazero.core.moe_spec import MoESpec
 from megazero.moe.dispatch import AllToAll, DispatchPlan, plan_dispatch
 from megazero.moe.experts import GroupedExperts
 from megazero.moe.routing import Routing, decide, route
+from megazero.moe.user_layer import MoE  # DeepSpeed's MoE for a user's expert: `from megazero.moe.layer import MoE`
 from megazero.runtime.comm import GroupHandle
 from megazero.tensor_parallel.init import make_param
 
@@ -243,4 +244,5 @@ def combine(weighted: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, tok
     return cells.sum(1)
 
 
-__all__ = ["AttachLosses", "AuxLossScale", "DispatchPlan", "GatherRows", "MoELayer", "combine", "set_aux_loss_scale"]
+__all__ = ["AttachLosses", "AuxLossScale", "DispatchPlan", "GatherRows", "MoE", "MoELayer", "combine",
+           "set_aux_loss_scale"]
