@@ -154,3 +154,172 @@ def test_the_layer_equals_deepspeeds_layer_at_ep1():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         for a, b in zip(results[0][4], results[1][4]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# -- (b) expert parallelism: ep 2 and 4 equal ep 1 ---------------------------------------------------
+
+M, E, SHAPE = 8, 8, (3, 8, 8)  # hidden; experts; each rank's input (3, 8, M): 24 tokens
+LAYER_CASES = {
+    "top1": dict(k=1, min_capacity=2),
+    "top1-rsample-residual": dict(k=1, noisy_gate_policy="RSample", use_residual=True, capacity_factor=0.75,
+                                  min_capacity=1),
+    "top1-nodrop": dict(k=1, drop_tokens=False, use_rts=False),
+    "top2": dict(k=2, capacity_factor=0.5, min_capacity=1),
+    "top2-nodrop-jitter": dict(k=2, drop_tokens=False, noisy_gate_policy="Jitter"),
+}
+
+
+def build_layer(ep: int, kw: dict, ep_rank: int) -> MoE:
+    """The layer of case `kw` as ep rank `ep_rank` of `ep` builds it; global expert e gets weights of its
+    own (seed 100 + e), so that every expert differs."""
+    torch.manual_seed(0)
+    expert = nn.Sequential(nn.Linear(M, 12), nn.GELU(), nn.Linear(12, M))
+    layer = MoE(M, expert, num_experts=E, ep_size=ep, **kw)
+    with torch.no_grad():
+        for j, ex in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+            g = torch.Generator().manual_seed(100 + ep_rank * (E // ep) + j)
+            for p in ex.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return layer
+
+
+def run_layer(layer: MoE, rank: int) -> dict:
+    """Forward rank `rank`'s tokens (its own draws: seed 50 + rank) and backward a weighted sum of the
+    output plus l_aux; what came out and every gradient."""
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    torch.manual_seed(50 + rank)
+    out, l_aux, counts = layer(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(70 + rank))
+    ((out * w).sum() + 0.5 * l_aux).backward()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for n, p in layer.named_parameters()}
+    return {"out": out.detach(), "l_aux": l_aux.detach(), "counts": counts, "x": x.grad, "grads": grads}
+
+
+def ep_worker(ep: int) -> dict:
+    import torch.distributed as dist
+
+    from megazero.core.topology import Topology
+    from megazero.runtime.parallel_context import ParallelContext
+
+    pctx = ParallelContext(Topology(dp=ep), ep=ep)  # the order check is on (tests.harness)
+    assert pctx.order is not None
+    out = {}
+    for name, kw in LAYER_CASES.items():
+        layer = build_layer(ep, kw, pctx.ep_group.rank)
+        layer.set_ep_group(pctx.ep_group)
+        out[name] = run_layer(layer, dist.get_rank())
+    return out
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_layer_equals_ep1(ep):
+    ranks = run_ranks(ep_worker, ep, ep, timeout=120)
+    worst = 0.0
+    L = E // ep
+    for name, kw in LAYER_CASES.items():
+        reference = build_layer(1, kw, 0)
+        ref = []
+        for r in range(ep):  # ep 1: each rank's tokens alone, through all experts
+            reference.zero_grad(set_to_none=True)
+            ref.append(run_layer(reference, r))
+        for r in range(ep):
+            got, want = ranks[r][name], ref[r]
+            assert torch.equal(got["counts"], want["counts"]), (name, r)
+            errs = [_rel(got[key], want[key]) for key in ("out", "l_aux", "x")]
+            for n, grad in got["grads"].items():
+                if ".deepspeed_experts." in n:  # local expert j = global expert r·L + j: the sum over ranks
+                    j, rest = n.split(".deepspeed_experts.")[1].split(".", 1)
+                    global_name = f"deepspeed_moe.experts.deepspeed_experts.{r * L + int(j)}.{rest}"
+                    want_grad = sum(ref[q]["grads"][global_name] for q in range(ep))
+                else:  # gate, residual MLP, coefficient: this rank's tokens only
+                    want_grad = want["grads"][n]
+                assert want_grad.abs().max() > 0, (name, n)
+                errs.append(_rel(grad, want_grad))
+            worst = max(worst, *errs)
+            assert max(errs) <= 1e-6, (name, r, errs)
+    print(f"ep {ep}: max relative error over outputs, l_aux, input and parameter gradients {worst:.1e}")
+
+
+# -- (c) DeepSpeed's CIFAR-10 MoE tutorial script ------------------------------------------------------
+
+SCRIPT_COMMON = ["--moe", "--ep-world-size", "2", "--moe-param-group", "--dtype", "fp32", "--steps", "6",
+                 "--warmup", "4"]
+SCRIPT_CASES = {  # name: (ranks, arguments)
+    "zero0": (2, ["--stage", "0", "--num-experts", "4"]),
+    "zero2": (2, ["--stage", "2", "--num-experts", "4"]),
+    "zero1-top2-residual": (2, ["--stage", "1", "--num-experts", "4", "--top-k", "2", "--mlp-type", "residual"]),
+    "zero3-rsample-two-layers": (2, ["--stage", "3", "--num-experts", "4", "2", "--noisy-gate-policy", "RSample"]),
+    "dp4-zero2": (4, ["--stage", "2", "--num-experts", "4"]),
+    "dp4-zero3-top2": (4, ["--stage", "3", "--num-experts", "4", "--top-k", "2"]),
+}
+
+
+def moe_script_worker(runs):
+    from tests.deepspeed_scripts import cifar_moe
+
+    return {name: cifar_moe.main(argv) for name, argv in runs.items()}
+
+
+def moe_script_reference(argv, dp):
+    """The script's model at ep_size 1 under plain PyTorch, DDP's way: each step every rank's micro-batch
+    of the tutorial's loader (DistributedSampler over dp), the gradients averaged, clipping at 1.0,
+    AdamW (DeepSpeed's "Adam": decoupled weight decay) and DeepSpeed's own WarmupLR. The ranks draw
+    their routing noise from generators in the same state (same seed, same draws): each simulated rank
+    starts from the state the step starts from."""
+    import torch.utils.data as tud
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    from tests.deepspeed_scripts import cifar_moe as script
+
+    args = script.add_argument([a if a != "2" or argv[i - 1] != "--ep-world-size" else "1" for i, a in enumerate(argv)])
+    assert args.ep_world_size == 1
+    torch.manual_seed(args.seed)
+    net = script.Net(args)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.001, betas=(0.8, 0.999), eps=1e-8, weight_decay=3e-7)
+    sched = WarmupLR(opt, warmup_min_lr=0, warmup_max_lr=0.001, warmup_num_steps=args.warmup)
+    data = script.trainset()
+    loaders = [tud.DataLoader(data, batch_size=16 // dp, sampler=tud.DistributedSampler(data, num_replicas=dp, rank=r))
+               for r in range(dp)]
+    losses, clipped = [], 0
+    while len(losses) < args.steps:
+        state, iters = torch.get_rng_state(), []
+        for loader in loaders:  # each rank's iter() draws its loader's base seed
+            torch.set_rng_state(state)
+            iters.append(iter(loader))
+        for batches in zip(*iters):
+            state, total = torch.get_rng_state(), 0.0
+            opt.zero_grad()
+            for x, y in batches:
+                torch.set_rng_state(state)
+                loss = torch.nn.functional.cross_entropy(net(x), y)
+                (loss / dp).backward()
+                total += loss.item() / dp
+            clipped += torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0).item() > 1.0
+            opt.step()
+            sched.step()
+            losses.append(total)
+            if len(losses) == args.steps:
+                break
+    return losses, clipped
+
+
+def test_deepspeed_moe_tutorial_script_trains_like_pytorch():
+    worst = 0.0
+    for ranks in sorted({n for n, _ in SCRIPT_CASES.values()}):
+        runs = {name: SCRIPT_COMMON + argv for name, (n, argv) in SCRIPT_CASES.items() if n == ranks}
+        results = run_ranks(moe_script_worker, ranks, runs, timeout=300)
+        for name, argv in runs.items():
+            got = results[0][name]
+            assert all(r[name]["losses"] == got["losses"] for r in results)
+            names = [g[0] for g in got["groups"]]
+            assert names == ["parameters", "ep_size_2"] and got["groups"][1][1] is True  # the moe group came through
+            want, _ = moe_script_reference(argv, ranks)
+            err = _rel(torch.tensor(got["losses"]), torch.tensor(want))
+            print(f"cifar MoE {name} ({ranks} ranks): per-step losses within {err:.1e} relative")
+            worst = max(worst, err)
+            assert err <= 1e-5, (name, got["losses"], want)
+    print(f"cifar MoE script: worst {worst:.1e}")

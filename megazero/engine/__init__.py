@@ -25,6 +25,7 @@ from megazero.engine.factories import (build_model, build_optimizer, build_sched
 from megazero.engine.kernel_plan import load_kernels
 from megazero.engine.module_engine import ModuleEngine
 from megazero.engine.pipeline_engine import PipelineEngine
+from megazero.moe.user_layer import MoE
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.run.launch import detect, init_distributed, local_device, nccl_environment
 from megazero.runtime import comm
@@ -112,6 +113,9 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     `on_instruction(ins, start_s, end_s)` sees every pipeline instruction (timers, traces).
     `device` (default: the launcher's, `init_distributed`) and `order` (what every group posts its
     operations to, see `ParallelContext`) are for the dry run (`megazero.run.dry_run`: meta, a recorder)."""
+    moe_layers = _user_moe_layers(model)
+    if moe_layers:
+        cfg = _with_expert_parallel(cfg, moe_layers, model)
     p = cfg.parallel
     topology = Topology(pp=p.pp, dp=p.dp, tp=p.tp, order=tuple(p.order))
     if isinstance(model, str):  # a spec named here instead of in the config: check it like load_run_config
@@ -122,11 +126,12 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     elif isinstance(model, nn.Module) and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"parallel.tp={p.tp}, parallel.pp={p.pp}: a plain nn.Module runs with tp = pp = 1 "
                           f"only; build it from megazero layers (a model spec or a PipelineModule)")
-    elif isinstance(model, nn.Module) and p.ep > 1:
+    elif isinstance(model, nn.Module) and p.ep > 1 and not moe_layers:
         raise ConfigError(f"parallel.ep={p.ep} (DeepSpeed: expert_parallel.autoep_size): a plain nn.Module keeps its "
-                          f"own MoE blocks, which megazero cannot split over ranks; build the model from a megazero "
-                          f"MoE spec (e.g. model_specs/llama.py:mixtral-8x7b; a Hugging Face Mixtral's weights load "
-                          f"with megazero.models.hf.load_hf_state_dict) or set parallel.ep=1")
+                          f"own MoE blocks, which megazero cannot split over ranks; build its MoE layers with "
+                          f"megazero.moe.layer.MoE (DeepSpeed's, with ep_size), or the model from a megazero MoE "
+                          f"spec (e.g. model_specs/llama.py:mixtral-8x7b; a Hugging Face Mixtral's weights load "
+                          f"with megazero.models.hf.load_hf_state_dict), or set parallel.ep=1")
     elif model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a spec string, a PipelineModule or an nn.Module, got {type(model).__name__}")
     policy = cfg.activation_checkpointing.policy
@@ -149,6 +154,8 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     if isinstance(model, PipelineModule):
         _agree_on_stage(model, pctx, info.device)
     module = _model(model, cfg, pctx, info.device)
+    for layer in moe_layers:  # DeepSpeed's engine: set_deepspeed_parallelism on every MoE layer
+        layer.set_ep_group(pctx.ep_group)
     spec = None
     if client_optimizer is not None:
         spec, model_parameters = take_over(client_optimizer, model_parameters if model_parameters is not None
@@ -166,6 +173,32 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
         engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps, t.micro_batch_size,
                               info.local_rank, info.device, training_data=loader)
     return engine, optimizer, loader if loader is not None else _dataloader(cfg, pctx, module, engine), scheduler
+
+
+def _user_moe_layers(model) -> list[MoE]:
+    """The DeepSpeed-style `MoE` layers (`megazero.moe.layer.MoE`) of a user's module; none for a spec."""
+    return [m for m in model.modules() if isinstance(m, MoE)] if isinstance(model, nn.Module) else []
+
+
+def _with_expert_parallel(cfg: Config, layers: list[MoE], model: nn.Module) -> Config:
+    """`cfg` with parallel.ep taken from the model's MoE layers' ep_size, as DeepSpeed takes it (before any
+    process group). Every layer must have the same ep_size (megazero builds one expert-parallel group),
+    the config may not ask for another, and ep_size must divide dp."""
+    sizes = sorted({m.ep_size for m in layers})
+    if len(sizes) > 1:
+        raise ConfigError(f"MoE layers with ep_size {sizes}: megazero builds one expert-parallel group per model "
+                          f"(DeepSpeed: one per ep_size); give every MoE layer the same ep_size")
+    ep = sizes[0]
+    if cfg.parallel.ep not in (1, ep):
+        raise ConfigError(f"parallel.ep={cfg.parallel.ep} (DeepSpeed: expert_parallel.autoep_size), but the model's "
+                          f"MoE layers have ep_size={ep}; the layers decide: leave parallel.ep unset or set it to {ep}")
+    if ep > 1 and isinstance(model, PipelineModule):
+        raise ConfigError(f"MoE(ep_size={ep}) inside a PipelineModule: expert parallelism runs in a plain nn.Module "
+                          f"(any ZeRO stage) or in a model built from a megazero MoE spec; use ep_size=1 here")
+    try:
+        return resolve(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep)))
+    except ConfigError as err:
+        raise ConfigError(f"MoE layers' ep_size={ep} (parallel.ep is taken from them): {err}") from None
 
 
 def data_iterator(cfg: Config, engine, start_step: int):
