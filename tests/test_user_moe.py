@@ -247,7 +247,8 @@ def test_expert_parallel_layer_equals_ep1(ep):
 # -- (c) DeepSpeed's CIFAR-10 MoE tutorial script ------------------------------------------------------
 
 SCRIPT_COMMON = ["--moe", "--ep-world-size", "2", "--moe-param-group", "--dtype", "fp32", "--steps", "6",
-                 "--warmup", "4"]
+                 "--warmup", "4", "--gradient-clipping", "0.02"]  # clipping on every step: the expert gradients'
+CLIP = 0.02                                                        # scale shows through Adam
 SCRIPT_CASES = {  # name: (ranks, arguments)
     "zero0": (2, ["--stage", "0", "--num-experts", "4"]),
     "zero2": (2, ["--stage", "2", "--num-experts", "4"]),
@@ -266,7 +267,7 @@ def moe_script_worker(runs):
 
 def moe_script_reference(argv, dp):
     """The script's model at ep_size 1 under plain PyTorch, DDP's way: each step every rank's micro-batch
-    of the tutorial's loader (DistributedSampler over dp), the gradients averaged, clipping at 1.0,
+    of the tutorial's loader (DistributedSampler over dp), the gradients averaged, clipped at CLIP,
     AdamW (DeepSpeed's "Adam": decoupled weight decay) and DeepSpeed's own WarmupLR. The ranks draw
     their routing noise from generators in the same state (same seed, same draws): each simulated rank
     starts from the state the step starts from."""
@@ -298,7 +299,7 @@ def moe_script_reference(argv, dp):
                 loss = torch.nn.functional.cross_entropy(net(x), y)
                 (loss / dp).backward()
                 total += loss.item() / dp
-            clipped += torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0).item() > 1.0
+            clipped += torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP).item() > CLIP
             opt.step()
             sched.step()
             losses.append(total)
@@ -317,9 +318,119 @@ def test_deepspeed_moe_tutorial_script_trains_like_pytorch():
             assert all(r[name]["losses"] == got["losses"] for r in results)
             names = [g[0] for g in got["groups"]]
             assert names == ["parameters", "ep_size_2"] and got["groups"][1][1] is True  # the moe group came through
-            want, _ = moe_script_reference(argv, ranks)
+            want, clipped = moe_script_reference(argv, ranks)
+            assert clipped == len(want)  # clipping was active at every step
             err = _rel(torch.tensor(got["losses"]), torch.tensor(want))
             print(f"cifar MoE {name} ({ranks} ranks): per-step losses within {err:.1e} relative")
             worst = max(worst, err)
             assert err <= 1e-5, (name, got["losses"], want)
     print(f"cifar MoE script: worst {worst:.1e}")
+
+
+# -- (d) under megazero.initialize: ZeRO 0-3, expert gradients over the expert-data-parallel group ------
+
+ENGINE_CASES = [(2, 0), (2, 1), (2, 2), (2, 3), (4, 2), (4, 3)]  # (ep_size, ZeRO stage) on 4 ranks
+ENGINE_STEPS, ENGINE_GAS, ENGINE_CLIP, EXPERT_LR = 3, 2, 0.05, 0.2
+
+
+class TinyMoEModel(nn.Module):
+    """A user's model: linear, DeepSpeed's MoE (top-2, an MLP expert, PR-MoE residual), linear, the
+    cross-entropy plus 0.1 · l_aux."""
+
+    def __init__(self, ep: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, M)
+        self.moe = MoE(M, nn.Sequential(nn.Linear(M, 10), nn.GELU(), nn.Linear(10, M)), num_experts=4, ep_size=ep,
+                       k=2, capacity_factor=0.5, min_capacity=1, use_residual=True)
+        self.out = nn.Linear(M, 3)
+
+    def forward(self, x, y):
+        h, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return nn.functional.cross_entropy(self.out(h).reshape(-1, 3), y.reshape(-1)) + 0.1 * l_aux
+
+
+def engine_batch(step: int, rank: int, micro: int):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(2, 4, 6, generator=g), torch.randint(0, 3, (2, 4), generator=g)
+
+
+def sgd_groups(model: nn.Module) -> list[dict]:
+    """The tutorial's "moe" groups, the experts' with an lr of their own."""
+    from megazero.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                    "name": "parameters"})
+    for g in groups[1:]:
+        g["lr"] = EXPERT_LR
+    return groups
+
+
+def engine_worker(cases):
+    import torch.distributed as dist
+
+    import megazero
+    from megazero.zero import GatheredParameters
+
+    rank, out = dist.get_rank(), {}
+    for ep, stage in cases:
+        model = TinyMoEModel(ep)
+        groups = sgd_groups(model)
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ENGINE_GAS,
+                  "gradient_clipping": ENGINE_CLIP, "zero_optimization": {"stage": stage}}
+        engine, optimizer, _, _ = megazero.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=0.5,
+                                                                                              momentum=0.9),
+                                                      config=config)
+        assert engine.pctx.ep_group.size == ep and engine.pctx.edp_group.size == 4 // ep
+        torch.manual_seed(5)  # the gates' draws: the same generator state on every rank
+        norms = []
+        for step in range(ENGINE_STEPS):
+            for j in range(ENGINE_GAS):
+                loss = engine(*engine_batch(step, rank, j))
+                engine.backward(loss)
+                engine.step()
+            norms.append(float(engine.get_global_grad_norm()))
+        params = dict(model.named_parameters())
+        with GatheredParameters(list(params.values())):
+            out[(ep, stage)] = ({n: p.detach().clone() for n, p in params.items()}, norms,
+                                engine.pctx.ep_group.rank)
+    return out
+
+
+def engine_reference():
+    """ep 1, plain PyTorch: every rank's micro-batches (each from the same generator state), the loss
+    divided by gas · dp, the global norm clipped, SGD with the same groups."""
+    model = TinyMoEModel(1)
+    opt = torch.optim.SGD(sgd_groups(model), lr=0.5, momentum=0.9)
+    torch.manual_seed(5)
+    norms = []
+    for step in range(ENGINE_STEPS):
+        opt.zero_grad()
+        for j in range(ENGINE_GAS):
+            state = torch.get_rng_state()
+            for r in range(4):
+                torch.set_rng_state(state)
+                (model(*engine_batch(step, r, j)) / (ENGINE_GAS * 4)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), ENGINE_CLIP).item())
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}, norms
+
+
+def test_user_moe_trains_under_initialize_like_pytorch():
+    ranks = run_ranks(engine_worker, 4, ENGINE_CASES, timeout=300)
+    want, want_norms = engine_reference()
+    assert min(want_norms) > ENGINE_CLIP  # clipping at every step
+    worst = 0.0
+    for ep, stage in ENGINE_CASES:
+        L = 4 // ep
+        for r, result in enumerate(ranks):
+            params, norms, ep_rank = result[(ep, stage)]
+            errs = [_rel(torch.tensor(norms), torch.tensor(want_norms))]
+            for n, p in params.items():
+                if ".deepspeed_experts." in n:  # local expert j of ep rank q: global expert q·L + j
+                    j, rest = n.split(".deepspeed_experts.")[1].split(".", 1)
+                    n = f"moe.deepspeed_moe.experts.deepspeed_experts.{ep_rank * L + int(j)}.{rest}"
+                errs.append(_rel(p, want[n]))
+            worst = max(worst, *errs)
+            assert max(errs) <= 1e-5, ((ep, stage), r, errs)
+    print(f"user MoE under initialize (ep 2, 4; ZeRO 0-3; 4 ranks): parameters and grad norms within {worst:.1e}")

@@ -8,7 +8,8 @@ model_parameters=..., training_data=..., config=...)` and its loader, `model_eng
 `backward`, `step`.
 
 Changed from the original: the imports (``import megazero as deepspeed``, megazero's `moe.utils`), a
-tiny CNN on random 8x8 "CIFAR" images (nothing is downloaded), `--steps` / `--seed` / `--warmup`, the
+tiny CNN on random 8x8 "CIFAR" images (nothing is downloaded), `--steps` / `--seed` / `--warmup` /
+`--gradient-clipping`, the
 model seeded before it is built, and `main` returns the per-step losses (averaged over the ranks, as
 the tutorial's running loss) instead of printing them. The local device is `model_engine.device`
 (the tutorial asks `get_accelerator().device_name(local_rank)`).
@@ -37,6 +38,7 @@ def add_argument(argv=None):
     parser.add_argument("--steps", type=int, default=6, help="stop after this many steps")
     parser.add_argument("--seed", type=int, default=0, help="the model's initial weights")
     parser.add_argument("--warmup", type=int, default=1000, help="WarmupLR's warmup_num_steps")
+    parser.add_argument("--gradient-clipping", type=float, default=1.0, help="the config's gradient_clipping")
     parser.add_argument("--dtype", default="fp16", type=str, choices=["bf16", "fp16", "fp32"],
                         help="Datatype used for training")
     parser.add_argument("--stage", default=0, type=int, choices=[0, 1, 2, 3], help="ZeRO stage")
@@ -71,7 +73,7 @@ def get_ds_config(args):
                                                  "weight_decay": 3e-7}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
                                                      "warmup_num_steps": args.warmup}},
-        "gradient_clipping": 1.0,
+        "gradient_clipping": args.gradient_clipping,
         "prescale_gradients": False,
         "bf16": {"enabled": args.dtype == "bf16"},
         "fp16": {"enabled": args.dtype == "fp16", "fp16_master_weights_and_grads": False, "loss_scale": 0,
