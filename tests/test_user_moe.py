@@ -434,3 +434,102 @@ def test_user_moe_trains_under_initialize_like_pytorch():
             worst = max(worst, *errs)
             assert max(errs) <= 1e-5, ((ep, stage), r, errs)
     print(f"user MoE under initialize (ep 2, 4; ZeRO 0-3; 4 ranks): parameters and grad norms within {worst:.1e}")
+
+
+# -- DeepSpeed's moe.utils, and what is refused ---------------------------------------------------------
+
+def _tutorial_model(cls, ep=2):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(M, M), cls(M, nn.Linear(M, M), num_experts=4, ep_size=ep),
+                        cls(M, nn.Linear(M, M), num_experts=2, ep_size=ep, use_residual=True), nn.Linear(M, 2))
+    return net
+
+
+def _shape(groups, model):
+    """Each group as DeepSpeed lays it out: its keys and values, parameters by name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [{k: ([names[id(p)] for p in v] if k == "params" else v) for k, v in g.items()} for g in groups]
+
+
+@pytest.mark.parametrize("form", ["dict", "list", "tuple", "max-size", "no-max"])
+def test_moe_param_groups_equal_deepspeeds(form):
+    from deepspeed.moe import utils as ds_utils
+    from deepspeed.moe.layer import MoE as DsMoE
+
+    from megazero.moe import utils
+
+    shapes = []
+    for cls, mod in ((MoE, utils), (DsMoE, ds_utils)):
+        model = _tutorial_model(cls)
+        params = list(model.parameters())
+        dense, decay = params[:2], params[2:]
+        given = {"dict": {"params": params, "name": "parameters"},
+                 "list": [{"params": dense, "name": "a", "lr": 0.1}, {"params": decay, "name": "b", "weight_decay": 0.5}],
+                 "tuple": ({"params": params, "name": "parameters"},),
+                 "max-size": {"params": params, "name": "parameters"},
+                 "no-max": {"params": params, "name": "parameters"}}[form]
+        kw = {"max-size": {"max_group_size": 100}, "no-max": {"max_group_size": None}}.get(form, {})
+        groups = mod.split_params_into_different_moe_groups_for_optimizer(given, **kw)
+        assert [mod.is_moe_param(p) for p in model.parameters()] == \
+            [".deepspeed_experts." in n for n, _ in model.named_parameters()]
+        assert [mod.is_moe_param_group(g) for g in groups] == [g.get("moe", False) for g in groups]
+        shapes.append(_shape(groups, model))
+        shared, expert = mod.split_params_into_shared_and_expert_params(params)
+        assert len(expert) == sum(".deepspeed_experts." in n for n, _ in model.named_parameters())
+        assert mod.has_moe_layers(model) == (True, 4)
+        shapes.append(_shape(mod.configure_moe_param_groups(list(model.parameters())), model))
+    assert shapes[0] == shapes[2] and shapes[1] == shapes[3]
+    if form == "max-size":
+        assert len(shapes[0]) > 3  # cut in several groups
+
+
+def test_refused_options_name_themselves():
+    expert = nn.Linear(M, M)
+    for kw, words in [({"k": 3}, "k=3"), ({"use_tutel": True}, "use_tutel=True"),
+                      ({"noisy_gate_policy": "Gaussian"}, "noisy_gate_policy='Gaussian'"),
+                      ({"num_experts": 3, "ep_size": 2}, "num_experts=3, ep_size=2"), ({"ep_size": 0}, "ep_size=0")]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+            MoE(M, expert, **{"num_experts": 4, **kw})
+    with pytest.raises(TypeError, match="expert"):
+        MoE(M, lambda x: x, num_experts=2)
+    layer = MoE(M, expert, num_experts=4, ep_size=2)
+    with pytest.raises(RuntimeError, match=r"ep_size=2\) has no expert-parallel group"):
+        layer(torch.randn(8, M))
+    with pytest.raises(TypeError, match="used_token"):
+        MoE(M, expert, num_experts=4)(torch.randn(8, M), used_token=torch.ones(8))
+    with pytest.raises(ValueError, match="min_capacity=4"):
+        MoE(M, expert, num_experts=4)(torch.randn(3, M))
+    from megazero.runtime.comm import single_rank_group
+    with pytest.raises(ValueError, match="1 ranks"):
+        layer.set_ep_group(single_rank_group("ep"))
+
+
+def refusal_worker():
+    import megazero
+    from megazero.core.config import ConfigError
+    from megazero.pipeline.pipeline_module import PipelineModule
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    messages = []
+    mixed = nn.Sequential(MoE(M, nn.Linear(M, M), num_experts=4, ep_size=2),
+                          MoE(M, nn.Linear(M, M), num_experts=4, ep_size=1))
+    two = nn.Sequential(MoE(M, nn.Linear(M, M), num_experts=4, ep_size=2))
+    eight = nn.Sequential(MoE(M, nn.Linear(M, M), num_experts=8, ep_size=8))
+    pipe = PipelineModule([MoE(M, nn.Linear(M, M), num_experts=2, ep_size=2)], num_stages=1)
+    for model, overrides in ((mixed, ()), (two, ("parallel.ep=4",)), (eight, ()), (pipe, ())):
+        with pytest.raises(ConfigError) as err:
+            megazero.initialize(model=model, config=config, overrides=overrides)
+        messages.append(str(err.value))
+    with pytest.raises(ConfigError) as err:  # ep > 1 without MoE layers: as before, naming the way out
+        megazero.initialize(model=nn.Linear(2, 2), config=config, overrides=("parallel.ep=2",))
+    messages.append(str(err.value))
+    return messages
+
+
+def test_engine_refusals_name_the_layers():
+    mixed, conflict, too_big, pipe, plain = run_ranks(refusal_worker, 4, timeout=120)[0]
+    assert "ep_size [1, 2]" in mixed and "same ep_size" in mixed
+    assert "parallel.ep=4" in conflict and "ep_size=2" in conflict, conflict
+    assert "ep_size=8" in too_big and "dp=4" in too_big, too_big
+    assert "PipelineModule" in pipe and "ep_size=2" in pipe
+    assert "megazero.moe.layer.MoE" in plain
