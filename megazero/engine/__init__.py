@@ -4,7 +4,8 @@
 
 `model` is a model spec string ("model_specs/gpt.py:debug"), a `PipelineModule`, or any
 `nn.Module` (tp = pp = 1: ZeRO 0-3 and offload work on any PyTorch model; tensor parallelism
-needs megazero layers). `config` is a path (YAML, megazero JSON or DeepSpeed JSON), a dict (merged
+needs megazero layers; its DeepSpeed-style `megazero.moe.layer.MoE` layers set parallel.ep from their
+ep_size and get the expert-parallel group here). `config` is a path (YAML, megazero JSON or DeepSpeed JSON), a dict (merged
 as data), or a `Config`. The config is resolved and validated once, before any process group is
 created (`load_run_config`); `initialize_from_config` takes it from there. Pipeline models get a
 `PipelineEngine` (`train_batch` / `eval_batch`), other modules a `ModuleEngine` (`engine(batch)`,

@@ -1,6 +1,10 @@
 """The Mixture-of-Experts MLP: route, dispatch over the expert-parallel group, run the local experts,
 bring the outputs back and combine them weighted; shared experts run on every token.
 
+(`MoE`, DeepSpeed's layer for a user's own expert module with DeepSpeed's routing, lives in
+`megazero.moe.user_layer`; it is imported here so that ``from megazero.moe.layer import MoE`` works as
+``from deepspeed.moe.layer import MoE`` does.)
+
 One forward on x (s, b, h), E experts over an ep group of P ranks, k experts per token:
 
 1. router logits (b·s, E) = tokens · routerᵀ in fp32; `megazero.moe.routing.decide` picks the top k
