@@ -533,3 +533,50 @@ def test_engine_refusals_name_the_layers():
     assert "ep_size=8" in too_big and "dp=4" in too_big, too_big
     assert "PipelineModule" in pipe and "ep_size=2" in pipe
     assert "megazero.moe.layer.MoE" in plain
+
+
+def checkpoint_worker(directory):
+    """Train a step at ep 2 (ZeRO 2), save; load into ep 2 (ZeRO 0) and ep 4 (ZeRO 3). Returns each
+    model's parameters by global name (local expert j of ep rank q: global q · E/P + j)."""
+    import torch.distributed as dist
+
+    import megazero
+    from megazero.moe.user_layer import global_expert_name
+    from megazero.zero import GatheredParameters
+
+    def config(stage):
+        return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+                "zero_optimization": {"stage": stage}}
+
+    def named(model):
+        params = dict(model.named_parameters())
+        with GatheredParameters(list(params.values())):
+            return {global_expert_name(n, p): p.detach().clone() for n, p in params.items()}
+
+    model = TinyMoEModel(2)
+    engine, *_ = megazero.initialize(model=model, config=config(2))
+    torch.manual_seed(5)
+    engine.backward(engine(*engine_batch(0, dist.get_rank(), 0)))
+    engine.step()
+    engine.save_checkpoint(directory)
+    out = {"saved": named(model)}
+    for ep, stage in ((2, 0), (4, 3)):
+        fresh = TinyMoEModel(ep)
+        engine, *_ = megazero.initialize(model=fresh, config=config(stage))
+        engine.load_checkpoint(directory)
+        out[ep] = named(fresh)
+    return out
+
+
+def test_checkpoints_name_experts_globally(tmp_path):
+    """Each ep rank's local expert 0 is another expert: the checkpoint keeps them apart (it restored rank 1's
+    experts with rank 0's before), and loads into another ep size."""
+    ranks = run_ranks(checkpoint_worker, 4, str(tmp_path / "ckpt"), timeout=180)
+    saved = {}
+    for r in ranks:
+        saved.update(r["saved"])
+    assert sum(".deepspeed_experts." in n for n in saved) == 4 * 4  # 4 global experts x 4 tensors
+    for r in ranks:
+        for ep in (2, 4):
+            for n, p in r[ep].items():
+                assert torch.equal(p, saved[n]), (ep, n)

@@ -37,7 +37,8 @@ engine creates the process groups.
 Parameters: ``deepspeed_moe.gate.wg.weight`` (E, M), ``deepspeed_moe.experts.deepspeed_experts.<j>.*``
 (the rank's E/P deep copies of `expert`: local expert j is global expert ``ep_rank · E/P + j``),
 and with `use_residual` ``mlp.*`` and ``coefficient.*``, as DeepSpeed names them, in the order
-DeepSpeed creates them (the same seed initialises them alike). Expert parameters carry
+DeepSpeed creates them (the same seed initialises them alike); checkpoints name local expert j by its
+global index (`global_expert_name`), as DeepSpeed's expert files do. Expert parameters carry
 ``allreduce = False`` and ``group_name = "ep_size_<P>"`` (DeepSpeed's marks, read by
 `megazero.moe.utils`) and ``expert = True`` (megazero's: ZeRO reduces their gradients over the
 expert-data-parallel group, averaged over all of dp, `megazero.zero.grouping.make_groups`).
@@ -202,6 +203,9 @@ class MoE(nn.Module):
             raise ValueError(f"MoE(ep_size={self.ep_size}): the expert-parallel group given has {ep_group.size} "
                              f"ranks ({ep_group}); give a group of ep_size ranks")
         self.ep_group = ep_group
+        for j, expert in enumerate(self.deepspeed_moe.experts.deepspeed_experts):
+            for p in expert.parameters():
+                p.expert_slot = (j, ep_group.rank * self.num_local_experts + j)  # (local, global): global_expert_name
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -220,6 +224,21 @@ class MoE(nn.Module):
             coef = F.softmax(self.coefficient(hidden_states), dim=-1)  # (..., 2)
             output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
         return output, l_aux, exp_counts
+
+
+EXPERTS_PREFIX = ".deepspeed_experts."
+
+
+def global_expert_name(name: str, param: torch.Tensor) -> str:
+    """`name`, a `named_parameters` name of `param`, with a local expert's index replaced by its global
+    one (``...deepspeed_experts.<j>.`` -> ``...deepspeed_experts.<ep_rank · E/P + j>.``, DeepSpeed's rule
+    for the names in its expert checkpoint files) once `MoE.set_ep_group` has placed the expert; other
+    names unchanged. Every ep rank's experts then have names of their own (checkpoints)."""
+    slot = getattr(param, "expert_slot", None)
+    if slot is None:
+        return name
+    local, global_ = slot
+    return name.replace(f"{EXPERTS_PREFIX}{local}.", f"{EXPERTS_PREFIX}{global_}.", 1)
 
 
 def _check_arguments(expert, num_experts: int, ep_size: int, k: int, noisy_gate_policy, use_tutel: bool) -> None:
@@ -242,4 +261,4 @@ def _check_arguments(expert, num_experts: int, ep_size: int, k: int, noisy_gate_
                          "own, with DeepSpeed's routing, giving the same results); pass use_tutel=False")
 
 
-__all__ = ["Experts", "MOELayer", "MoE", "TopKGate"]
+__all__ = ["Experts", "MOELayer", "MoE", "TopKGate", "global_expert_name"]
