@@ -10,10 +10,18 @@
   process: each rank's output, l_aux, exp_counts and input gradient equal ep 1 on that rank's tokens,
   the gate's (and PR-MoE's residual MLP's and coefficient's) gradients too, and each expert's gradient
   equals the sum over ranks of ep 1's, for top-1 and top-2, dropping and not, with noise and residual;
-- (c) `split_params_into_different_moe_groups_for_optimizer`, `is_moe_param` and friends return what
-  DeepSpeed's return for the same parameters (its module run on a DeepSpeed MoE model and ours on the
+- (c) DeepSpeed's CIFAR-10 MoE tutorial (tests/deepspeed_scripts/cifar_moe.py: ep 2, "moe" param
+  groups, Adam, WarmupLR, clipping) at ZeRO 0-3 on 2 and 4 ranks gives the per-step losses of the same
+  script's model at ep 1 under plain PyTorch (DDP's averaging, DeepSpeed's own WarmupLR), within 1e-5;
+- (d) under `megazero.initialize` (4 ranks, ep 2 and 4, ZeRO 0-3, a client SGD over the "moe" groups
+  with an lr of their own, clipping active) every parameter and the gradient norms equal plain PyTorch
+  at ep 1 within 1e-5: the experts' gradients are reduced over the expert-data-parallel group;
+- checkpoints keep every ep rank's experts apart (global names) and load into another ep size / stage;
+- `split_params_into_different_moe_groups_for_optimizer`, `is_moe_param` and friends return what
+  DeepSpeed's return for the same parameters (DeepSpeed's module on a DeepSpeed MoE model, ours on the
   same model built with megazero's layer);
-- the options megazero refuses are refused by name.
+- the options megazero refuses are refused by name; ranks routing different token counts are named by
+  the order check.
 """
 from __future__ import annotations
 
@@ -580,3 +588,26 @@ def test_checkpoints_name_experts_globally(tmp_path):
         for ep in (2, 4):
             for n, p in r[ep].items():
                 assert torch.equal(p, saved[n]), (ep, n)
+
+
+def uneven_tokens_worker():
+    import torch.distributed as dist
+
+    from megazero.core.topology import Topology
+    from megazero.runtime.parallel_context import ParallelContext
+
+    pctx = ParallelContext(Topology(dp=2), ep=2)
+    layer = MoE(M, nn.Linear(M, M), num_experts=4, ep_size=2, min_capacity=1)
+    layer.set_ep_group(pctx.ep_group)
+    layer(torch.randn(16 + 8 * dist.get_rank(), M))  # capacity 4 on rank 0, 6 on rank 1: buffers of two shapes
+
+
+def test_uneven_token_counts_are_named_by_the_order_check():
+    """With dropping, the capacity follows the rank's token count (as in DeepSpeed), so every rank of the
+    ep group must route as many tokens; when they do not, the order check stops the ranks naming both
+    all-to-all shapes instead of letting the exchange mix rows."""
+    from tests.harness import RankError
+
+    with pytest.raises(RankError) as err:
+        run_ranks(uneven_tokens_worker, 2, timeout=60)
+    assert "rows of (4, 8)" in str(err.value) and "rows of (6, 8)" in str(err.value), str(err.value)

@@ -26,7 +26,8 @@ loss by the layer. Communication per forward with P > 1: two all-to-alls of E·C
 rows for other ranks: (P−1)/P of them), and with ``drop_tokens=False`` one all-reduce (max) of one
 integer, all over the ep group; backward: the two all-to-alls again. Every rank of the ep group must
 route the same number of tokens when dropping (the capacity, hence the buffers' shape, depends on it,
-as in DeepSpeed); the order check names the mismatch.
+as in DeepSpeed); the order check names the mismatch. Host synchronisations: the capacity is read on
+the host once per forward (DeepSpeed's ``int(C)``; with dropping it is computed on the host anyway).
 
 The ep group is given by `MoE.set_ep_group`, which `megazero.initialize` calls on every MoE layer
 of the model (DeepSpeed's engine calls `set_deepspeed_parallelism` there). Before that the layer has
