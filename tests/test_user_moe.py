@@ -17,6 +17,7 @@
   with an lr of their own, clipping active) every parameter and the gradient norms equal plain PyTorch
   at ep 1 within 1e-5: the experts' gradients are reduced over the expert-data-parallel group;
 - checkpoints keep every ep rank's experts apart (global names) and load into another ep size / stage;
+  `save_16bit_model`'s file is the ep-1 model's state dict;
 - `split_params_into_different_moe_groups_for_optimizer`, `is_moe_param` and friends return what
   DeepSpeed's return for the same parameters (DeepSpeed's module on a DeepSpeed MoE model, ours on the
   same model built with megazero's layer);
@@ -567,7 +568,7 @@ def checkpoint_worker(directory):
     engine.backward(engine(*engine_batch(0, dist.get_rank(), 0)))
     engine.step()
     engine.save_checkpoint(directory)
-    out = {"saved": named(model)}
+    out = {"saved": named(model), "16bit": engine.save_16bit_model(directory + "-16bit")}
     for ep, stage in ((2, 0), (4, 3)):
         fresh = TinyMoEModel(ep)
         engine, *_ = megazero.initialize(model=fresh, config=config(stage))
@@ -588,6 +589,12 @@ def test_checkpoints_name_experts_globally(tmp_path):
         for ep in (2, 4):
             for n, p in r[ep].items():
                 assert torch.equal(p, saved[n]), (ep, n)
+    from safetensors.torch import load_file
+
+    single = TinyMoEModel(1)  # the consolidated file is the ep-1 model's state dict
+    single.load_state_dict(load_file(ranks[0]["16bit"]))
+    for n, p in single.named_parameters():
+        assert torch.equal(p, saved[n]), n
 
 
 def uneven_tokens_worker():
