@@ -18,7 +18,7 @@ $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench,viz]' $(TORCH)
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench,viz,monitor]' $(TORCH)
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -27,6 +27,7 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6", "transformers>=4.40", "ninja", "playwright>=1.40", "matplotlib>=3.7"],
         "viz": ["matplotlib>=3.7"],  # PNG and PDF schedule pictures (SVG, HTML and text need nothing)
         "bench": ["ninja", "tokenizers>=0.15", "deepspeed==0.19.8"],
+        "monitor": ["tensorboard>=2.14"],  # DeepSpeed's tensorboard monitor (csv needs nothing; wandb: pip install wandb)
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -105,7 +105,10 @@ def test_resume_is_bit_identical(corpus, name, stage, async_save, extra, tmp_pat
     assert files == ["manifest.json"] + sorted(f"rank{r}.safetensors" for r in range(8))
     manifest = json.loads((ckpt / f"step{n}" / "manifest.json").read_text())
     assert manifest["step"] == n and manifest["client_state"] == {"note": "hi"}
-    assert sorted(os.listdir(ckpt)) == ["latest", f"step{n}"]  # nothing left in a .tmp
+    assert sorted(os.listdir(ckpt)) == ["latest", f"step{n}", "zero_to_fp32.py"]  # nothing left in a .tmp
+    from megazero.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # DeepSpeed's recovery
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    assert sorted(fp32) == sorted(manifest["tensors"]) and all(t.dtype == torch.float32 for t in fp32.values())
     if model16 is not None:
         saved16 = load_file(os.path.join(model16, "model.safetensors"))
         working = {k: v for rank in ranks for k, v in rank[2].items()}  # every stage's weights

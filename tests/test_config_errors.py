@@ -107,7 +107,7 @@ CASES = [
      ["zero_optimization.load_from_fp32_weights", "not supported yet"]),
     ("ds-misplaced-key", {"zero_optimization": {"stage": 2, "prescale_gradients": False}}, [], None,
      ["zero_optimization.prescale_gradients", "unknown DeepSpeed key", "did you mean 'prescale_gradients'"]),
-    ("ds-monitor-on", {"train_batch_size": 8, "wandb": {"enabled": True}}, [], None, ["wandb", "not supported yet"]),
+    ("ds-monitor-on", {"train_batch_size": 8, "comet": {"enabled": True}}, [], None, ["comet", "not supported yet"]),
     ("ds-auto-lr", {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, [], None,
      ["optimizer.params.lr", "auto", "optimizer.lr"]),
     ("ds-auto-fp16", {"fp16": {"enabled": "auto"}}, [], None, ["fp16.enabled", "auto"]),

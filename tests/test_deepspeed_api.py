@@ -91,8 +91,19 @@ def test_initialize_takes_deepspeeds_arguments_and_refuses_what_it_cannot_use(tm
     assert engine.train_batch_size() == 4 and engine.local_rank == 0 and engine.device == torch.device("cpu")
     with pytest.raises(ConfigError, match="given twice"):
         megazero.initialize(args=args, model=model(), config=CFG)
-    with pytest.raises(ConfigError, match="mpu"):
-        megazero.initialize(model=model(), config=CFG, mpu=object())
+    class Mpu:  # Megatron's model-parallel unit, here with 2 tensor-parallel ranks
+        def __init__(self, tp):
+            self.tp = tp
+
+        def get_tensor_model_parallel_world_size(self):
+            return self.tp
+
+        def get_data_parallel_world_size(self):
+            return 1
+
+    with pytest.raises(ConfigError, match=r"mpu's layout \{'tp': 2, 'pp': 1, 'dp': 1\} differs"):
+        megazero.initialize(model=model(), config=CFG, mpu=Mpu(2))
+    engine, *_ = megazero.initialize(model=model(), config=CFG, mpu=Mpu(1))  # the config's layout: accepted
     engine, *_ = megazero.initialize(model=model(), config_params=CFG)
     assert engine.gradient_accumulation_steps() == 2
 

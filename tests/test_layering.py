@@ -6,7 +6,10 @@ The folder a module lives in is its layer:
     L1 megazero/runtime/         process groups, collectives, kernel dispatch
     L2 megazero/tensor_parallel/, pipeline/, zero/, activation_checkpoint/
     L3 megazero/models/
-    L4 megazero/engine/, run/, data/, and the package __init__ (the top-level API)
+    L4 megazero/engine/, run/, data/, compat/ (DeepSpeed's names over the engine), and the package
+       __init__ (the top-level API); the DeepSpeed import paths that only re-export (accelerator/,
+       comm/, checkpointing/, pipe/, utils/, ops/, runtime/pipe/, runtime/utils/, runtime/zero/, profiling/, monitor/) are L4 too: a
+       folder inside a layer's folder may be listed with its own layer (the longest listed prefix wins)
 
 A module may import its own layer and the layers below, never above; megazero never imports
 model_specs/, tools/ or benchmarks/. Every import counts, also those inside functions, and the
@@ -29,16 +32,20 @@ LAYERS = {
     "tensor_parallel": 2, "pipeline": 2, "zero": 2, "activation_checkpoint": 2, "moe": 2,
     "models": 3,
     "engine": 4, "run": 4, "data": 4, "ops": 4, "pipe": 4, "utils": 4, "": 4,
+    "compat": 4, "accelerator": 4, "comm": 4, "checkpointing": 4, "runtime.pipe": 4, "runtime.utils": 4,
+    "runtime.zero": 4, "profiling": 4, "monitor": 4,
 }
 FORBIDDEN = ("model_specs", "tools", "benchmarks")
 
 
 def layer_of(mod: str) -> int:
-    """The layer of dotted module `mod` (relative to the megazero package): its top folder's."""
-    top = mod.split(".")[0] if mod else ""
-    if top not in LAYERS:
-        raise KeyError(mod)
-    return LAYERS[top]
+    """The layer of dotted module `mod` (relative to the megazero package): that of the longest
+    listed folder prefix (its top folder's, unless a folder inside it is listed)."""
+    parts = mod.split(".") if mod else [""]
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return LAYERS[".".join(parts[:n])]
+    raise KeyError(mod)
 
 
 def module_name(path: pathlib.Path, pkg: pathlib.Path = PKG) -> str:
@@ -128,6 +135,7 @@ FILES = sorted(PKG.rglob("*.py"))
 
 def test_every_module_has_a_layer():
     unknown = [module_name(f) for f in FILES if module_name(f).split(".")[0] not in LAYERS]
+    assert layer_of("runtime.pipe.topology") == 4 and layer_of("runtime.comm") == 1 and layer_of("") == 4
     assert not unknown, f"put these modules in a layer's folder (see tests/test_layering.py): {unknown}"
 
 

@@ -20,6 +20,10 @@ from torch import nn
 
 from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve
 from megazero.core.config.loading import read_file, read_tree
+from megazero.compat.dist_api import comms_logger
+from megazero.compat.dist_api import configure as configure_comms_logger
+from megazero.compat.monitor import MonitorMaster, check_installed
+from megazero.compat.pipe_topology import as_megazero
 from megazero.core.topology import Topology
 from megazero.engine.factories import (build_model, build_optimizer, build_scheduler, check_model_and_schedule,
                                        compute_dtype, synthetic_batches, take_over)
@@ -64,20 +68,40 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     Config). `optimizer`: a client optimizer (torch's Adam, AdamW or SGD, megazero.ops.adam's, or a
     callable returning one from the parameters) that the ZeRO optimizer takes over with its parameter
     groups and hyper-parameters. `lr_scheduler`: a scheduler instance (on the client optimizer or
-    the returned one) or a callable taking the optimizer. `mpu` is refused (the layout comes from
-    the config's parallel section); `dist_init_required` is accepted (megazero initializes
+    the returned one) or a callable taking the optimizer. `mpu` (Megatron's) is accepted when its
+    sizes are the config's (megazero builds its own groups; `_check_mpu`); `dist_init_required` is accepted (megazero initializes
     torch.distributed when it is not yet).
     """
     config = _config_source(args, config, config_params)
-    if mpu is not None:
-        raise ConfigError("initialize(mpu=...): megazero builds its own process groups from the config's "
-                          "parallel.pp / parallel.tp / parallel.dp (DeepSpeed: the pipeline and tensor-parallel "
-                          "sizes); pass mpu=None and set those")
-    if isinstance(model, PipelineModule) and not _sets_pp(config, overrides):
+    if isinstance(model, PipelineModule) and model.topology is not None:
+        overrides = (*overrides, *_topology_overrides(model.topology, config, overrides))
+    elif isinstance(model, PipelineModule) and not _sets_pp(config, overrides):
         overrides = (*overrides, f"parallel.pp={model.num_stages}")  # DeepSpeed: the module's num_stages decides
     cfg = load_run_config(config if config is not None else {}, overrides)
+    if mpu is not None:
+        _check_mpu(mpu, cfg)
     return initialize_from_config(cfg, model, model_parameters, training_data, lr_scheduler, on_instruction,
                                   client_optimizer=optimizer, collate_fn=collate_fn)
+
+
+def _check_mpu(mpu, cfg: Config) -> None:
+    """A Megatron-style `mpu` (DeepSpeed's model-parallel unit) is accepted when it describes the
+    config's layout: megazero builds its own groups from parallel.pp / tp / dp, so an mpu with other
+    sizes is refused, naming them (before any process group of megazero's exists)."""
+    def size(*names):
+        for name in names:
+            if hasattr(mpu, name):
+                return int(getattr(mpu, name)())
+        return 1
+
+    theirs = {"tp": size("get_tensor_model_parallel_world_size", "get_model_parallel_world_size"),
+              "pp": size("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"),
+              "dp": size("get_data_parallel_world_size")}
+    ours = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": cfg.parallel.dp}
+    if theirs != ours:
+        raise ConfigError(f"initialize(mpu=...): the mpu's layout {theirs} differs from the config's parallel section "
+                          f"{ours}; megazero builds its own process groups from parallel.pp / parallel.tp / "
+                          f"parallel.dp: set them to the mpu's sizes (or pass mpu=None)")
 
 
 def _sets_pp(config, overrides) -> bool:
@@ -91,6 +115,15 @@ def _sets_pp(config, overrides) -> bool:
         return False
     tree = read_tree(config)[0] if isinstance(config, dict) else read_file(config)[0]
     return tree.get("parallel", {}).get("pp") is not None
+
+
+def _topology_overrides(topology, config, overrides) -> tuple[str, ...]:
+    """The layout of a PipelineModule built with DeepSpeed's `topology` (pipe, data, model -> pp, dp,
+    tp, in its order), as overrides; a config that sets parallel.pp itself must agree (checked with the
+    module's num_stages by `_check_pipeline_module`)."""
+    t = as_megazero(topology)
+    out = [f"parallel.tp={t.tp}", f"parallel.dp={t.dp}", f"parallel.order=[{','.join(t.order)}]"]
+    return tuple(out if _sets_pp(config, overrides) else [f"parallel.pp={t.pp}", *out])
 
 
 def _config_source(args, config, config_params):
@@ -142,6 +175,12 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                           f"initialize cannot checkpoint it; build it with build_pipeline_model(..., "
                           f"activation_checkpointer=ActivationCheckpointer.from_config(...)) or pass a model spec")
     _check_hpz_in_a_node(cfg, topology)
+    check_installed(cfg.log)  # a monitor's package (tensorboard, wandb), before any process group
+    if cfg.log.flops_profiler.enabled and isinstance(model, PipelineModule) or (
+            cfg.log.flops_profiler.enabled and (model is None or isinstance(model, str))):
+        raise ConfigError("log.flops_profiler.enabled (DeepSpeed: flops_profiler.enabled): the profiler counts one "
+                          "module's forward, which a pipeline splits over its stages' instructions; it runs with "
+                          "a plain nn.Module (use log.peak_tflops for the trainer's MFU)")
     if device is None:  # the dry run (device meta) computes nothing: no kernel to build
         nccl_environment(cfg.comm.backend)  # before the kernels' load may create the CUDA context
         load_kernels(cfg, model, local_device(cfg.comm.backend))
@@ -165,14 +204,19 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     scheduler = _scheduler(lr_scheduler, cfg, optimizer)
     t = cfg.train
     loader = _training_loader(training_data, cfg, pctx, collate_fn) if training_data is not None else None
+    monitor = MonitorMaster(cfg.log, pctx.global_rank)
+    if cfg.log.comms_logger.enabled:  # DeepSpeed's comms logger: megazero.comm's calls, the engine's counters
+        configure_comms_logger(cfg)
+        comms_logger().engine_stats.append(pctx.stats)
     if isinstance(module, PipelineModule):
         engine = PipelineEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps,
                                 cfg.pipeline.schedule, cfg.pipeline.chunks, t.micro_batch_size, compute_dtype(cfg),
                                 on_instruction=on_instruction, device=info.device, local_rank=info.local_rank,
-                                training_data=loader)
+                                training_data=loader, monitor=monitor)
     else:
         engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps, t.micro_batch_size,
-                              info.local_rank, info.device, training_data=loader)
+                              info.local_rank, info.device, training_data=loader, monitor=monitor,
+                              flops_profiler=cfg.log.flops_profiler)
     return engine, optimizer, loader if loader is not None else _dataloader(cfg, pctx, module, engine), scheduler
 
 
@@ -260,8 +304,8 @@ def _model(model, cfg: Config, pctx: ParallelContext, device):
             raise ConfigError("model.spec: no model given; pass model=... or set model.spec "
                               "(e.g. model.spec=model_specs/gpt.py:debug)")
         return build_model(cfg, pctx, device=device)  # each rank builds its own layers on its device
-    if isinstance(model, PipelineModule):
-        return model.to(device)
+    # a model passed in built computes in the configured precision, as DeepSpeed casts it (module.half() /
+    # .bfloat16()): its fp32 master weights start from the 16-bit values
     return model.to(device=device, dtype=compute_dtype(cfg))
 
 

@@ -15,15 +15,20 @@ class CheckpointMethods:
                         keep_last: int = 0, config=None, async_save: bool = False) -> str:
         """Every rank writes the slices it owns to `save_dir/tag` (default ``step<global_steps>``) with
         the optimizer, LR schedule, RNG and `client_state` (any JSON-able value); `latest` moves once
-        every rank succeeded. Collective over the world group. Returns the checkpoint's path.
+        every rank succeeded; rank 0 leaves DeepSpeed's `zero_to_fp32.py` in `save_dir`
+        (`megazero.compat.zero_to_fp32`). Collective over the world group. Returns the checkpoint's path.
 
         With `async_save` the state is copied to host memory and written by a background thread
         (collectives over the background group) while training goes on; the next save, a load, or
         `wait_for_checkpoint()` waits for it (and raises its error, agreed by every rank).
         """
+        from megazero.compat.zero_to_fp32 import write_script
         from megazero.run import checkpoint
 
         self.wait_for_checkpoint()
+        if self.pctx.global_rank == 0:  # DeepSpeed's recovery script next to the checkpoints
+            os.makedirs(save_dir, exist_ok=True)
+            write_script(save_dir)
         saved = checkpoint.save(save_dir, tag or f"step{self.global_steps}", self.global_steps, self.module,
                                 self.optimizer, self.pctx, self.lr_scheduler, config=config, client_state=client_state,
                                 engine_state={"global_steps": self.global_steps}, save_latest=save_latest,

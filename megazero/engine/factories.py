@@ -128,8 +128,8 @@ def zero_units(model: nn.Module) -> list[nn.Module]:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             units.extend(child for child in m.children() if any(True for _ in child.parameters()))
             return
-        if any(True for _ in m.parameters(recurse=False)):
-            units.append(m)
+        if any(True for _ in m.parameters(recurse=False)) or m.__dict__.get("zero_external_parameters"):
+            units.append(m)  # owns parameters, or reads another's (zero.register_external_parameter)
         for child in m.children():
             visit(child)
 

@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from megazero.compat.flops_profiler import FlopsProfiler
 from megazero.data.repeating import RepeatingLoader
 from megazero.engine.checkpointing import CheckpointMethods
 from megazero.engine.surface import EngineSurface
@@ -24,8 +25,12 @@ from megazero.zero.lr_schedule import step_lr_scheduler
 
 class ModuleEngine(CheckpointMethods, EngineSurface):
     def __init__(self, module, pctx: ParallelContext, optimizer, lr_scheduler, gradient_accumulation_steps: int,
-                 micro_batch_size: int = 1, local_rank: int = 0, device="cpu", training_data=None):
+                 micro_batch_size: int = 1, local_rank: int = 0, device="cpu", training_data=None, monitor=None,
+                 flops_profiler=None):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
+        # DeepSpeed's engine.monitor (megazero.compat.monitor.MonitorMaster) and flops_profiler section
+        self.monitor, self.flops_profiler_config = monitor, flops_profiler
+        self._step_loss = None  # the step's summed micro-batch losses, kept only while a monitor is on
         # DeepSpeed's train_batch() without an iterator reads initialize(training_data=...)'s loader, endlessly;
         # made at the first such call: a DataLoader's iterator draws its seed from torch's generator, which
         # DeepSpeed's (non-pipeline) engine and PyTorch leave alone until the script iterates
@@ -40,7 +45,18 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
         self.last_info: dict = {}
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        f = self.flops_profiler_config
+        if f is None or not f.enabled or self.global_steps != f.profile_step or self.micro_steps % self.gas \
+                or self.pctx.global_rank != 0:
+            return self.module(*args, **kwargs)
+        # DeepSpeed's flops profiler: the first forward of step `profile_step` (completed steps), rank 0
+        prof = FlopsProfiler(self.module, recompute_fwd_factor=f.recompute_fwd_factor)
+        prof.start_profile()
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            prof.stop_profile()
+            prof.print_model_profile(f.profile_step, f.module_depth, f.top_modules, f.detailed, f.output_file)
 
     forward = __call__
 
@@ -80,6 +96,8 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
         set_aux_loss_scale(self.module, self.optimizer.scaler.scale / self.gas)  # MoE layers' aux losses, as the loss
         self.optimizer.scale_loss(loss / self.gas).backward()
         self.optimizer.after_backward()
+        if self.monitor is not None and self.monitor.enabled:
+            self._step_loss = loss.detach() if self._step_loss is None else self._step_loss + loss.detach()
 
     def step(self) -> None:
         """Call after every micro-batch: steps the optimizer at the accumulation boundary."""
@@ -89,7 +107,10 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
             self.last_info = self.optimizer.step()
             if self.lr_scheduler is not None and not self.last_info.get("skipped", False):
                 step_lr_scheduler(self.lr_scheduler)
-            self.global_steps += 1
+            samples, self.global_steps = self.global_samples, self.global_steps + 1
+            if self._step_loss is not None:  # DeepSpeed writes the loss at the samples before the step
+                self._monitor_step(self._step_loss / self.gas, samples)
+                self._step_loss = None
         self.micro_steps += 1
 
     def _loss(self, batch, loss_fn) -> torch.Tensor:

@@ -47,8 +47,10 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
 
     def __init__(self, module: PipelineModule, pctx: ParallelContext, optimizer, lr_scheduler,
                  num_microbatches: int, schedule: str = "1f1b", chunks: int = 1, micro_batch_size: int = 1,
-                 dtype=torch.float32, on_instruction=None, device="cpu", local_rank: int = 0, training_data=None):
+                 dtype=torch.float32, on_instruction=None, device="cpu", local_rank: int = 0, training_data=None,
+                 monitor=None):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
+        self.monitor = monitor  # DeepSpeed's engine.monitor (megazero.compat.monitor.MonitorMaster), or None
         self.num_microbatches, self.chunks = num_microbatches, chunks
         self.micro_batch_size, self.local_rank = micro_batch_size, local_rank
         # DeepSpeed's train_batch() without an iterator reads initialize(training_data=...)'s loader, endlessly
@@ -100,7 +102,9 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         if self.lr_scheduler is not None and not st.info.get("skipped", False):
             step_lr_scheduler(self.lr_scheduler)
         self.global_steps += 1
-        return self._agree_loss(st.losses)
+        loss = self._agree_loss(st.losses)
+        self._monitor_step(loss, self.global_samples)  # only with a monitor on (it reads the loss)
+        return loss
 
     def gradient_accumulation_steps(self) -> int:
         return self.num_microbatches

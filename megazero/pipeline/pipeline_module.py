@@ -21,6 +21,7 @@ from torch import nn
 
 from megazero.core import partition as part
 from megazero.core.instructions import virtual_stage
+from megazero.runtime.seeding import set_random_seed
 
 
 class LayerSpec:
@@ -94,7 +95,14 @@ class PipelineModule(nn.Module):
             micro-batch may also be DeepSpeed's ``(inputs, labels)`` pair (`as_batch`).
         activation_checkpoint_interval: DeepSpeed's: recompute every run of that many consecutive
             layers of a chunk in backward (torch.utils.checkpoint, non-reentrant, RNG restored);
-            0 = off.
+            0 = off. `activation_checkpoint_func(function, x)` replaces torch's checkpoint (DeepSpeed's
+            argument, e.g. `megazero.checkpointing.checkpoint`); with `checkpointable_layers` (class
+            names) only runs holding one of them are recomputed.
+        topology: DeepSpeed's `ProcessTopology` (e.g. `PipeModelDataParallelTopology`): the pipeline
+            size and this rank's stage come from it, and `megazero.initialize` lays out pp, dp, tp in
+            its order.
+        seed_layers, seed_fn, base_seed: DeepSpeed's: each layer is built (or taken) right after
+            ``seed_fn(base_seed + index)`` (default `set_random_seed`), index its position in `layers`.
 
     What the engine needs beyond the layers, all optional (a user's module declares none of them):
         layer_infos: one `megazero.core.partition.LayerInfo` per layer (type name, parameters, cost);
@@ -110,17 +118,22 @@ class PipelineModule(nn.Module):
             weight GEMMs move from B to W); None: W computes nothing the B did not already hold.
     """
 
-    def __init__(self, layers, num_stages: int, stage: int | None = None, loss_fn=None,
+    def __init__(self, layers, num_stages: int | None = None, stage: int | None = None, loss_fn=None,
                  partition_method="parameters", chunks: int = 1, input_key: str = "input_ids",
-                 label_key: str = "labels", *, activation_checkpoint_interval: int = 0, layer_infos=None,
-                 activation_shape=None, model_spec=None, activation_checkpointer=None, wgrad_store=None):
+                 label_key: str = "labels", *, activation_checkpoint_interval: int = 0, topology=None,
+                 seed_layers: bool = False, seed_fn=None, base_seed: int = 1234, activation_checkpoint_func=None,
+                 checkpointable_layers=None, layer_infos=None, activation_shape=None, model_spec=None,
+                 activation_checkpointer=None, wgrad_store=None):
         super().__init__()
         layers = list(layers)
-        if stage is None:
-            stage = stage_of_this_process(num_stages)
+        num_stages, stage = _stages(num_stages, stage, topology)
         if activation_checkpoint_interval < 0:
             raise ValueError(f"activation_checkpoint_interval={activation_checkpoint_interval}: must be >= 0 (0 = off)")
         self.checkpoint_interval = activation_checkpoint_interval
+        self.checkpoint_func = activation_checkpoint_func  # None: torch.utils.checkpoint, non-reentrant
+        self.checkpointable_layers = None if checkpointable_layers is None else set(checkpointable_layers)
+        self.topology = topology
+        self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.num_stages, self.stage_index, self.chunks = num_stages, stage, chunks
         self.loss_fn, self.input_key, self.label_key = loss_fn, input_key, label_key
         self.activation_shape, self.model_spec = activation_shape, model_spec
@@ -137,7 +150,9 @@ class PipelineModule(nn.Module):
             lo, hi = self.bounds[virtual_stage(stage, c, num_stages)], self.bounds[virtual_stage(stage, c, num_stages) + 1]
             self.layer_ranges.append((lo, hi))
             mods, fns = nn.ModuleList(), []
-            for spec in layers[lo:hi]:
+            for index, spec in enumerate(layers[lo:hi], start=lo):
+                if seed_layers:  # DeepSpeed's: before each layer (built or not), its own seed
+                    (seed_fn or set_random_seed)(base_seed + index)
                 mod, fn = self._build(spec, tied_modules)
                 mods.append(mod if isinstance(mod, nn.Module) else _Fn(mod))
                 fns.append(fn)
@@ -187,11 +202,21 @@ class PipelineModule(nn.Module):
         steps = list(zip(self.local_chunks[chunk], self._forward_fns[chunk]))
         span = self.checkpoint_interval or len(steps) or 1
         for lo in range(0, len(steps), span):
-            if self.checkpoint_interval and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(_run_layers, steps[lo:lo + span], x, use_reentrant=False)
+            if self.checkpoint_interval and torch.is_grad_enabled() and self._checkpointable(steps[lo:lo + span]):
+                if self.checkpoint_func is not None:  # DeepSpeed's activation_checkpoint_func(function, *args)
+                    x = self.checkpoint_func(_RunLayers(steps[lo:lo + span]), x)
+                else:
+                    x = torch.utils.checkpoint.checkpoint(_run_layers, steps[lo:lo + span], x, use_reentrant=False)
             else:
                 x = _run_layers(steps[lo:lo + span], x)
         return x
+
+    def _checkpointable(self, steps) -> bool:
+        """DeepSpeed's rule: with `checkpointable_layers`, a run is recomputed only if one of its layers'
+        class names is listed; otherwise every run is (layers without parameters included)."""
+        if self.checkpointable_layers is None:
+            return True
+        return any(type(getattr(mod, "fn", mod)).__name__ in self.checkpointable_layers for mod, _ in steps)
 
     def loss(self, out, batch):
         if self.loss_fn is None:
@@ -222,14 +247,49 @@ def _run_layers(steps, x):
     return x
 
 
+class _RunLayers:
+    """`_run_layers` over fixed steps, as the one-argument function a checkpoint function takes."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def __call__(self, x):
+        return _run_layers(self.steps, x)
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size): torch.distributed's when initialized, else the launcher's RANK / WORLD_SIZE."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _stages(num_stages, stage, topology) -> tuple[int, int]:
+    """(num_stages, this rank's stage) from the arguments: DeepSpeed's `topology` (any object with
+    `get_dim("pipe")` and `get_coord(rank).pipe`, e.g. PipeModelDataParallelTopology) or
+    `num_stages`; the stage on DeepSpeed's default grid when not given."""
+    if topology is not None:
+        piped = topology.get_dim("pipe")
+        if num_stages is not None and num_stages != piped:
+            raise ValueError(f"PipelineModule(num_stages={num_stages}, topology=...): the topology has {piped} "
+                             f"pipeline stages; give one of them")
+        if stage is None:
+            rank, world = _world()
+            if topology.world_size() != world:
+                raise ValueError(f"PipelineModule(topology=...): the topology has {topology.world_size()} ranks, "
+                                 f"the world {world}")
+            stage = topology.get_coord(rank).pipe
+        return piped, stage
+    if num_stages is None:
+        raise ValueError("PipelineModule: give num_stages or topology (DeepSpeed's PipeModelDataParallelTopology)")
+    return num_stages, stage if stage is not None else stage_of_this_process(num_stages)
+
+
 def stage_of_this_process(num_stages: int) -> int:
     """This process' pipeline stage on DeepSpeed's default grid (pipeline outermost, then data; no
     tensor parallelism): global rank // (world size / num_stages). Rank and world size come from
     torch.distributed when it is initialized, else from the launcher's RANK / WORLD_SIZE."""
-    if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = _world()
     if num_stages < 1 or world % num_stages:
         raise ValueError(f"PipelineModule(num_stages={num_stages}): the world size {world} is not a multiple of it")
     return rank // (world // num_stages)

@@ -7,3 +7,14 @@
 
 Import the submodules directly; this file imports nothing.
 """
+
+
+def __getattr__(name: str):
+    """DeepSpeed scripts reach `deepspeed.runtime.utils.set_random_seed`, `deepspeed.runtime.pipe` and
+    `deepspeed.runtime.zero` by attribute after ``import megazero as deepspeed``: those subpackages (L4 re-exports of
+    DeepSpeed's paths, see tests/test_layering.py) load on first access. Nothing of L1 uses them."""
+    if name in ("utils", "pipe", "zero"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

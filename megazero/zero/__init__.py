@@ -9,11 +9,15 @@
 - `loss_scaler`, `lr_schedule`: the loss scale and the learning-rate schedule.
 
 - `partitioned_init`: DeepSpeed's `Init` (build a model partitioned over the ranks) and `GatheredParameters`,
-  reachable as `megazero.zero.Init` / `megazero.zero.GatheredParameters` as in DeepSpeed.
+  reachable as `megazero.zero.Init` / `megazero.zero.GatheredParameters` as in DeepSpeed; with
+  `register_external_parameter` (`stage3`) and `TiledLinear` (`tiled_linear`), DeepSpeed's `deepspeed.zero`.
 
 The shard and bucket index arithmetic is pure and lives in `megazero.core.flat_buffer`. Import the
 other submodules directly.
 """
 from megazero.zero.partitioned_init import GatheredParameters, Init
+from megazero.zero.stage3 import register_external_parameter, unregister_external_parameter
+from megazero.zero.tiled_linear import TiledLinear
 
-__all__ = ["Init", "GatheredParameters"]
+__all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
+           "TiledLinear"]

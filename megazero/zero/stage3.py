@@ -4,7 +4,9 @@ its forward and again just before its backward, and frees them right after.
 Each bucket gathers into one buffer kept for the whole run (`FlatGroup.gather_bucket`) whose
 storage is freed to 0 bytes on release, so views autograd saved in forward hold no memory and read
 the re-gathered values in backward. The rule that follows: a unit's parameters are read only
-inside its own forward and backward (or inside `GatheredParameters`, outside a forward).
+inside its own forward and backward (or inside `GatheredParameters`, outside a forward); a module
+that reads another's parameter registers it (`register_external_parameter`, DeepSpeed's), and its
+unit gathers it too.
 
 Hooks on each unit module: forward-pre (gather + prefetch the next units' buckets asynchronously
 up to `prefetch_bucket_size` elements), forward (release), full-backward-pre (gather again +
@@ -31,8 +33,10 @@ class Stage3Gatherer:
         self.prefetch = prefetch_bucket_size
         where = {id(p): (gi, group.layout.bucket_of(i)) for gi, group in enumerate(groups) for i, p in enumerate(group.params)}
         self.needs: list[list[tuple[int, int]]] = []
+        unit_ids = {id(m) for m in units}
         for mod in units:
-            keys = sorted({where[id(p)] for p in mod.parameters() if id(p) in where})
+            used = list(mod.parameters()) + external_parameters(mod, unit_ids)
+            keys = sorted({where[id(p)] for p in used if id(p) in where})
             self.needs.append(keys)
         self.full: dict[tuple[int, int], torch.Tensor] = {}
         self.inflight: dict[tuple[int, int], tuple] = {}
@@ -146,12 +150,47 @@ class _PreBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, callback, x):
         ctx.callback = callback
-        return x.view_as(x)
+        # not x.view_as(x): autograd forbids in-place ops on a custom Function's view outputs, and a
+        # user's next layer may be one (torchvision's ReLU(inplace=True)); detach() shares x's storage
+        # and version counter, so an in-place op that would corrupt a saved tensor still raises
+        return x.detach()
 
     @staticmethod
     def backward(ctx, grad):
         ctx.callback()
         return None, grad
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """DeepSpeed's `zero.register_external_parameter`: `module`'s forward uses `parameter`, which
+    another module owns (a tied weight read by a head, a shared bias). At stage 3 the unit that holds
+    `module` gathers it too (kept in the module's ``zero_external_parameters``, a user's module being
+    where DeepSpeed keeps it as well); without it the parameter holds no values there. Register
+    before `megazero.initialize`. Local: no communication."""
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise TypeError(f"register_external_parameter: expected an nn.Parameter, got {type(parameter).__name__}")
+    external = module.__dict__.setdefault("zero_external_parameters", [])
+    if all(p is not parameter for p in external):
+        external.append(parameter)
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Undo `register_external_parameter` (a parameter never registered is an error, as DeepSpeed's)."""
+    external = module.__dict__.get("zero_external_parameters", [])
+    if all(p is not parameter for p in external):
+        raise ValueError("unregister_external_parameter: this parameter was not registered on the module")
+    external[:] = [p for p in external if p is not parameter]
+
+
+def external_parameters(unit: torch.nn.Module, unit_ids: set) -> list:
+    """The parameters registered as external on `unit` or on the modules inside it that are not
+    units of their own."""
+    found, stack = [], [unit]
+    while stack:
+        m = stack.pop()
+        found.extend(m.__dict__.get("zero_external_parameters", ()))
+        stack.extend(c for c in m.children() if id(c) not in unit_ids)
+    return found
 
 
 def call_in_backward(out, callback):

@@ -70,7 +70,10 @@ fails on any other), and another is an error naming the key and the type's param
 | aio | - | no-op for any value: NVMe I/O settings |
 | checkpoint.tag_validation | - | no-op when "Ignore" |
 | checkpoint.load_universal, use_node_local_storage | - | no-op when false |
-| tensorboard, wandb, csv_monitor, comet, flops_profiler, comms_logger, autotuning, elasticity, curriculum_learning, data_efficiency, compression_training, progressive_layer_drop, eigenvalue, quantize_training, nebula, amp | - | no-op when {"enabled": false}; otherwise not supported yet |
+| tensorboard / csv_monitor .enabled, output_path, job_name; wandb.enabled, group, team, project | log.tensorboard.*, log.csv_monitor.*, log.wandb.* (same keys) | the engine's monitors (`megazero.compat.monitor`) |
+| comms_logger.enabled, verbose, prof_all, prof_ops, debug | log.comms_logger.* | `megazero.comm`'s logger, with the engine's collectives in its summary |
+| flops_profiler.enabled, recompute_fwd_factor, profile_step, module_depth, top_modules, detailed, output_file | log.flops_profiler.* | `megazero.compat.flops_profiler` |
+| comet, autotuning, elasticity, curriculum_learning, data_efficiency, compression_training, progressive_layer_drop, eigenvalue, quantize_training, nebula, amp | - | no-op when {"enabled": false}; otherwise not supported yet |
 | pipeline.stages | parallel.pp | "auto" (DeepSpeed's default): the PipelineModule's num_stages |
 | pipeline.partition | pipeline.partition | parameters, uniform, type:<regex> (DeepSpeed's methods) |
 | pipeline.seed_layers / activation_checkpoint_interval | - | no-op when false / 0 (the interval is PipelineModule's argument) |
@@ -239,8 +242,14 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpoint.tag_validation", None, lambda v: v == "Ignore", note="checkpoint tag validation"),
     Rule("checkpoint.load_universal", None, _off, note="universal checkpoints"),
     Rule("checkpoint.use_node_local_storage", None, _off, note="node-local checkpoint storage"),
+    *(Rule(f"{section}.{k}", f"log.{section}.{k}") for section, keys in (
+        ("tensorboard", ("enabled", "output_path", "job_name")), ("csv_monitor", ("enabled", "output_path", "job_name")),
+        ("wandb", ("enabled", "group", "team", "project")),
+        ("comms_logger", ("enabled", "verbose", "prof_all", "prof_ops", "debug")),
+        ("flops_profiler", ("enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules",
+                            "detailed", "output_file"))) for k in keys),
     *(Rule(k, None, _disabled_section, note="this DeepSpeed feature") for k in (
-        "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger", "autotuning",
+        "comet", "autotuning",
         "elasticity", "curriculum_learning", "data_efficiency", "compression_training",
         "progressive_layer_drop", "eigenvalue", "quantize_training", "nebula", "amp")),
     # DeepSpeed's pipeline section (the PipelineModule's num_stages decides the pipeline size when
@@ -282,7 +291,8 @@ RULES: tuple[Rule, ...] = (
 
 DICT_SECTIONS = ("zero_optimization", _Z + "offload_optimizer", _Z + "offload_param", "fp16", "bf16",
                  "bfloat16", "optimizer", "optimizer.params", "scheduler", "scheduler.params",
-                 "activation_checkpointing", "data_types", "checkpoint", "pipeline", "expert_parallel")
+                 "activation_checkpointing", "data_types", "checkpoint", "pipeline", "expert_parallel",
+                 "tensorboard", "csv_monitor", "wandb", "comms_logger", "flops_profiler")
 """DeepSpeed keys whose values are sections (mappings) of further keys."""
 
 OPTIMIZER_TYPES = MappingProxyType({"adam": "adam", "adamw": "adamw", "sgd": "sgd", "onebitadam": "onebit_adam"})

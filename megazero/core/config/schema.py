@@ -286,6 +286,47 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MonitorConfig:
+    """A DeepSpeed monitor writing the engine's events (TensorBoard, CSV): `output_path`/`job_name`."""
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    enabled: bool = False
+    group: Optional[str] = None
+    team: Optional[str] = None
+    project: str = "deepspeed"
+
+
+@dataclass(frozen=True)
+class CommsLoggerConfig:
+    """DeepSpeed's comms logger (`megazero.comm`): which calls are timed and what the summary adds."""
+
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    prof_ops: List[str] = field(default_factory=list)
+    debug: bool = False
+
+
+@dataclass(frozen=True)
+class FlopsProfilerConfig:
+    """DeepSpeed's flops profiler: one step (`profile_step`) counted and timed per module."""
+
+    enabled: bool = False
+    recompute_fwd_factor: float = 0.0
+    profile_step: int = 1
+    module_depth: int = -1
+    top_modules: int = 1
+    detailed: bool = True
+    output_file: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class LogConfig:
     interval: int = 10  # DeepSpeed steps_per_print
     metrics_file: Optional[str] = None  # None resolves to <run_dir>/metrics.jsonl
@@ -294,6 +335,11 @@ class LogConfig:
     all_ranks: bool = False
     progress_bar: bool = False
     peak_tflops: Optional[float] = None  # per device, for MFU; None = no MFU column
+    tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
+    csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
 
 
 @dataclass(frozen=True)

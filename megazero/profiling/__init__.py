@@ -1,0 +1,1 @@
+"""DeepSpeed's `deepspeed.profiling` import path (the flops profiler)."""

@@ -1,0 +1,7 @@
+"""DeepSpeed's `deepspeed.runtime.zero.stage_1_and_2` import path: the ZeRO-2 memory estimators."""
+from megazero.compat.zero_estimators import (estimate_zero2_model_states_mem_needs,
+                                             estimate_zero2_model_states_mem_needs_all_cold,
+                                             estimate_zero2_model_states_mem_needs_all_live)
+
+__all__ = ["estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_cold",
+           "estimate_zero2_model_states_mem_needs_all_live"]

@@ -1,0 +1,7 @@
+"""DeepSpeed's `deepspeed.utils.zero_to_fp32` import path (`megazero.compat.zero_to_fp32`)."""
+from megazero.compat.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+                                          get_fp32_state_dict_from_zero_checkpoint,
+                                          load_state_dict_from_zero_checkpoint, main)
+
+__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
+           "load_state_dict_from_zero_checkpoint", "main"]
