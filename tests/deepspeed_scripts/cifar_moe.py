@@ -7,12 +7,10 @@ WarmupLR, gradient clipping 1.0, `--stage`, `--dtype`), `initialize(args=..., mo
 model_parameters=..., training_data=..., config=...)` and its loader, `model_engine(inputs)`,
 `backward`, `step`.
 
-Changed from the original: the imports (``import megazero as deepspeed``, megazero's `moe.utils`), a
-tiny CNN on random 8x8 "CIFAR" images (nothing is downloaded), `--steps` / `--seed` / `--warmup` /
-`--gradient-clipping`, the
-model seeded before it is built, and `main` returns the per-step losses (averaged over the ranks, as
-the tutorial's running loss) instead of printing them. The local device is `model_engine.device`
-(the tutorial asks `get_accelerator().device_name(local_rank)`).
+Changed from the original: the imports (``import megazero as deepspeed``, megazero's `accelerator` and
+`moe.utils`), a tiny CNN on random 8x8 "CIFAR" images (nothing is downloaded), `--steps` / `--seed` /
+`--warmup` / `--gradient-clipping`, the model seeded before it is built, and `main` returns the per-step
+losses (averaged over the ranks, as the tutorial's running loss) instead of printing them.
 
     torchrun --nproc_per_node=2 tests/deepspeed_scripts/cifar_moe.py --moe --ep-world-size 2 \
         --num-experts 4 --moe-param-group --dtype fp32
@@ -26,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import megazero as deepspeed
+from megazero.accelerator import get_accelerator
 from megazero.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 IMAGES, SIZE, CLASSES = 64, 8, 10
@@ -147,7 +146,7 @@ def main(argv=None):
     ds_config = get_ds_config(args)
     model_engine, optimizer, trainloader, __ = deepspeed.initialize(
         args=args, model=net, model_parameters=parameters, training_data=trainset(), config=ds_config)
-    local_device = model_engine.device
+    local_device = get_accelerator().device_name(model_engine.local_rank)
     target_dtype = None
     if model_engine.bfloat16_enabled():
         target_dtype = torch.bfloat16
