@@ -4,7 +4,8 @@
 
 `model` is a model spec string ("model_specs/gpt.py:debug"), a `PipelineModule`, or any
 `nn.Module` (tp = pp = 1: ZeRO 0-3 and offload work on any PyTorch model; tensor parallelism
-needs megazero layers). `config` is a path (YAML, megazero JSON or DeepSpeed JSON), a dict (merged
+needs megazero layers; its DeepSpeed-style `megazero.moe.layer.MoE` layers set parallel.ep from their
+ep_size and get the expert-parallel group here). `config` is a path (YAML, megazero JSON or DeepSpeed JSON), a dict (merged
 as data), or a `Config`. The config is resolved and validated once, before any process group is
 created (`load_run_config`); `initialize_from_config` takes it from there. Pipeline models get a
 `PipelineEngine` (`train_batch` / `eval_batch`), other modules a `ModuleEngine` (`engine(batch)`,
@@ -29,6 +30,7 @@ from megazero.engine.factories import (build_model, build_optimizer, build_sched
 from megazero.engine.kernel_plan import load_kernels
 from megazero.engine.module_engine import ModuleEngine
 from megazero.engine.pipeline_engine import PipelineEngine
+from megazero.moe.user_layer import MoE
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.run.launch import detect, init_distributed, local_device, nccl_environment
 from megazero.runtime import comm
@@ -145,6 +147,9 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     `on_instruction(ins, start_s, end_s)` sees every pipeline instruction (timers, traces).
     `device` (default: the launcher's, `init_distributed`) and `order` (what every group posts its
     operations to, see `ParallelContext`) are for the dry run (`megazero.run.dry_run`: meta, a recorder)."""
+    moe_layers = _user_moe_layers(model)
+    if moe_layers:
+        cfg = _with_expert_parallel(cfg, moe_layers, model)
     p = cfg.parallel
     topology = Topology(pp=p.pp, dp=p.dp, tp=p.tp, order=tuple(p.order))
     if isinstance(model, str):  # a spec named here instead of in the config: check it like load_run_config
@@ -155,11 +160,12 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     elif isinstance(model, nn.Module) and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"parallel.tp={p.tp}, parallel.pp={p.pp}: a plain nn.Module runs with tp = pp = 1 "
                           f"only; build it from megazero layers (a model spec or a PipelineModule)")
-    elif isinstance(model, nn.Module) and p.ep > 1:
+    elif isinstance(model, nn.Module) and p.ep > 1 and not moe_layers:
         raise ConfigError(f"parallel.ep={p.ep} (DeepSpeed: expert_parallel.autoep_size): a plain nn.Module keeps its "
-                          f"own MoE blocks, which megazero cannot split over ranks; build the model from a megazero "
-                          f"MoE spec (e.g. model_specs/llama.py:mixtral-8x7b; a Hugging Face Mixtral's weights load "
-                          f"with megazero.models.hf.load_hf_state_dict) or set parallel.ep=1")
+                          f"own MoE blocks, which megazero cannot split over ranks; build its MoE layers with "
+                          f"megazero.moe.layer.MoE (DeepSpeed's, with ep_size), or the model from a megazero MoE "
+                          f"spec (e.g. model_specs/llama.py:mixtral-8x7b; a Hugging Face Mixtral's weights load "
+                          f"with megazero.models.hf.load_hf_state_dict), or set parallel.ep=1")
     elif model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a spec string, a PipelineModule or an nn.Module, got {type(model).__name__}")
     policy = cfg.activation_checkpointing.policy
@@ -188,6 +194,8 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     if isinstance(model, PipelineModule):
         _agree_on_stage(model, pctx, info.device)
     module = _model(model, cfg, pctx, info.device)
+    for layer in moe_layers:  # DeepSpeed's engine: set_deepspeed_parallelism on every MoE layer
+        layer.set_ep_group(pctx.ep_group)
     spec = None
     if client_optimizer is not None:
         spec, model_parameters = take_over(client_optimizer, model_parameters if model_parameters is not None
@@ -210,6 +218,32 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                               info.local_rank, info.device, training_data=loader, monitor=monitor,
                               flops_profiler=cfg.log.flops_profiler)
     return engine, optimizer, loader if loader is not None else _dataloader(cfg, pctx, module, engine), scheduler
+
+
+def _user_moe_layers(model) -> list[MoE]:
+    """The DeepSpeed-style `MoE` layers (`megazero.moe.layer.MoE`) of a user's module; none for a spec."""
+    return [m for m in model.modules() if isinstance(m, MoE)] if isinstance(model, nn.Module) else []
+
+
+def _with_expert_parallel(cfg: Config, layers: list[MoE], model: nn.Module) -> Config:
+    """`cfg` with parallel.ep taken from the model's MoE layers' ep_size, as DeepSpeed takes it (before any
+    process group). Every layer must have the same ep_size (megazero builds one expert-parallel group),
+    the config may not ask for another, and ep_size must divide dp."""
+    sizes = sorted({m.ep_size for m in layers})
+    if len(sizes) > 1:
+        raise ConfigError(f"MoE layers with ep_size {sizes}: megazero builds one expert-parallel group per model "
+                          f"(DeepSpeed: one per ep_size); give every MoE layer the same ep_size")
+    ep = sizes[0]
+    if cfg.parallel.ep not in (1, ep):
+        raise ConfigError(f"parallel.ep={cfg.parallel.ep} (DeepSpeed: expert_parallel.autoep_size), but the model's "
+                          f"MoE layers have ep_size={ep}; the layers decide: leave parallel.ep unset or set it to {ep}")
+    if ep > 1 and isinstance(model, PipelineModule):
+        raise ConfigError(f"MoE(ep_size={ep}) inside a PipelineModule: expert parallelism runs in a plain nn.Module "
+                          f"(any ZeRO stage) or in a model built from a megazero MoE spec; use ep_size=1 here")
+    try:
+        return resolve(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep)))
+    except ConfigError as err:
+        raise ConfigError(f"MoE layers' ep_size={ep} (parallel.ep is taken from them): {err}") from None
 
 
 def data_iterator(cfg: Config, engine, start_step: int):

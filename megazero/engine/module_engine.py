@@ -31,8 +31,10 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
         # DeepSpeed's engine.monitor (megazero.compat.monitor.MonitorMaster) and flops_profiler section
         self.monitor, self.flops_profiler_config = monitor, flops_profiler
         self._step_loss = None  # the step's summed micro-batch losses, kept only while a monitor is on
-        # DeepSpeed's train_batch() without an iterator reads initialize(training_data=...)'s loader, endlessly
-        self.training_iter = iter(RepeatingLoader(training_data)) if training_data is not None else None
+        # DeepSpeed's train_batch() without an iterator reads initialize(training_data=...)'s loader, endlessly;
+        # made at the first such call: a DataLoader's iterator draws its seed from torch's generator, which
+        # DeepSpeed's (non-pipeline) engine and PyTorch leave alone until the script iterates
+        self.training_data, self.training_iter = training_data, None
         self.gas, self.micro_batch_size = gradient_accumulation_steps, micro_batch_size
         self.local_rank, self.device = local_rank, torch.device(device)
         self.syncing = True  # False inside no_sync()
@@ -141,9 +143,11 @@ class ModuleEngine(CheckpointMethods, EngineSurface):
     def _batches(self, data_iter):
         """`data_iter`, or initialize(training_data=...)'s loader; each batch moved to the engine's device
         (DeepSpeed's loader yields host tensors; the module's parameters are on the device)."""
-        if data_iter is None and self.training_iter is None:
+        if data_iter is None and self.training_data is None:
             raise ValueError("train_batch(data_iter=None): pass an iterator of batches, or give "
                              "megazero.initialize(training_data=...) a dataset")
+        if data_iter is None and self.training_iter is None:
+            self.training_iter = iter(RepeatingLoader(self.training_data))
         source = data_iter if data_iter is not None else self.training_iter
         return (to_device(next(source), self.device) for _ in range(self.gas))
 

@@ -1,6 +1,10 @@
 """The Mixture-of-Experts MLP: route, dispatch over the expert-parallel group, run the local experts,
 bring the outputs back and combine them weighted; shared experts run on every token.
 
+(`MoE`, DeepSpeed's layer for a user's own expert module with DeepSpeed's routing, lives in
+`megazero.moe.user_layer`; it is imported here so that ``from megazero.moe.layer import MoE`` works as
+``from deepspeed.moe.layer import MoE`` does.)
+
 One forward on x (s, b, h), E experts over an ep group of P ranks, k experts per token:
 
 1. router logits (b·s, E) = tokens · routerᵀ in fp32; `megazero.moe.routing.decide` picks the top k
@@ -56,6 +60,7 @@ from megazero.core.moe_spec import MoESpec
 from megazero.moe.dispatch import AllToAll, DispatchPlan, plan_dispatch
 from megazero.moe.experts import GroupedExperts
 from megazero.moe.routing import Routing, decide, route
+from megazero.moe.user_layer import MoE  # DeepSpeed's MoE for a user's expert: `from megazero.moe.layer import MoE`
 from megazero.runtime.comm import GroupHandle
 from megazero.tensor_parallel.init import make_param
 
@@ -243,4 +248,5 @@ def combine(weighted: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, tok
     return cells.sum(1)
 
 
-__all__ = ["AttachLosses", "AuxLossScale", "DispatchPlan", "GatherRows", "MoELayer", "combine", "set_aux_loss_scale"]
+__all__ = ["AttachLosses", "AuxLossScale", "DispatchPlan", "GatherRows", "MoE", "MoELayer", "combine",
+           "set_aux_loss_scale"]

@@ -44,6 +44,7 @@ import torch
 from safetensors import safe_open
 
 from megazero.core.shard_boxes import numel, slice_boxes
+from megazero.moe.user_layer import global_expert_name
 from megazero.run import safetensors_io
 from megazero.run.checkpoint_read import CheckpointError, Readers, copy_overlaps
 from megazero.runtime import comm
@@ -54,18 +55,22 @@ FORMAT = "megazero-sharded-1"
 
 # -- the slices a rank owns ------------------------------------------------------------------------
 
-def _named(module, pctx) -> dict[int, tuple[str, tuple, tuple]]:
+def _named(module, pctx, optimizer) -> dict[int, tuple[str, tuple, tuple]]:
     """{id(param): (logical name, full shape, splits)}: megazero's parameter metadata, `splits` the
     (dim, this rank's index, ranks) of each split dim (`megazero.core.shard_boxes`): MoE routed experts
     over the expert-parallel group along ep_dim, any parameter over TP along tp_dim (experts too under
-    expert tensor parallelism); () whole. A plain nn.Module's (tp = 1) `named_parameters` are whole."""
+    expert tensor parallelism); () whole. A plain nn.Module's (tp = 1) `named_parameters` are whole,
+    the experts of its DeepSpeed-style MoE layers named by their global index (`global_expert_name`:
+    each ep rank holds other experts under the same local names), their shapes the optimizer's (ZeRO-3
+    empties a parameter's data between uses)."""
+    shapes = {id(p): tuple(group.shapes[i]) for group in optimizer.groups for i, p in enumerate(group.params)}
     out = {}
     for name, p in module.named_parameters():
         if id(p) in out:
             continue
         logical = getattr(p, "logical_name", None)
         if logical is None:
-            out[id(p)] = (name, tuple(p.shape), ())
+            out[id(p)] = (global_expert_name(name, p), shapes.get(id(p), tuple(p.shape)), ())
             continue
         splits = []
         if getattr(p, "ep_dim", None) is not None:
@@ -80,7 +85,7 @@ def _pieces(module, optimizer, pctx, writing: bool):
     """(logical name, full shape, source index (group, bucket), offset in the owned slice, Piece) of
     every box this rank holds. Writing skips copies another rank writes too (replicas over the group's
     dp at stage 0, TP replicas of parameters not split over TP)."""
-    named = _named(module, pctx)
+    named = _named(module, pctx, optimizer)
     for g, group in enumerate(optimizer.groups):
         if writing and group.stage == 0 and group.dp.rank != 0:  # experts: their expert-data-parallel group
             continue
@@ -340,7 +345,7 @@ def load(path: str, module, optimizer, pctx, lr_scheduler=None, load_optimizer_s
     error, manifest = None, None
     try:
         manifest = read_manifest(path)
-        _check_model(manifest, module, path, pctx)
+        _check_model(manifest, module, path, pctx, optimizer)
         saved = (manifest["optimizer"] or {}).get("param_groups")
         if saved is not None and not load_module_only and len(saved) != len(optimizer.param_groups):
             raise CheckpointError(f"{path}/manifest.json: saved with {len(saved)} optimizer parameter groups, this "
@@ -395,9 +400,9 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def _check_model(manifest: dict, module, path: str, pctx) -> None:
+def _check_model(manifest: dict, module, path: str, pctx, optimizer) -> None:
     saved = manifest["tensors"]
-    for name, shape, _ in _named(module, pctx).values():
+    for name, shape, _ in _named(module, pctx, optimizer).values():
         record = saved.get(name)
         if record is None:
             raise CheckpointError(f"{path}/manifest.json has no tensor {name!r}: it was saved from another "
