@@ -3,7 +3,10 @@
 Parity over a longer run than the generated matrix's two steps (tests/test_parity_matrix.py, which
 covers stages x offload x overlap x layouts): 10 AdamW steps (lr 1e-3, eps 1e-8, clipping at 1.0) at
 pp2 x tp2 x dp2 give per-step losses within 1e-5 relative of the single-process run, clipped global
-grad norms within 1e-6 relative, and final parameters within 1e-5 absolute. Volumes and memory are measured per rank with Ψ = the rank's own
+grad norms within 1e-6 relative, and final parameters within 1e-5 absolute. The attention's key bias gets
+no gradient in exact arithmetic (softmax ignores the constant q·b_k of each query), so AdamW moves it by
+rounding noise alone, normalised into steps of up to lr whose signs depend on the summation order: it is
+held to 2·steps·lr (measured: 1.0e-5 here, where every other parameter is within 8.3e-7). Volumes and memory are measured per rank with Ψ = the rank's own
 model-parallel shard (its stage's TP shard).
 """
 import pytest
@@ -31,7 +34,8 @@ def reference():
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_3d_pp2_tp2_dp2(stage):
-    compare(merge(run_ranks(train_worker, 8, layout(2, 2, stage=stage), STEPS, timeout=240)), reference())
+    compare(merge(run_ranks(train_worker, 8, layout(2, 2, stage=stage), STEPS, timeout=240)), reference(),
+            noise_only=("attn.k.bias",), noise_atol=2 * STEPS * BASE["optimizer"]["lr"])
 
 
 def volume_worker(cfg):

@@ -18,7 +18,7 @@ import torch
 from tests.harness import run_ranks
 
 SPEC = {"layers": 16, "hidden": 512, "heads": 8, "vocab": 257, "seq_len": 32}
-BUDGET = 0.8  # of the model's fp32 weights, per rank
+BUDGET = 0.85  # of the model's fp32 weights, per rank (the docstring's measured parts)
 CFG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
        "zero_optimization": {"stage": 3, "reduce_bucket_size": 500_000, "stage3_prefetch_bucket_size": 500_000,
                              "stage3_param_persistence_threshold": 10_000}}
