@@ -18,8 +18,9 @@ import torch
 from megazero.core import partition as part
 from megazero.core.instructions import virtual_stage
 from megazero.core.spec import load_spec
+from megazero.core.spec_partition import block_counts_to_layer_counts
 from megazero.models import CausalLM, count_params, layer_builders
-from megazero.models.pipeline_from_spec import block_counts_to_layer_counts, build_pipeline_model
+from megazero.models.pipeline_from_spec import build_pipeline_model
 from megazero.planner.facts import ModelFacts, StageFacts
 from megazero.run.model_facts import build_ranks, facts_of, fake_tp_group, model_facts, rank_shards
 from megazero.runtime.comm import single_rank_group

@@ -58,7 +58,11 @@ def test_search_ranks_the_layouts_that_fit_and_says_why_others_do_not(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["gpt:debug", "--tp", "3", "--gpus", "3", "--global-batch", "3"], "tp=3 does not divide heads=8"),
-    (["gpt:debug", "--pp", "3", "--gpus", "3"], "pp x chunks = 3 x 1 does not divide layers=2"),
+    (["gpt:debug", "--pp", "5", "--gpus", "5", "--global-batch", "5"],
+     "cannot split 4 layers into num_stages=5 x chunks=1"),
+    (["gpt:debug", "--pp", "2", "--partition", "1,2"], "layer counts sum to 3, not model.layers=2"),
+    (["gpt:debug", "--partition", "1,x"], "--partition '1,x': a list is comma-separated"),
+    (["gpt:debug", "--partition", "flop"], "'flop' is not valid; did you mean 'flops'?"),
     (["gpt:debug", "--global-batch", "7"], "global_batch=7 is not divisible by micro_batch x dp = 1 x 8"),
     (["gpt:debug", "--hardware", "a100"], "--hardware 'a100': no such preset or file; presets: a100-80gb"),
     (["gpt:debg"], "flavor 'debg' is not in"),
@@ -74,6 +78,37 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_interleaved_without_chunks_chooses_the_fastest_count(capsys):
+    """70 layers over pp 4: V = 2, 3, 4, 6, 8 all run (uneven splits); the one chosen is the fastest that fits."""
+    argv = ["gpt:debug", "layers=70", "hidden=2048", "heads=16", "seq_len=1024", "vocab=50000", "--hardware",
+            "a100-80gb", "--gpus", "8", "--global-batch", "64", "--tp", "2", "--pp", "4", "--schedule", "interleaved"]
+    code, out, _ = run(capsys, *argv, "--json")
+    assert code == 0
+    chosen = json.loads(out)
+    speeds = {}
+    for v in (2, 3, 4, 6, 8):
+        code, out, _ = run(capsys, *argv[:-1], f"interleaved:{v}", "--json")
+        got = json.loads(out)
+        if got["fits"]:
+            speeds[v] = got["tokens_per_s"]
+    best = max(speeds, key=speeds.get)
+    assert chosen["layout_fields"]["chunks"] == best and chosen["tokens_per_s"] == speeds[best]
+    assert f"V={best} chunks per stage, the fastest that fits" in chosen["chunks_chosen"]
+
+
+def test_a_partition_is_planned_as_given(capsys):
+    argv = ["gpt:debug", "layers=70", "hidden=2048", "heads=16", "seq_len=1024", "vocab=50000", "--hardware",
+            "a100-80gb", "--gpus", "12", "--global-batch", "24", "--pp", "12", "--json"]
+    plans = {}
+    for part in ("uniform", "flops", "4," + "6," * 10 + "6"):
+        code, out, _ = run(capsys, *argv, "--partition", part)
+        assert code == 0
+        plans[part] = json.loads(out)
+    assert plans["flops"]["layout_fields"]["partition"] == "flops"
+    assert plans["4," + "6," * 10 + "6"]["layout_fields"]["partition"] == [4] + [6] * 10 + [6]
+    assert len({tuple(p["memory_gb_per_stage"]) for p in plans.values()}) == 3  # (uniform: 5, 6 x 10, 5)
 
 
 def test_a_search_where_nothing_can_run_says_why(capsys):

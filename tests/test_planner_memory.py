@@ -179,7 +179,7 @@ def test_model_states_are_the_zero_papers_with_fp32_gradients(zero, bytes_per_pa
     """Rajbhandari et al.'s 2 + 2 + 12 bytes per parameter (bf16 params and grads, fp32 master and
     moments) become 2 + 4 + 12 with megazero's fp32 gradient accumulation, divided over dp = 8 as each
     ZeRO stage shards them (padding to dp per bucket aside)."""
-    from megazero.planner.memory_plan import layer_params
+    from megazero.planner.layer_params import layer_params
 
     spec = load_spec("model_specs/llama.py:llama2-7b")
     psi = sum(p.numel for kind in ("embedding", "head") for p in layer_params(spec, kind, 1))

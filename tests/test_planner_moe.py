@@ -150,7 +150,7 @@ def test_memory_equals_the_measured_breakdown(measured, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_all_to_all_volume_equals_the_comm_stats(measured, name):
-    from megazero.planner.memory_plan import pipeline_layers
+    from megazero.planner.stages import pipeline_layers
 
     model, lay, _ = CASES[name]
     spec, shape = spec_of(model), moe_shape(spec_of(model), lay)

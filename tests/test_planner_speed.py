@@ -128,7 +128,10 @@ def test_interleaving_shrinks_the_bubble():
         inter = predict(BASE.replace(schedule="interleaved", chunks=v))
         assert inter.bubble_fraction < one.bubble_fraction
         assert inter.breakdown["p2p"] > one.breakdown["p2p"]  # v times more transfers
-    assert predict(BASE.replace(schedule="gpipe")).step_time_s == pytest.approx(one.step_time_s, rel=1e-9)
+    # equal blocks per stage (the embedding and head apart): GPipe's step is 1F1B's; the default uniform
+    # split of the 38 pipeline layers gives stages of 9, 10, 9, 8 blocks, on which the two orders differ
+    even = BASE.replace(partition=(9, 9, 9, 9))
+    assert predict(even.replace(schedule="gpipe")).step_time_s == pytest.approx(predict(even).step_time_s, rel=1e-9)
 
 
 def test_bubble_shrinks_with_more_microbatches():

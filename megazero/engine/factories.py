@@ -14,9 +14,11 @@ from megazero.core.config import Config, ConfigError
 from megazero.core.instructions import ScheduleError
 from megazero.core.moe_spec import MoESpecError
 from megazero.core.schedules import get_schedule, splits_backward
+from megazero.core.spec_partition import partition_problems, spec_bounds
 from megazero.models.pipeline_from_spec import build_pipeline_model
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.planner.from_config import spec_of
+from megazero.planner.stages import logical_params
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 from megazero.zero.loss_scaler import LossScaler
@@ -34,7 +36,8 @@ def compute_dtype(cfg: Config) -> torch.dtype:
 
 def check_model_and_schedule(cfg: Config) -> None:
     """What `build_model` and the engine will need, checked before any process group exists: the
-    spec loads and splits over the TP group, and the schedule builds for (pp, micro-batches, chunks).
+    spec loads and splits over the TP group, ``pipeline.partition`` splits its layers (the planner's
+    `Layout` asks the same two functions), and the schedule builds for (pp, micro-batches, chunks).
 
     Raises:
         SpecError: naming the spec field; ConfigError: naming the config key of a schedule problem.
@@ -43,11 +46,27 @@ def check_model_and_schedule(cfg: Config) -> None:
         spec = spec_of(cfg)
         _check_experts(spec.moe, cfg)  # first: its messages name the config keys
         spec.validate_layout(cfg.parallel.tp, cfg.parallel.sequence_parallel)
+        _check_partition(spec, cfg)
     try:
         get_schedule(cfg.pipeline.schedule, cfg.parallel.pp, cfg.train.gradient_accumulation_steps,
                      cfg.pipeline.chunks)
     except ScheduleError as err:
         raise ConfigError(f"{err.key}: {err}") from None
+
+
+def _check_partition(spec, cfg: Config) -> None:
+    """``pipeline.partition`` against the spec's layers: a count list's length, sum and empty middle stages,
+    and a method's split of the L + 2 pipeline layers (every virtual stage needs one; the split itself is
+    the trainer's function, given the layers' parameter counts, which do not decide whether it exists)."""
+    parts, part = cfg.parallel.pp * cfg.pipeline.chunks, cfg.pipeline.partition
+    errs = partition_problems(part, parts, spec.layers)
+    if not errs:
+        try:
+            spec_bounds(spec, cfg.parallel.pp, cfg.pipeline.chunks, part, logical_params(spec))
+        except ValueError as err:
+            errs = [f"pipeline.partition: {err}"]
+    if errs:
+        raise ConfigError("; ".join(errs))
 
 
 def _check_experts(moe, cfg: Config) -> None:

@@ -14,13 +14,12 @@ import torch
 
 from megazero.core.partition import LayerInfo
 from megazero.core.spec import ModelSpec
+from megazero.core.spec_partition import LAYER_TYPES, flops_per_token, method_of
 from megazero.models.embedding import EmbeddingLayer, HeadLayer
 from megazero.models.lm import causal_lm_loss, layer_builders
 from megazero.pipeline.pipeline_module import LayerSpec, PipelineModule
 from megazero.runtime.comm import single_rank_group
 from megazero.tensor_parallel import RNGStatesTracker
-
-LAYER_TYPES = {"embedding": "EmbeddingLayer", "block": "TransformerBlock", "head": "HeadLayer"}
 
 
 def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_parallel: bool = False,
@@ -54,8 +53,7 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
                               expert_tp=expert_tp,
                               decisions=getattr(activation_checkpointer, "decisions", None))
     layers = [LayerSpec(_wrap, b, device, wrap_block if b.kind == "block" else None) for b in builders]
-    if isinstance(partition, (list, tuple)):
-        partition = block_counts_to_layer_counts(partition, [b.kind for b in builders])
+    partition = method_of(partition, [b.kind for b in builders])  # block counts -> layer counts
     infos = list(layer_infos) if layer_infos is not None else pipeline_layer_infos(spec, builders)
     tp_group, tp_size = pctx.tp_group, pctx.tp_size
 
@@ -84,37 +82,9 @@ def pipeline_layer_infos(spec: ModelSpec, builders=None) -> list[LayerInfo]:
     token. `builders` default to `layer_builders(spec)` on one TP rank."""
     if builders is None:
         builders = layer_builders(spec, single_rank_group("tp"))
-    return [LayerInfo(LAYER_TYPES[b.kind], b.num_params(), float(_flops_per_token(spec, b.kind))) for b in builders]
+    return [LayerInfo(LAYER_TYPES[b.kind], b.num_params(), float(flops_per_token(spec, b.kind))) for b in builders]
 
 
 def _wrap(builder, device, wrap_block):
     mod = builder(device)
     return wrap_block(mod) if wrap_block is not None else mod
-
-
-def _flops_per_token(spec: ModelSpec, kind: str) -> float:
-    """Forward+backward GEMM FLOPs per token of one layer (Megatron's counting, docs/reference.md):
-    a block 3·(24·h² + 4·s·h) = 72·h²·(1 + s/(6h)), the head 6·V·h, and the embedding a lookup
-    (given a token's 2·h so that it is not free)."""
-    h, s, v = spec.hidden, spec.seq_len, spec.vocab
-    if kind == "block":
-        return 3 * (24 * h * h + 4 * s * h)
-    if kind == "head":
-        return 6 * v * h
-    return 2 * h
-
-
-def block_counts_to_layer_counts(blocks, kinds: list[str]) -> list[int]:
-    """Per-virtual-stage counts of pipeline layers from per-stage counts of transformer blocks: the
-    layers before the first block (embedding) join the first stage, those after the last (head) the
-    last stage."""
-    n_blocks = kinds.count("block")
-    if sum(blocks) != n_blocks:
-        raise ValueError(f"pipeline.partition {list(blocks)} sums to {sum(blocks)} transformer layers, "
-                         f"the model has {n_blocks} (model.layers)")
-    first, last = kinds.index("block"), len(kinds) - 1 - kinds[::-1].index("block")
-    counts = list(blocks)
-    counts[0] += first
-    counts[-1] += len(kinds) - 1 - last
-    return counts
-

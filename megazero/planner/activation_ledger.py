@@ -321,7 +321,7 @@ def _wgrad(c: _Dims, kind: str, other_params: int, all_params: int) -> int:
 
 
 def activation_chunks(spec, layout, chunks, device: str, param_counts: dict) -> list[Chunk]:
-    """One `Chunk` per model chunk of a stage (`chunks`: [[(kind, unit)]], see memory_plan.pipeline_layers;
+    """One `Chunk` per model chunk of a stage (`chunks`: [[(kind, unit)]], see stages.pipeline_layers;
     `param_counts`: {kind: (elements of its parameters whose weight GEMMs zero bubble does not defer:
     vectors and an MoE MLP's, of all its parameters)} on one rank)."""
     c = dims(spec, layout, device)

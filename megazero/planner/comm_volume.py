@@ -38,10 +38,13 @@ head's forward, and once for both backwards: it stays gathered until its gradien
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from dataclasses import dataclass
 
 from megazero.planner.comm_memory import BLOCK, onebit_sizes
-from megazero.planner.memory_plan import flat_groups, pipeline_layers
+from megazero.planner.memory_plan import flat_groups
+from megazero.planner.stages import pipeline_layers
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b) * b
@@ -66,7 +69,11 @@ class GroupFamily:
         members = sum(len(g) for g in groups)
         self.ring_cross = sum(1 for g in groups for i, r in enumerate(g)
                               if g[(i + 1) % len(g)] // rpn != r // rpn) / members
-        self.a2a_away = sum(sum(1 for q in g if q // rpn != r // rpn) for g in groups for r in g) / members / self.n
+        away = 0  # members on other nodes, summed over every member (a node's count once per group)
+        for g in groups:
+            per_node = Counter(r // rpn for r in g)
+            away += sum(c * (len(g) - c) for c in per_node.values())
+        self.a2a_away = away / members / self.n
         splits = [_node_split(g, rpn) for g in groups]
         self.levels = None  # (k, N) when the two-level form applies (ParallelContext._build_data_parallel)
         if hierarchical and self.n > 1 and all(s is not None and s[0] > 1 and s[1] > 1 for s in splits):

@@ -2,8 +2,7 @@
 
 `config explain` and the trainer's start-up summary show the prediction next to what a run holds;
 both start from the resolved `megazero.core.config.Config`. Layouts the planner does not model
-(a custom .csv schedule, an uneven partition, CPU or contiguous activation checkpoints) give a
-reason instead of a plan.
+(a custom .csv schedule, CPU or contiguous activation checkpoints) give a reason instead of a plan.
 """
 from __future__ import annotations
 
@@ -33,14 +32,13 @@ def layout_of(cfg) -> tuple[Layout | None, str]:
     pl, ac, z, t = cfg.pipeline, cfg.activation_checkpointing, cfg.zero, cfg.train
     if pl.schedule not in SCHEDULES:
         return None, f"pipeline.schedule={pl.schedule!r}: the planner models {', '.join(SCHEDULES)}"
-    if pl.partition != "uniform":
-        return None, f"pipeline.partition={pl.partition!r}: the planner models the uniform partition"
     if ac.partition_activations or ac.cpu_checkpointing or ac.contiguous_memory_optimization or ac.every_k_layers != 1:
         return None, "activation_checkpointing: the planner models policy none/selective/full on every layer only"
     layout = Layout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp, ep=cfg.parallel.ep,
                     expert_tp=expert_tp_of(cfg), micro_batch=t.micro_batch_size,
                     global_batch=t.global_batch_size, zero=z.stage, recompute=ac.policy, schedule=pl.schedule,
-                    chunks=pl.chunks, sequence_parallel=cfg.parallel.sequence_parallel,
+                    chunks=pl.chunks, partition=pl.partition if isinstance(pl.partition, str) else tuple(pl.partition),
+                    sequence_parallel=cfg.parallel.sequence_parallel,
                     offload_optimizer=z.offload_optimizer.device == "cpu", offload_param=z.offload_param.device == "cpu",
                     precision=cfg.precision, reduce_bucket_size=z.reduce_bucket_size,
                     allgather_bucket_size=z.allgather_bucket_size, prefetch_bucket_size=z.prefetch_bucket_size,

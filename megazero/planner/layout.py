@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from megazero.core.instructions import ScheduleError
 from megazero.core.schedules import check_sizes
+from megazero.core.spec_partition import partition_problems
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
@@ -56,6 +57,7 @@ class Layout:
     recompute: str = "none"
     schedule: str = "1f1b"
     chunks: int = 1
+    partition: str | tuple[int, ...] = "uniform"
     sequence_parallel: bool = False
     offload_optimizer: bool = False
     offload_param: bool = False
@@ -108,6 +110,9 @@ class Layout:
         """One line: tp2 pp4 dp8 mb1 zero1 recompute=selective 1f1b (MoE: ep4 after dp, expert-tp1 when it
         is not tp, imbalance=1.2 when not 1)."""
         sched = f"interleaved:{self.chunks}" if self.schedule == "interleaved" else self.schedule
+        if self.partition != "uniform":
+            part = self.partition if isinstance(self.partition, str) else ",".join(map(str, self.partition))
+            sched += f" partition={part}"
         extras = [x for x, on in (("sp", self.sequence_parallel), ("offload-opt", self.offload_optimizer),
                                   ("offload-param", self.offload_param)) if on]
         moe = [x for x, on in ((f"ep{self.ep}", self.ep != 1), (f"expert-tp{self.expert_tp}", self.etp != self.tp),
@@ -146,8 +151,7 @@ class Layout:
             errs.append(f"tp={self.tp} does not divide kv_heads={spec.num_kv_heads}")
         if spec.ffn % self.tp:
             errs.append(f"tp={self.tp} does not divide ffn_hidden={spec.ffn}")
-        if spec.layers % self.virtual_stages:
-            errs.append(f"pp x chunks = {self.pp} x {self.chunks} does not divide layers={spec.layers}")
+        errs += self._partition_problems(spec)
         if self.sequence_parallel and spec.seq_len % self.tp:
             errs.append(f"sequence_parallel needs seq_len={spec.seq_len} divisible by tp={self.tp}")
         errs += self._moe_problems(spec)
@@ -160,6 +164,20 @@ class Layout:
                 check_sizes(self.schedule, self.pp, self.num_microbatches, self.chunks)
             except ScheduleError as err:
                 errs.append(str(err))
+        return errs
+
+    def _partition_problems(self, spec) -> list[str]:
+        """The partition rules of config validation (`megazero.core.spec_partition.partition_problems`) and of
+        the trainer's split of the layers (`stages.partition_bounds`: every virtual stage needs a layer)."""
+        from megazero.planner.stages import partition_bounds  # stages.py imports this module (via layer_params)
+
+        part = list(self.partition) if isinstance(self.partition, tuple) else self.partition
+        errs = partition_problems(part, self.virtual_stages, spec.layers)
+        if not errs:
+            try:
+                partition_bounds(spec, self)
+            except ValueError as exc:
+                errs.append(f"pipeline.partition: {exc}")
         return errs
 
     def _moe_problems(self, spec) -> list[str]:

@@ -47,12 +47,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazero.core.flat_buffer import FlatLayout, build_layout
-from megazero.core.partition import LayerInfo, partition
 from megazero.planner.programs import schedule_programs
 from megazero.planner.activation_ledger import activation_chunks, walk_program
 from megazero.planner.comm_memory import option_memory
-from megazero.planner.layout import Layout, PlanError
-from megazero.planner.moe_plan import moe_shape
+from megazero.planner.layout import PlanError
+from megazero.planner.layer_params import layer_params
+from megazero.planner.stages import pipeline_layers
 
 FRAGMENTATION = 0.10
 """Allowance for allocator fragmentation, as a fraction of a stage's device bytes: PyTorch's caching
@@ -66,91 +66,6 @@ MAX_INFLIGHT = 2
 CATEGORIES = ("params", "grads", "master", "optimizer_states", "comm_buffers", "activations",
               "activations_host", "checkpoint_buffer")
 GB = 1e9
-
-
-@dataclass(frozen=True)
-class Param:
-    """One parameter of a layer on one TP rank: numel, whether it is a matrix (Megatron's weight-decay
-    split puts matrices first), whether it is the tied word embedding / LM head weight, and which part
-    of an MoE MLP it is ("router", "expert": the routed experts, "shared"; "" for the rest)."""
-
-    numel: int
-    matrix: bool
-    tied: bool = False
-    moe: str = ""
-
-    @property
-    def expert(self) -> bool:
-        """A routed expert: split over ep, in the experts' flat group."""
-        return self.moe == "expert"
-
-
-def _moe_mlp(spec, layout) -> list[Param]:
-    """An MoE MLP's parameters on one rank (megazero/moe/layer.py, experts.py: the router, then the routed
-    experts' stacked gate, up (or fc1), each followed by its bias (E / ep, f / t_e) when the spec has
-    biases, and down (or fc2) and its replicated bias (E / ep, h); then the shared experts' alike)."""
-    m = moe_shape(spec, layout)
-
-    def experts(local: int, width: int, part: str) -> list[Param]:
-        out = []
-        for i in range(m.mats):
-            out.append(Param(local * width * m.hidden, True, moe=part))
-            if spec.bias:  # zero-initialised, no weight decay (Megatron's vectors)
-                out.append(Param(local * (m.hidden if i == m.mats - 1 else width), False, moe=part))
-        return out
-
-    shared = experts(1, m.shared, "shared") if m.shared else []
-    return [Param(m.num_experts * m.hidden, True, moe="router")] + experts(m.local, m.ffn, "expert") + shared
-
-
-def layer_params(spec, kind: str, t: int, layout=None) -> list[Param]:
-    """The parameters of one layer (`kind` embedding | block | head) of `spec` on one of `t` TP ranks, in
-    registration order (megazero/models/embedding.py, block.py, attention.py, common.py:Norm); an MoE
-    block's MLP as on a rank of `layout` (its ep and expert_tp; None: ep 1, experts split over t)."""
-    h, ln, tied = spec.hidden, spec.norm == "layernorm", spec.tie_embeddings
-    vocab = spec.padded_vocab(t) // t  # VocabParallelEmbedding / HeadLayer rows on this rank
-
-    def norm():
-        return [Param(h, False)] + ([Param(h, False)] if ln else [])
-
-    def linear(n_out, n_in, bias_numel):
-        return [Param(n_out * n_in, True)] + ([Param(bias_numel, False)] if spec.bias else [])
-
-    if kind == "embedding":  # the module's own position table first, then its submodules' (nn.Module order)
-        out = [Param(spec.seq_len * h, True)] if spec.position == "learned" else []
-        return out + [Param(vocab * h, True, tied)] + (norm() if spec.embedding_norm else [])
-    if kind == "head":
-        return norm() + [Param(vocab * h, True, tied)]
-    q, kv, f = spec.heads * spec.head_dim // t, spec.num_kv_heads * spec.head_dim // t, spec.ffn // t
-    attn = linear(q, h, q) + linear(kv, h, kv) + linear(kv, h, kv) + linear(h, q, h)  # out's bias: replicated
-    if spec.moe is not None:
-        mlp = _moe_mlp(spec, layout if layout is not None else Layout(tp=t))
-    elif spec.activation == "swiglu":
-        mlp = linear(f, h, f) + linear(f, h, f) + linear(h, f, h)
-    else:
-        mlp = linear(f, h, f) + linear(h, f, h)
-    return norm() + attn + norm() + mlp
-
-
-def pipeline_layers(spec, layout) -> list[list[list[tuple[str, int]]]]:
-    """[stage][chunk] -> [(kind, unit index on the stage)] of megazero's default "uniform" partition of the
-    L+2 pipeline layers (embedding, blocks, head) over pp x chunks virtual stages
-    (`megazero.core.partition`; virtual stage chunk·p + stage)."""
-    kinds = ["embedding"] + ["block"] * spec.layers + ["head"]
-    p, v = layout.pp, layout.chunks
-    bounds = partition([LayerInfo(k) for k in kinds], p, "uniform", v)
-    stages = []
-    for s in range(p):
-        chunks, unit = [], 0
-        for c in range(v):
-            k = c * p + s
-            chunk = []
-            for kind in kinds[bounds[k]:bounds[k + 1]]:
-                chunk.append((kind, unit))
-                unit += 1
-            chunks.append(chunk)
-        stages.append(chunks)
-    return stages
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ class PublishedRun:
     """One row of Megatron-LM's Table 1 (Narayanan et al. 2021) with the settings of
     examples/sc21/run_table_1.sh: micro-batch, chunks (layers per stage / --num-layers-per-virtual-
     pipeline-stage; 1 = plain 1F1B) and DDP (torch: all-reduce overlapped with the last backward,
-    25 MB buckets; local: after backward). GPT, V = 51200, s = 2048, dropout 0.1, full recompute."""
+    25 MB buckets; local: after backward). GPT, V = 51200, s = 2048, dropout 0.1, full recompute.
+    Megatron splits the transformer layers evenly over the pp x chunks virtual stages, the embedding on
+    the first and the head on the last: ``pipeline.partition`` as a list of equal block counts."""
 
     params_b: float
     heads: int
@@ -44,6 +46,7 @@ class PublishedRun:
         return Layout(tp=self.tp, pp=self.pp, dp=self.dp, micro_batch=self.micro_batch,
                       global_batch=self.global_batch, zero=0, recompute="full",
                       schedule="interleaved" if self.chunks > 1 else "1f1b", chunks=self.chunks,
+                      partition=(self.layers // (self.pp * self.chunks),) * (self.pp * self.chunks),
                       precision="fp16", overlap_comm=torch_ddp,
                       reduce_bucket_size=12_500_000 if torch_ddp else 1 << 40)
 

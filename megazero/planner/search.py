@@ -2,15 +2,17 @@
 
 `candidates` generates the layouts (nothing hand-picked): tp over the divisors of the GPUs per node
 that divide the heads, KV heads and FFN (TP stays inside a node: its collectives are on the critical
-path), pp over the divisors of the layers with tp x pp dividing the GPUs, dp the rest; micro-batches
-of 1, 2, 4, 8 that divide the batch per dp rank; ZeRO 1-3 (ZeRO-0 moves the same bytes as ZeRO-1 and
-holds more; one stage when dp = 1: nothing to shard); recompute none / selective / full; the schedules
-1F1B, ZB-H1 and interleaved with 2 or 4 chunks where the layers divide (GPipe has 1F1B's bubble and
-holds every micro-batch's activations); sequence parallelism whenever tp > 1 (it only saves memory and
-replaces each all-reduce by a reduce-scatter plus an all-gather of the same volume), except for a
-Mixture-of-Experts model, which the runtime runs without it; for an MoE model every ep that divides dp
-and the experts (fewer experts per rank: less memory, more all-to-all), expert_tp at its default (tp)
-unless fixed; offload of the
+path); pp over the divisors of GPUs / tp up to the layers (the trainer splits the L + 2 pipeline layers
+unevenly where they do not divide); dp the rest; micro-batches of 1, 2, 4, 8 that divide the batch per
+dp rank; ZeRO 1-3 (ZeRO-0 moves the same bytes as ZeRO-1 and holds more; one stage when dp = 1:
+nothing to shard); recompute none / selective / full; the schedules 1F1B, ZB-H1 and interleaved with
+2, 3, 4, 6 or 8 chunks where the layers fill them (GPipe has 1F1B's bubble and holds every
+micro-batch's activations); when pp > 1 the partitions uniform, flops and parameters (the trainer's
+methods; flops and parameters give the stages holding the embedding and the head fewer blocks);
+sequence parallelism whenever tp > 1 (it only saves memory and replaces each all-reduce by a
+reduce-scatter plus an all-gather of the same volume), except for a Mixture-of-Experts model, which
+the runtime runs without it; for an MoE model every ep that divides dp and the experts (fewer experts
+per rank: less memory, more all-to-all), expert_tp at its default (tp) unless fixed; offload of the
 optimizer (and at ZeRO-3 of the parameters) as a last resort, only when asked (``offload=True``).
 Fixed choices (e.g. ``tp=8``) restrict the generation. `rank` keeps the layouts that fit, fastest
 first, and says for each rejected one why.
@@ -20,9 +22,13 @@ from __future__ import annotations
 from typing import Iterator
 
 from megazero.planner.layout import Layout
+from megazero.planner.stages import partition_bounds
 
 MICRO_BATCHES = (1, 2, 4, 8)
-CHUNKS = (2, 4)
+CHUNKS = (2, 3, 4, 6, 8)
+"""Interleaved chunk counts tried (by `--search`, and by plan.py when ``--schedule interleaved`` gives none)."""
+PARTITIONS = ("uniform", "flops", "parameters")
+"""Pipeline partitions tried when pp > 1 (the trainer's methods; a count list is only ever given)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -40,7 +46,7 @@ def candidates(spec, gpus: int, global_batch: int, gpus_per_node: int, fixed: di
 
     tps = options("tp", [t for t in _divisors(gpus_per_node) if gpus % t == 0])
     for tp in tps:
-        for pp in options("pp", [p for p in _divisors(spec.layers) if gpus % (tp * p) == 0]):
+        for pp in options("pp", [p for p in _divisors(gpus // tp) if p <= spec.layers]):
             if gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
@@ -52,12 +58,13 @@ def candidates(spec, gpus: int, global_batch: int, gpus_per_node: int, fixed: di
                     continue
                 for zero in options("zero", _zero_stages(dp, fixed)):
                     for recompute in options("recompute", ("none", "selective", "full")):
-                        for schedule, chunks in _schedules(spec, pp, fixed):
+                        for (schedule, chunks), part in ((sc, pa) for sc in _schedules(spec, pp, fixed)
+                                                         for pa in _partitions(spec, pp, sc[1], fixed)):
                             for sp in options("sequence_parallel", (tp > 1 and spec.moe is None,)):
                                 for off_opt, off_param in _offloads(zero, offload, fixed):
                                     layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, global_batch=global_batch,
                                                     zero=zero, recompute=recompute, schedule=schedule,
-                                                    chunks=chunks, sequence_parallel=sp,
+                                                    chunks=chunks, partition=part, sequence_parallel=sp,
                                                     offload_optimizer=off_opt, offload_param=off_param,
                                                     precision=fixed.get("precision", precision), ep=ep,
                                                     expert_tp=fixed.get("expert_tp"),
@@ -88,16 +95,38 @@ def _eps(spec, dp: int) -> list[int]:
 
 
 def _schedules(spec, pp: int, fixed: dict):
+    """(schedule, chunks): every chunk count of `CHUNKS` whose pp x V parts the L + 2 layers can fill."""
+    interleaved = [("interleaved", v) for v in CHUNKS if pp * v <= spec.layers + 2]
     if "schedule" in fixed:
-        yield fixed["schedule"], fixed.get("chunks", 1)
+        if fixed["schedule"] == "interleaved" and "chunks" not in fixed:
+            yield from interleaved
+        else:
+            yield fixed["schedule"], fixed.get("chunks", 1)
         return
     if pp == 1:
         yield "1f1b", 1  # one stage: every schedule is the same
         return
     yield from (("1f1b", 1), ("zb-h1", 1))
-    for v in CHUNKS:
-        if spec.layers % (pp * v) == 0:
-            yield "interleaved", v
+    yield from interleaved
+
+
+def _partitions(spec, pp: int, chunks: int, fixed: dict) -> list:
+    """The partitions to try: the fixed one, else those of `PARTITIONS` that split the layers differently
+    (the first of equal splits kept; none when the layers cannot fill pp x chunks parts)."""
+    if "partition" in fixed:
+        return [fixed["partition"]]
+    if pp == 1:
+        return ["uniform"]
+    seen, out = set(), []
+    for part in PARTITIONS:
+        try:
+            bounds = partition_bounds(spec, Layout(pp=pp, chunks=chunks, partition=part))
+        except ValueError:
+            continue
+        if bounds not in seen:
+            seen.add(bounds)
+            out.append(part)
+    return out
 
 
 def _offloads(zero: int, offload: bool, fixed: dict):

@@ -11,14 +11,15 @@ from megazero.core.simulate import Costs
 from megazero.planner.block_cost import block_cost, embedding_head_cost
 from megazero.planner.layout import PlanError
 from megazero.planner.machine import Machine, add_parts, scale_parts
+from megazero.planner.stages import blocks_per_chunk, chunk_shares
 
 # -- parameters per stage --------------------------------------------------------------------------------
 
-def _stage_params(spec, layout, block_params: float, facts) -> list[tuple[float, float, int]]:
+def _stage_params(spec, layout, block_params: float, facts, blocks: list[int]) -> list[tuple[float, float, int]]:
     """Per pipeline rank: (parameters on one TP rank but the routed experts, of which tied embedding/head
-    copies, blocks). From `facts` (`ModelFacts`) when given, else counted from the spec: the block's
-    GEMM weights, biases and norms, the (padded, vocabulary-parallel) embedding and learned positions
-    on the first stage, the final norm and the head (a tied copy when pp > 1) on the last."""
+    copies, blocks). From `facts` (`ModelFacts`) when given, else counted from the spec: `blocks[s]` times
+    the block's GEMM weights, biases and norms, the (padded, vocabulary-parallel) embedding and learned
+    positions on the first stage, the final norm and the head (a tied copy when pp > 1) on the last."""
     if facts is not None:
         if len(facts.stages) != layout.pp:
             raise PlanError(f"facts describe {len(facts.stages)} pipeline stages, the layout has pp={layout.pp}")
@@ -30,10 +31,9 @@ def _stage_params(spec, layout, block_params: float, facts) -> list[tuple[float,
         mlp_in = spec.ffn * (2 if spec.activation == "swiglu" else 1) if spec.moe is None else 0
         bias = ((spec.heads + 2 * spec.num_kv_heads) * spec.head_dim + mlp_in) // t + (1 if spec.moe else 2) * h
     per_layer = block_params + bias + 2 * norm
-    layers = spec.layers // layout.pp
     vocab = spec.padded_vocab(t) // t * h
     stages = []
-    for s in range(layout.pp):
+    for s, layers in enumerate(blocks):
         params, tied = layers * per_layer, 0.0
         if s == 0:
             params += vocab + (spec.seq_len * h if spec.position == "learned" else 0)
@@ -196,21 +196,24 @@ class StageCosts:
         p, v = layout.pp, layout.chunks
         blk = block_cost(spec, layout, mc, impl)
         emb_f, emb_b, head_f, head_b, head_w = embedding_head_cost(spec, layout, mc)
-        stages = _stage_params(spec, layout, blk.params, facts)
+        blocks = blocks_per_chunk(spec, layout)  # [stage][chunk], the trainer's partition
+        shares = chunk_shares(spec, layout)
+        stages = _stage_params(spec, layout, blk.params, facts, [sum(b) for b in blocks])
         last = p * v - 1
         self.parts: dict = {}
         self.p2p = {}
         for s, (psi, tied, layers) in enumerate(stages):
-            per_chunk = layers / v
             shards = _shards(layout, mc, psi, blk.expert_params * layers)
             for c in range(v):
+                per_chunk = blocks[s][c]
                 vs = virtual_stage(s, c, p)
                 f = add_parts(scale_parts(blk.fwd, per_chunk), emb_f if vs == 0 else {}, head_f if vs == last else {})
                 b = add_parts(scale_parts(blk.bwd, per_chunk), {"recompute": blk.recompute * per_chunk},
                          {"tp_comm": (blk.tp_bwd if split else blk.tp_bwd_overlapped) * per_chunk},
                          emb_b if vs == 0 else {}, head_b if vs == last else {})
                 w = add_parts(scale_parts(blk.wgrad, per_chunk), head_w if vs == last else {})
-                dp_f, dp_b = _dp_per_microbatch(layout, mc, impl, [(x / v, *rest) for x, *rest in shards],
+                chunk_shards = [(x * share, *rest) for share, (x, *rest) in zip(shares[s][c], shards)]
+                dp_f, dp_b = _dp_per_microbatch(layout, mc, impl, chunk_shards,
                                                 sum(f.values()),
                                                 sum(b.values()) + sum(w.values()))
                 f = add_parts(f, {"dp_comm": dp_f})

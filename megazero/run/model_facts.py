@@ -25,15 +25,21 @@ Cost, 2 CPU cores: GPT-3 175B at tp=8, pp=16 and Llama-3 405B at tp=8, pp=18 tak
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from math import prod
 
+import torch
+
 from megazero.core.spec import ModelSpec
+from megazero.core.spec_partition import layer_kinds, spec_bounds, stage_kinds
 from megazero.models.block import TransformerBlock
 from megazero.models.embedding import EmbeddingLayer, HeadLayer
+from megazero.models.lm import layer_builders
 from megazero.models.pipeline_from_spec import build_pipeline_model, pipeline_layer_infos
 from megazero.planner.facts import ModelFacts, StageFacts
 from megazero.runtime.comm import CommStats, GroupHandle
+from megazero.tensor_parallel.params import num_logical_params
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,53 @@ def facts_of(ranks: dict[tuple[int, int], RankFacts]) -> ModelFacts:
 
 def model_facts(spec: ModelSpec, tp: int, pp: int, chunks: int = 1, partition="uniform",
                 sequence_parallel: bool = False) -> ModelFacts:
-    """The planner's `ModelFacts` of `spec` on tp x pp (any dp), from the meta-device build of every
-    distinct rank; `partition` and `chunks` as ``pipeline.partition`` and ``pipeline.chunks``."""
-    return facts_of(build_ranks(spec, tp, pp, chunks, partition, sequence_parallel))
+    """The planner's `ModelFacts` of `spec` on tp x pp (any dp); `partition` and `chunks` as
+    ``pipeline.partition`` and ``pipeline.chunks``.
+
+    Equal to ``facts_of(build_ranks(...))`` (tests/test_model_facts.py) at a fraction of its cost: a spec's
+    blocks are all alike, so each TP rank builds one embedding, one block and one head with the trainer's
+    layer builders on the meta device, and a pipeline rank's facts are the sum over the layers the trainer's
+    partition (`megazero.core.spec_partition.spec_bounds`, with the built layers' logical parameter counts)
+    gives it, the head's weight counted once where it is the embedding's (pp = 1) and as a tied copy on
+    both ends otherwise (pp > 1), as `build_pipeline_model` ties them."""
+    spec.validate_layout(tp, sequence_parallel)
+    kinds = layer_kinds(spec)
+    per_rank = [_built_kinds(spec, tp, r, sequence_parallel) for r in range(tp)]
+    logical = {kind: num for kind, (_, num) in per_rank[0].items()}
+    bounds = spec_bounds(spec, pp, chunks, partition, logical)
+    stages = []
+    for s, on_stage in enumerate(stage_kinds(spec, bounds, pp, chunks)):
+        held = [kind for chunk in on_stage for kind in chunk]
+        views = {r: _stage_view(s, pp, held, built, spec.tie_embeddings) for r, built in enumerate(per_rank)}
+        if len(set(views.values())) != 1:
+            raise RuntimeError(f"pipeline rank {s}: TP ranks hold different parameters: {views}")
+        stages.append(views[0])
+    full = {p.name: prod(p.full_shape) for kind in ("embedding", "head") for p in per_rank[0][kind][0]}
+    block = sum(prod(p.full_shape) for p in per_rank[0]["block"][0]) if "block" in kinds else 0
+    return ModelFacts(total_params=sum(full.values()) + spec.layers * block, stages=tuple(stages))
+
+
+def _built_kinds(spec: ModelSpec, tp: int, rank: int, sequence_parallel: bool) -> dict:
+    """{kind: (its parameters on TP rank `rank` as `ShardFacts` (tied: carries a tied name), its logical
+    parameter count)} of the first layer of each kind, built on the meta device."""
+    builders = layer_builders(spec, fake_tp_group(tp, rank), sequence_parallel=sequence_parallel)
+    out = {}
+    for b in builders:
+        if b.kind in out:
+            continue
+        params = list(b.make(torch.device("meta")).parameters())
+        shards = tuple(ShardFacts(p.logical_name, tuple(p.shape), tuple(p.full_shape), p.tp_dim, p.tp_rank, p.tp_size,
+                                  getattr(p, "tied_name", None) is not None, bool(p.sequence_parallel),
+                                  bool(getattr(p, "expert", False))) for p in params)
+        out[b.kind] = (shards, num_logical_params(params))
+    return out
+
+
+def _stage_view(stage: int, pp: int, held: list[str], built: dict, tied_model: bool):
+    """The `StageFacts` of a pipeline rank holding the layers `held` (kinds), from one TP rank's `built`."""
+    shared = pp == 1 and tied_model and "head" in held and "embedding" in held  # the head's weight is the embedding's
+    shards = [p for kind in held for p in built[kind][0] if not (shared and kind == "head" and p.tied)]
+    if pp == 1:
+        shards = [dataclasses.replace(p, tied=False) if p.tied else p for p in shards]
+    return RankFacts(stage, shards[0].tp_rank if shards else 0, held.count("block"), "embedding" in held,
+                     "head" in held, tuple(shards)).stage_facts()

@@ -24,11 +24,14 @@ from megazero.planner.hardware import load_hardware
 from megazero.planner.layout import Layout, PlanError
 from megazero.planner.memory_plan import GB, predict_memory
 from megazero.planner.moe_plan import active_params
-from megazero.planner.search import candidates
+from megazero.planner.search import CHUNKS, candidates
 from megazero.planner.speed import estimate_step_time, predict_step
 from megazero.run.model_facts import model_facts
 
-SCHEDULE_HELP = "1f1b | gpipe | interleaved[:V] (V chunks per stage, default 2) | zb-h1"
+SCHEDULE_HELP = ("1f1b | gpipe | interleaved[:V] (V chunks per stage; without V the planner tries V = "
+                 "2, 3, 4, 6, 8 where the layers allow and keeps the fastest that fits) | zb-h1")
+PARTITION_HELP = ("pipeline.partition: uniform (default) | parameters | flops | type:REGEX | N,N,... (transformer "
+                  "blocks per virtual stage; the embedding joins the first, the head the last)")
 
 
 def spec_ref(ref: str, spec_dir: str) -> str:
@@ -39,17 +42,29 @@ def spec_ref(ref: str, spec_dir: str) -> str:
     return where + sep + flavor
 
 
-def parse_schedule(text: str) -> tuple[str, int]:
+def parse_schedule(text: str) -> tuple[str, int | None]:
+    """(schedule, chunks): chunks None for ``interleaved`` without ``:V`` (the planner chooses)."""
     name, _, v = text.partition(":")
     if name == "interleaved":
         try:
-            chunks = int(v) if v else 2
+            chunks = int(v) if v else None
         except ValueError:
             raise PlanError(f"--schedule {text!r}: the chunks after 'interleaved:' must be an integer") from None
         return name, chunks
     if v:
         raise PlanError(f"--schedule {text!r}: only interleaved takes ':V'")
     return name, 1
+
+
+def parse_partition(text: str) -> str | tuple[int, ...]:
+    """``--partition``: a method name as is, ``N,N,...`` as a tuple of block counts."""
+    if text and (text[0].isdigit() or "," in text):
+        try:
+            return tuple(int(n) for n in text.split(","))
+        except ValueError:
+            raise PlanError(f"--partition {text!r}: a list is comma-separated transformer-block counts, e.g. "
+                            f"7,8,8,7") from None
+    return text
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,6 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     p.add_argument("--recompute", choices=("none", "selective", "full"))
     p.add_argument("--schedule", help=SCHEDULE_HELP)
+    p.add_argument("--partition", help=PARTITION_HELP)
     p.add_argument("--sequence-parallel", action="store_true", default=None)
     p.add_argument("--offload-optimizer", action="store_true", default=None)
     p.add_argument("--offload-param", action="store_true", default=None)
@@ -102,7 +118,11 @@ def fixed_choices(args) -> dict:
         if getattr(args, arg) is not None:
             fixed[field] = getattr(args, arg)
     if args.schedule is not None:
-        fixed["schedule"], fixed["chunks"] = parse_schedule(args.schedule)
+        fixed["schedule"], chunks = parse_schedule(args.schedule)
+        if chunks is not None:
+            fixed["chunks"] = chunks
+    if args.partition is not None:
+        fixed["partition"] = parse_partition(args.partition)
     if args.moe_imbalance != 1.0:
         fixed["moe_imbalance"] = args.moe_imbalance
     return fixed
@@ -122,19 +142,21 @@ def one_layout(args, fixed: dict) -> Layout:
 
 
 class Planner:
-    """Plans layouts of one model on one hardware; the meta-device facts are built once per (tp, pp, chunks)."""
+    """Plans layouts of one model on one hardware; the meta-device facts are built once per (tp, pp, chunks,
+    partition, sequence parallelism)."""
 
     def __init__(self, spec, hardware):
         self.spec, self.hardware = spec, hardware
         self._facts = lru_cache(maxsize=None)(self._build_facts)
         self.schedules: dict = {}  # pipeline programs by (schedule, p, m, v, costs), shared by every plan
 
-    def _build_facts(self, tp: int, pp: int, chunks: int, sp: bool):
-        return model_facts(self.spec, tp, pp, chunks, sequence_parallel=sp)
+    def _build_facts(self, tp: int, pp: int, chunks: int, partition, sp: bool):
+        return model_facts(self.spec, tp, pp, chunks, partition=partition, sequence_parallel=sp)
 
     def facts(self, layout: Layout):
-        """The meta-device `ModelFacts` of the layout's tp x pp x chunks."""
-        return self._facts(layout.tp, layout.pp, layout.chunks, layout.sequence_parallel)
+        """The meta-device `ModelFacts` of the layout's tp x pp x chunks and partition."""
+        partition = layout.partition if isinstance(layout.partition, str) else tuple(layout.partition)
+        return self._facts(layout.tp, layout.pp, layout.chunks, partition, layout.sequence_parallel)
 
     def memory(self, layout: Layout):
         """The `MemoryPlan` of one layout (a search drops the layouts that do not fit before timing them)."""
@@ -151,7 +173,8 @@ class Planner:
             "layout": layout.describe(),
             "layout_fields": {k: getattr(layout, k) for k in ("tp", "pp", "dp", "ep", "expert_tp", "moe_imbalance",
                                                               "micro_batch", "global_batch", "zero",
-                                                              "recompute", "schedule", "chunks", "sequence_parallel",
+                                                              "recompute", "schedule", "chunks", "partition",
+                                                              "sequence_parallel",
                                                               "offload_optimizer", "offload_param", "precision",
                                                               "hierarchical", "ranks_per_node", "onebit",
                                                               "quantized_weights", "hpz", "quantized_gradients")},
@@ -192,6 +215,28 @@ def describe(spec, hardware, result: dict) -> str:
              f"comm     {result['dp_bytes_per_gpu'] / GB:.3f} GB per GPU per step over data parallel; across nodes "
              f"{result['internode_bytes_per_gpu'] / GB:.3f} GB (data parallel and tied embeddings)"]
     return "\n".join(lines)
+
+
+def choose_chunks(planner: Planner, layout: Layout) -> tuple[dict, str]:
+    """(the plan, a line saying why) of the interleaved `layout` with the chunk count that is fastest among
+    those that fit (fastest overall when none fits), over `CHUNKS` where the layout is valid; PlanError
+    naming every count's problem when none is."""
+    plans, problems = [], []
+    for v in CHUNKS:
+        candidate = layout.replace(chunks=v)
+        errs = candidate.problems(planner.spec)
+        if errs:
+            problems.append(f"V={v}: " + "; ".join(errs))
+            continue
+        plans.append((v, planner.plan(candidate)))
+    if not plans:
+        raise PlanError(f"--schedule interleaved: no chunk count in {', '.join(map(str, CHUNKS))} runs "
+                        f"{layout.describe()}: " + " | ".join(problems))
+    fitting = [vp for vp in plans if vp[1]["fits"]] or plans
+    v, best = max(fitting, key=lambda vp: vp[1]["tokens_per_s"])
+    tried = ", ".join(f"V={u} {r['tokens_per_s']:,.0f} tokens/s{'' if r['fits'] else ' (does not fit)'}"
+                      for u, r in plans)
+    return best, f"interleaved with V={v} chunks per stage, the fastest {'that fits ' if best['fits'] else ''}of: {tried}"
 
 
 def search(planner: Planner, args, fixed: dict) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -248,8 +293,15 @@ def main(argv=None, hardware_dir: str = "configs/hardware", spec_dir: str = "mod
                     print(f"  ... and {len(rejected) - args.top} more that do not fit (--json lists all)")
             return 0 if fits else 1
         layout = one_layout(args, fixed)
-        result = planner.plan(layout)
-        print(json.dumps(_public(result), indent=1) if args.json else describe(spec, hardware, result))
+        chosen = ""
+        if layout.schedule == "interleaved" and "chunks" not in fixed:
+            result, chosen = choose_chunks(planner, layout)
+        else:
+            result = planner.plan(layout)
+        if args.json:
+            print(json.dumps({**_public(result), **({"chunks_chosen": chosen} if chosen else {})}, indent=1))
+        else:
+            print(describe(spec, hardware, result) + (f"\nchunks   {chosen}" if chosen else ""))
         return 0 if result["fits"] else 1
     except (PlanError, SpecError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -9,7 +9,7 @@ import dataclasses
 import re
 from typing import Any, Sequence
 
-from ..partition import NAMED_METHODS
+from ..spec_partition import partition_problems
 from ..instructions import ScheduleError
 from ..schedules import SCHEDULES, check_sizes
 from ..suggest import did_you_mean
@@ -266,25 +266,7 @@ def check_activation_checkpointing(cfg: Config) -> list[str]:
 
 
 def check_partition(cfg: Config) -> list[str]:
-    part, key = cfg.pipeline.partition, "pipeline.partition"
-    stages = cfg.parallel.pp * cfg.pipeline.chunks
-    if isinstance(part, str):
-        if part.startswith("type:"):
-            try:
-                re.compile(part[5:])
-            except re.error as e:
-                return [f"{key}: {part!r} has an invalid regular expression ({e})"]
-            return [] if part[5:] else [f"{key}: 'type:' needs a regex naming the layers to balance"]
-        return choice(key, part, NAMED_METHODS + ("type:<regex>", "[per-stage layer counts]"))
-    if not isinstance(part, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                             for n in part):
-        return [f"{key}: expected a method name or a list of non-negative layer counts, got {part!r}"]
-    errs = []
-    if len(part) != stages:
-        errs.append(f"{key}: {len(part)} layer counts for parallel.pp x pipeline.chunks = {stages} stages")
-    if cfg.model.layers is not None and sum(part) != cfg.model.layers:
-        errs.append(f"{key}: layer counts sum to {sum(part)}, not model.layers={cfg.model.layers}")
-    return errs
+    return partition_problems(cfg.pipeline.partition, cfg.parallel.pp * cfg.pipeline.chunks, cfg.model.layers)
 
 
 def check_pipeline(cfg: Config) -> list[str]:
