@@ -80,7 +80,8 @@ CASES = [
     ("sp-without-tp", None, ["parallel.sequence_parallel=true"], None, ["parallel.sequence_parallel", "tp > 1"]),
     ("hidden-heads", None, ["model.hidden=100", "model.heads=3"], None, ["model.hidden", "model.heads=3"]),
     ("heads-tp", None, ["parallel.tp=4", "model.heads=6"], None, ["model.heads", "parallel.tp=4"]),
-    ("layers-stages", None, ["parallel.pp=4", "model.layers=2"], None, ["model.layers", "parallel.pp=4"]),
+    ("partition-stages", None, ["parallel.pp=4", "pipeline.partition=[1,1,1]"], None,
+     ["pipeline.partition", "3 layer counts for parallel.pp x pipeline.chunks = 4 stages"]),
     ("override-dup", None, ["model.overrides.layers=3"], None, ["model.overrides.layers", "model.layers"]),
     ("spec-form", None, ["model.spec=a.py:b:c"], None, ["model.spec", "FILE.py"]),
     ("ckpt-policy-none", None, ["activation_checkpointing.partition_activations=true"], None,
@@ -162,6 +163,19 @@ def test_bad_config_names_key(tmp_path, case_id, source, overrides, world_size, 
     assert expected[0] in first_line, f"{case_id}: key {expected[0]!r} not on first line of:\n{msg}"
     for part in expected[1:]:
         assert part in msg, f"{case_id}: {part!r} missing from:\n{msg}"
+
+
+def test_layers_that_cannot_fill_the_stages_are_the_partitions_refusal():
+    """2 blocks are 4 pipeline layers with the embedding and the head: 4 stages run (one layer each), 8 do not,
+    refused before any process group with the partition's own message."""
+    from megazero.engine import load_run_config
+
+    cfg = load_run_config("configs/debug_gpt.yaml", ["parallel.pp=4", "parallel.tp=1", "model.layers=2",
+                                                      "data.path=null", "train.global_batch_size=8"], world_size=4)
+    assert cfg.parallel.pp == 4
+    with pytest.raises(ConfigError, match=r"pipeline.partition: cannot split 4 layers into num_stages=8 x chunks=1"):
+        load_run_config("configs/debug_gpt.yaml", ["parallel.pp=8", "parallel.tp=1", "model.layers=2",
+                                                   "data.path=null", "train.global_batch_size=16"], world_size=8)
 
 
 def test_corpus_is_large_enough():

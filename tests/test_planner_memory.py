@@ -7,8 +7,10 @@ Every layout below runs one training step on CPU (gloo) with a debug flavor; eac
 must be predicted 0). The layouts cover ZeRO 0-3, recompute none / selective / full, the schedules gpipe,
 1f1b, interleaved (2 chunks) and zb-h1, tp / pp / dp of 1, 2 and 4, sequence parallelism, optimizer
 offload, bf16, GPT (learned positions, LayerNorm, GeLU, tied head) and Llama (RoPE, RMSNorm, SwiGLU,
-grouped-query attention), SDPA and the reference attention core (attention dropout on). All run on 4
-ranks in one launch.
+grouped-query attention), SDPA and the reference attention core (attention dropout on), the
+activation-checkpointing options (segments of 2 blocks and number_checkpoints, partitioned, CPU and
+contiguous checkpoints) and uneven pipeline splits (uniform over L + 2 layers, flops, a count list).
+All run on 4 ranks in one launch.
 """
 import pytest
 
@@ -50,6 +52,19 @@ CASES = {
                                                                      schedule="interleaved", chunks=2), 100_000),
     "pp2-dp2-z0-none-zbh1-llama": (LLAMA, Layout(pp=2, dp=2, micro_batch=2, global_batch=8, zero=0,
                                                  schedule="zb-h1", precision="fp32"), 100_000),
+    # activation-checkpointing options and uneven splits (issue 33: every layout the trainer runs)
+    "tp2-dp2-full-every2-partitioned": (GPT, Layout(tp=2, dp=2, micro_batch=2, global_batch=8, zero=1,
+                                                    recompute="full", every_k_layers=2, partition_activations=True,
+                                                    precision="fp32"), 100_000),
+    "tp2-pp2-full-cpu-contiguous-bf16-llama": (dict(LLAMA, layers=5), Layout(
+        tp=2, pp=2, micro_batch=1, global_batch=4, zero=1, recompute="full", number_checkpoints=2,
+        partition_activations=True, cpu_checkpointing=True, contiguous_checkpoints=True, partition=(1, 4)), 100_000),
+    "pp2-dp2-full-contiguous-interleaved-uneven": (dict(GPT, layers=5), Layout(
+        pp=2, dp=2, micro_batch=1, global_batch=8, zero=2, recompute="full", number_checkpoints=1,
+        contiguous_checkpoints=True, schedule="interleaved", chunks=2, precision="fp32"), 100_000),
+    "pp4-flops-partition-selective": (dict(GPT, layers=6), Layout(pp=4, micro_batch=2, global_batch=8, zero=0,
+                                                                  recompute="selective", partition="flops",
+                                                                  precision="fp32"), 100_000),
 }
 WORLD = 4
 
@@ -63,14 +78,19 @@ def config_of(model: dict, lay: Layout, threshold: int) -> dict:
     offload = {"device": "cpu" if lay.offload_optimizer else "none"}
     return {"model": model, "precision": lay.precision,
             "parallel": {"pp": lay.pp, "tp": lay.tp, "sequence_parallel": lay.sequence_parallel},
-            "pipeline": {"schedule": lay.schedule, "chunks": lay.chunks},
+            "pipeline": {"schedule": lay.schedule, "chunks": lay.chunks,
+                         "partition": lay.partition if isinstance(lay.partition, str) else list(lay.partition)},
             "train": {"micro_batch_size": lay.micro_batch, "global_batch_size": lay.global_batch, "seed": 5},
             "zero": {"stage": lay.zero, "offload_optimizer": offload,
                      "offload_param": {"device": "cpu" if lay.offload_param else "none"},
                      "overlap_comm": lay.overlap_comm, "reduce_bucket_size": lay.reduce_bucket_size,
                      "allgather_bucket_size": lay.allgather_bucket_size,
                      "prefetch_bucket_size": lay.prefetch_bucket_size, "param_persistence_threshold": threshold},
-            "activation_checkpointing": {"policy": lay.recompute},
+            "activation_checkpointing": {"policy": lay.recompute, "every_k_layers": lay.every_k_layers,
+                                         "number_checkpoints": lay.number_checkpoints,
+                                         "partition_activations": lay.partition_activations,
+                                         "cpu_checkpointing": lay.cpu_checkpointing,
+                                         "contiguous_memory_optimization": lay.contiguous_checkpoints},
             "optimizer": {"type": "adamw", "lr": 1e-3}}
 
 
@@ -140,6 +160,11 @@ def test_the_layouts_cover_every_stage_policy_and_schedule():
     assert any(lay.sequence_parallel for lay in lays) and any(lay.offload_optimizer for lay in lays)
     assert {lay.precision for lay in lays} == {"fp32", "bf16"}
     assert all(lay.gpus == WORLD for lay in lays)
+    assert any(lay.every_k_layers > 1 for lay in lays) and any(lay.number_checkpoints for lay in lays)
+    assert all(any(getattr(lay, k) for lay in lays)
+               for k in ("partition_activations", "cpu_checkpointing", "contiguous_checkpoints"))
+    assert {type(lay.partition) for lay in lays} == {str, tuple} and {"uniform", "flops"} <= {
+        lay.partition for lay in lays if isinstance(lay.partition, str)}
 
 
 def test_the_planner_mirrors_megazeros_constants():

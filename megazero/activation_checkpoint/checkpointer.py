@@ -37,6 +37,7 @@ from megazero.activation_checkpoint.region import (CheckpointStats, Decisions, F
 from megazero.activation_checkpoint.storage import CheckpointStore, ContiguousPool
 from megazero.runtime.comm import GroupHandle
 from megazero.core.config.schema import CHECKPOINT_POLICY_CHOICES
+from megazero.core.partition import segment_sizes
 
 POLICIES = CHECKPOINT_POLICY_CHOICES  # one list: the config schema's
 
@@ -71,15 +72,6 @@ class CheckpointOptions:
             raise ValueError(f"{key}.{extras[0]} acts on checkpointed layer inputs; it needs {key}.policy=full")
         if self.contiguous_memory_optimization and self.number_checkpoints is None:
             raise ValueError(f"{key}.contiguous_memory_optimization needs {key}.number_checkpoints")
-
-
-def segment_sizes(num_blocks: int, every_k: int, number: int | None) -> list[int]:
-    """Block counts of the segments of a chunk of `num_blocks` consecutive blocks."""
-    if number is not None:
-        n = min(number, num_blocks)
-        bounds = [round(i * num_blocks / n) for i in range(n + 1)]
-        return [b - a for a, b in zip(bounds, bounds[1:])]
-    return [min(every_k, num_blocks - i) for i in range(0, num_blocks, every_k)]
 
 
 class CheckpointedBlock(nn.Module):

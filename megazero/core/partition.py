@@ -183,3 +183,14 @@ def part_weights(layers: Sequence[LayerInfo], boundaries: Sequence[int], key: st
     if key not in ("params", "flops"):
         raise ValueError(f"key={key!r} must be 'params' or 'flops'")
     return [sum(getattr(layer, key) for layer in layers[a:b]) for a, b in zip(boundaries, boundaries[1:])]
+
+
+def segment_sizes(num_blocks: int, every_k: int, number: int | None) -> list[int]:
+    """Block counts of the checkpointed segments of a chunk of `num_blocks` consecutive blocks under
+    ``activation_checkpointing.policy=full``: `number` (number_checkpoints) segments as even as possible
+    (at most one per block), else runs of `every_k` (every_k_layers) blocks."""
+    if number is not None:
+        n = min(number, num_blocks)
+        bounds = [round(i * num_blocks / n) for i in range(n + 1)]
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+    return [min(every_k, num_blocks - i) for i in range(0, num_blocks, every_k)]

@@ -51,6 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazero.core.instructions import Backward, BackwardInput, BackwardWeight, Forward
+from megazero.core.partition import segment_sizes
 from megazero.planner.moe_ledger import intermediates, moe_saves
 from megazero.planner.moe_plan import MoEShape, moe_shape
 
@@ -67,6 +68,7 @@ class Chunk:
     shared: dict
     logits: int = 0
     wgrad: int = 0
+    saved_host: int = 0
 
 
 class _Ledger:
@@ -77,11 +79,17 @@ class _Ledger:
         self.items: list = []  # ("save", bytes) | ("region", rebuilt bytes)
         self.names: set = set()
         self.shared: dict = {}
+        self.host = 0  # bytes kept in host memory (CPU checkpoints), beside the device items
 
     def save(self, name: str, nbytes: int) -> None:
         if name not in self.names:
             self.names.add(name)
             self.items.append(("save", nbytes))
+
+    def save_host(self, name: str, nbytes: int) -> None:
+        if name not in self.names:
+            self.names.add(name)
+            self.host += nbytes
 
     def share(self, name: str, nbytes: int) -> None:
         self.shared[name] = nbytes
@@ -279,6 +287,53 @@ def block(L: _Ledger, c: _Dims, p: str, x: str, policy: str) -> str:
     return out
 
 
+def segment(L: _Ledger, c: _Dims, units: list[int], x: str, layout) -> str:
+    """One full-policy checkpoint segment of blocks `units` (`megazero.activation_checkpoint`): its kept
+    input in the `CheckpointStore` form the layout's options give, and the region that rebuilds every
+    block's tensors. Kept forms: plain, the input itself (w·sbh/r, the previous layer's output);
+    partitioned, this TP rank's ceil(sbh/t) elements; CPU, a host copy; contiguous, a slot of the stage's
+    buffer (counted once per stage, `checkpoint_pool`). The recompute's input is the kept storage again
+    (plain; a CPU copy or a pool slot already where the model computes) or a new one (the all-gathered
+    t·ceil(sbh/t) elements; a host copy brought to the accelerator), counted when a rebuilt layer keeps it."""
+    inner, y = _Ledger(), x
+    for u in units:
+        y = block(inner, c, f"u{u}", y, "none")
+    numel = c.rows * c.h
+    t = layout.tp
+    kept = -(-numel // t) if layout.partition_activations else numel
+    reused = x in inner.names  # a rebuilt layer keeps the recompute's input
+    if layout.contiguous_checkpoints:
+        pass  # the stage's buffer, counted once (checkpoint_pool); the slot is a view of it
+    elif layout.cpu_checkpointing:
+        L.save_host(f"{x}.kept", kept * c.w)
+    elif layout.partition_activations:
+        L.save(f"{x}.kept", kept * c.w)
+    else:
+        L.save(x, c.stream)
+    loaded = 0  # a new storage for the recompute's input (else: the kept one, already counted)
+    if layout.partition_activations:
+        loaded = t * kept * c.w
+    elif layout.cpu_checkpointing and c.cuda:
+        loaded = numel * c.w
+    rebuilt = inner.saved + sum(inner.shared.values()) - (c.stream if reused else 0) + (loaded if reused else 0)
+    L.region(rebuilt)
+    return y
+
+
+def checkpoint_pool(spec, layout, chunks, in_flight: int) -> int:
+    """Bytes of a stage's contiguous checkpoint buffer (``contiguous_memory_optimization``;
+    `ActivationCheckpointer._size_pool`): (the most segments of a chunk) x (micro-batch chunks in flight on
+    the stage) slots of one kept input each; 0 without it."""
+    if not (layout.contiguous_checkpoints and layout.recompute == "full"):
+        return 0
+    c = dims(spec, layout, "cuda")
+    blocks = [sum(kind == "block" for kind, _ in chunk) for chunk in chunks]
+    per_chunk = [len(segment_sizes(n, layout.every_k_layers, layout.number_checkpoints)) if n else 0 for n in blocks]
+    numel = c.rows * c.h
+    kept = -(-numel // layout.tp) if layout.partition_activations else numel
+    return max(1, max(per_chunk, default=1) * max(1, in_flight)) * kept * c.w
+
+
 def _embedding(L: _Ledger, c: _Dims) -> str:
     L.save("emb.ids", c.s * c.b * 8)  # F.embedding: the local ids, int64 (s, b)
     L.save("emb.outside", c.s * c.b)  # masked_fill: the out-of-range mask (s, b, 1) bool
@@ -329,15 +384,21 @@ def activation_chunks(spec, layout, chunks, device: str, param_counts: dict) -> 
     out = []
     for chunk in chunks:
         L, x, logits, wgrad = _Ledger(), "chunk.in", 0, 0
+        blocks = [unit for kind, unit in chunk if kind == "block"]
+        sizes = segment_sizes(len(blocks), layout.every_k_layers, layout.number_checkpoints) if blocks else []
+        starts = {blocks[sum(sizes[:i])]: blocks[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))}
         for kind, unit in chunk:
             wgrad += _wgrad(c, kind, *param_counts[kind])
             if kind == "embedding":
                 x = _embedding(L, c)
+            elif kind == "block" and policy == "full":
+                if unit in starts:  # the segment's first block: the segment as a whole
+                    x = segment(L, c, starts[unit], x, layout)
             elif kind == "block":
                 x = block(L, c, f"u{unit}", x, policy)
             else:
                 logits = _head(L, c, x)
-        out.append(Chunk(L.saved, L.backward_peak(), dict(L.shared), logits, wgrad))
+        out.append(Chunk(L.saved, L.backward_peak(), dict(L.shared), logits, wgrad, L.host))
     return out
 
 
@@ -361,16 +422,21 @@ class Peaks:
     metered: int
     with_logits: int
     real: int
+    host: int = 0
 
 
-def walk_program(program, chunks: list[Chunk]) -> Peaks:
+def walk_program(program, chunks: list[Chunk], pool: int = 0, pool_host: bool = False) -> Peaks:
     """Walk one stage's program: F adds its chunk's bytes, B (or zero-bubble B) rebuilds and releases
-    them, W releases what B left for it."""
+    them, W releases what B left for it. `pool`: the stage's contiguous checkpoint buffer, whole while any
+    checkpoint is in it (in host memory when `pool_host`); `host`: the peak of host checkpoints."""
     shared = sum({k: v for ch in chunks for k, v in ch.shared.items()}.values())  # once per stage
-    alive = pending = metered = with_logits = real = 0
+    shared += 0 if pool_host else pool
+    alive = pending = metered = with_logits = real = host = peak_host = 0
     for ins in program:
         if isinstance(ins, Forward):
             ch = chunks[ins.chunk]
+            host += ch.saved_host
+            peak_host = max(peak_host, host + (pool if pool_host else 0))
             alive += ch.saved
             now = alive + shared
             metered, with_logits = max(metered, now), max(with_logits, now + ch.logits)
@@ -380,9 +446,10 @@ def walk_program(program, chunks: list[Chunk]) -> Peaks:
             during = alive - ch.saved + ch.backward_peak + shared
             metered, with_logits, real = max(metered, during), max(with_logits, during), max(real, during + pending)
             alive -= ch.saved
+            host -= ch.saved_host
             if isinstance(ins, BackwardInput):
                 pending += ch.wgrad
                 real = max(real, alive + shared + pending)
         elif isinstance(ins, BackwardWeight):
             pending -= chunks[ins.chunk].wgrad
-    return Peaks(metered, with_logits, real)
+    return Peaks(metered, with_logits, real, peak_host)

@@ -1,13 +1,13 @@
 """A resolved training config as the planner's `Layout`, and its memory prediction as text.
 
 `config explain` and the trainer's start-up summary show the prediction next to what a run holds;
-both start from the resolved `megazero.core.config.Config`. Layouts the planner does not model
-(a custom .csv schedule, CPU or contiguous activation checkpoints) give a reason instead of a plan.
+both start from the resolved `megazero.core.config.Config`. Every layout the trainer accepts has a plan: every schedule (a
+.csv file too), partition and activation-checkpointing option.
 """
 from __future__ import annotations
 
 from megazero.core.spec import load_spec
-from megazero.planner.layout import SCHEDULES, Layout
+from megazero.planner.layout import Layout
 from megazero.planner.memory_plan import predict_memory
 
 MIB = 2 ** 20
@@ -30,13 +30,12 @@ def expert_tp_of(cfg) -> int | None:
 def layout_of(cfg) -> tuple[Layout | None, str]:
     """(the Layout of resolved config `cfg`, "") or (None, why the planner cannot model it)."""
     pl, ac, z, t = cfg.pipeline, cfg.activation_checkpointing, cfg.zero, cfg.train
-    if pl.schedule not in SCHEDULES:
-        return None, f"pipeline.schedule={pl.schedule!r}: the planner models {', '.join(SCHEDULES)}"
-    if ac.partition_activations or ac.cpu_checkpointing or ac.contiguous_memory_optimization or ac.every_k_layers != 1:
-        return None, "activation_checkpointing: the planner models policy none/selective/full on every layer only"
     layout = Layout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp, ep=cfg.parallel.ep,
                     expert_tp=expert_tp_of(cfg), micro_batch=t.micro_batch_size,
                     global_batch=t.global_batch_size, zero=z.stage, recompute=ac.policy, schedule=pl.schedule,
+                    every_k_layers=ac.every_k_layers, number_checkpoints=ac.number_checkpoints,
+                    partition_activations=ac.partition_activations, cpu_checkpointing=ac.cpu_checkpointing,
+                    contiguous_checkpoints=ac.contiguous_memory_optimization,
                     chunks=pl.chunks, partition=pl.partition if isinstance(pl.partition, str) else tuple(pl.partition),
                     sequence_parallel=cfg.parallel.sequence_parallel,
                     offload_optimizer=z.offload_optimizer.device == "cpu", offload_param=z.offload_param.device == "cpu",

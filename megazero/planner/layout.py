@@ -6,9 +6,11 @@ divide the model or the batch, or that the runtime refuses), before anything is 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 from megazero.core.instructions import ScheduleError
-from megazero.core.schedules import check_sizes
+from megazero.core.checkpoint_rules import checkpointing_problems
+from megazero.core.schedules import check_sizes, get_schedule
 from megazero.core.spec_partition import partition_problems
 
 RECOMPUTE = ("none", "selective", "full")
@@ -25,7 +27,11 @@ class Layout:
     """tp x pp x dp ranks; each step is `global_batch` sequences in micro-batches of `micro_batch`.
 
     zero: the ZeRO stage over dp (0-3); recompute: activation recompute policy (none | selective:
-    the attention core | full: every transformer block from its input); schedule: a pipeline
+    the attention core | full: segments of transformer blocks from their input), and under full the
+    ``activation_checkpointing`` options: `every_k_layers` / `number_checkpoints` (the segments),
+    `partition_activations` (a kept input split over the TP group, all-gathered for the recompute),
+    `cpu_checkpointing` (kept in host memory), `contiguous_checkpoints` (contiguous_memory_optimization:
+    kept in one preallocated buffer per stage); `schedule` may also be the path of a ``.csv`` schedule; schedule: a pipeline
     schedule, `chunks` model chunks per stage for the interleaved one; sequence_parallel: norms and
     dropout on sequence shards of the TP group (Korthikanti et al.); offload_optimizer: fp32 master
     and Adam moments in host memory; offload_param: stage-3 parameter shards in host memory. Bucket
@@ -58,6 +64,11 @@ class Layout:
     schedule: str = "1f1b"
     chunks: int = 1
     partition: str | tuple[int, ...] = "uniform"
+    every_k_layers: int = 1
+    number_checkpoints: int | None = None
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_checkpoints: bool = False
     sequence_parallel: bool = False
     offload_optimizer: bool = False
     offload_param: bool = False
@@ -100,6 +111,21 @@ class Layout:
         return self.dp // self.ep
 
     @property
+    def custom_schedule(self) -> bool:
+        """A ``.csv`` schedule file (``pipeline.schedule``) rather than a built-in schedule."""
+        return isinstance(self.schedule, str) and self.schedule.endswith(".csv")
+
+    @property
+    def checkpointing(self) -> SimpleNamespace:
+        """The ``activation_checkpointing`` section this layout describes, under the config's names."""
+        return SimpleNamespace(policy=self.recompute, every_k_layers=self.every_k_layers,
+                               number_checkpoints=self.number_checkpoints,
+                               partition_activations=self.partition_activations,
+                               cpu_checkpointing=self.cpu_checkpointing,
+                               contiguous_memory_optimization=self.contiguous_checkpoints,
+                               synchronize_checkpoint_boundary=False, profile=False)
+
+    @property
     def overlaps(self) -> bool:
         return self.zero == 3 if self.overlap_comm is None else self.overlap_comm
 
@@ -115,6 +141,11 @@ class Layout:
             sched += f" partition={part}"
         extras = [x for x, on in (("sp", self.sequence_parallel), ("offload-opt", self.offload_optimizer),
                                   ("offload-param", self.offload_param)) if on]
+        extras += [x for x, on in ((f"every-{self.every_k_layers}-layers", self.every_k_layers != 1),
+                                   (f"{self.number_checkpoints}-checkpoints", self.number_checkpoints is not None),
+                                   ("partitioned-checkpoints", self.partition_activations),
+                                   ("cpu-checkpoints", self.cpu_checkpointing),
+                                   ("contiguous-checkpoints", self.contiguous_checkpoints)) if on]
         moe = [x for x, on in ((f"ep{self.ep}", self.ep != 1), (f"expert-tp{self.expert_tp}", self.etp != self.tp),
                                (f"imbalance={self.moe_imbalance:g}", self.moe_imbalance != 1.0)) if on]
         comm = [x for x, on in (("hierarchical", self.hierarchical),
@@ -137,10 +168,12 @@ class Layout:
             errs.append(f"zero={self.zero!r} must be 0, 1, 2 or 3")
         if self.recompute not in RECOMPUTE:
             errs.append(f"recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-        if self.schedule not in SCHEDULES:
-            errs.append(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)} (interleaved:V for V chunks)")
+        if self.schedule not in SCHEDULES and not self.custom_schedule:
+            errs.append(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)} (interleaved:V for V chunks) "
+                        f"or the path of a .csv schedule")
         if self.precision not in PRECISIONS:
             errs.append(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        errs += checkpointing_problems(self.checkpointing, self.sequence_parallel)
         if self.offload_param and self.zero != 3:
             errs.append("offload_param needs zero=3")
         if self.offload_optimizer and self.zero == 0:
@@ -159,10 +192,13 @@ class Layout:
         if self.global_batch % (self.micro_batch * self.dp):
             errs.append(f"global_batch={self.global_batch} is not divisible by micro_batch x dp = "
                         f"{self.micro_batch} x {self.dp}")
-        elif self.schedule in SCHEDULES:
+        elif self.schedule in SCHEDULES or self.custom_schedule:
             try:
-                check_sizes(self.schedule, self.pp, self.num_microbatches, self.chunks)
-            except ScheduleError as err:
+                if self.custom_schedule:  # the file's stages, micro-batches and chunks must be the layout's
+                    get_schedule(self.schedule, self.pp, self.num_microbatches, self.chunks)
+                else:
+                    check_sizes(self.schedule, self.pp, self.num_microbatches, self.chunks)
+            except (ScheduleError, OSError, ValueError) as err:
                 errs.append(str(err))
         return errs
 

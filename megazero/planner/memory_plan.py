@@ -22,8 +22,9 @@ same), the bytes megazero holds by the categories `megazero.run.memory.memory_re
   (every tensor megazero's layers save, derived in activation_ledger.py) walked through the stage's
   pipeline program (`megazero.core.schedules.get_schedule`): a Forward adds its chunk's bytes, a
   Backward (or zero-bubble B) releases them in reverse order, rebuilding each recompute region first.
-* ``activations_host`` and ``checkpoint_buffer``: 0 (the Layout has no CPU checkpointing or
-  contiguous checkpoint buffer).
+* ``activations_host``: the peak of checkpoints kept in host memory (``cpu_checkpointing``);
+  ``checkpoint_buffer``: the stage's contiguous checkpoint buffer (``contiguous_memory_optimization``),
+  which the meter also counts inside ``activations`` (or ``activations_host``), as the total counts it once.
 
 Beyond what memory_report can see, `transient` names the peaks inside a step that add on top:
 ``grad_buckets`` (stage 2-3 gradient buckets being filled and reduced, stage-1 reduce-scatter
@@ -48,7 +49,8 @@ from dataclasses import dataclass
 
 from megazero.core.flat_buffer import FlatLayout, build_layout
 from megazero.planner.programs import schedule_programs
-from megazero.planner.activation_ledger import activation_chunks, walk_program
+from megazero.core.simulate import peaks as in_flight_peaks
+from megazero.planner.activation_ledger import activation_chunks, checkpoint_pool, walk_program
 from megazero.planner.comm_memory import option_memory
 from megazero.planner.layout import PlanError
 from megazero.planner.layer_params import layer_params
@@ -208,11 +210,13 @@ class StageMemory:
     host: dict[str, int]
     transient: dict[str, int]
     fragmentation: int
+    counted_twice: int = 0  # device bytes in two categories (a contiguous checkpoint buffer: activations too)
 
     @property
     def device_bytes(self) -> int:
         """Device bytes before the fragmentation allowance."""
-        return sum(v - self.host.get(k, 0) for k, v in self.breakdown.items()) + sum(self.transient.values())
+        return (sum(v - self.host.get(k, 0) for k, v in self.breakdown.items()) + sum(self.transient.values())
+                - self.counted_twice)
 
     @property
     def total(self) -> int:
@@ -328,11 +332,19 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
         breakdown["optimizer_states"] += states
         transient.update(more)
         ledger = activation_chunks(spec, layout, chunks, device, counts)
-        peaks = walk_program(programs[s], ledger)
+        pool = checkpoint_pool(spec, layout, chunks, in_flight_peaks(programs[s])[0])
+        peaks = walk_program(programs[s], ledger, pool, layout.cpu_checkpointing)
         breakdown["activations"] = peaks.metered
+        breakdown["activations_host"] = peaks.host
+        breakdown["checkpoint_buffer"] = pool  # also inside activations (or activations_host), as measured
+        if peaks.host:
+            host["activations_host"] = peaks.host
+        if pool and layout.cpu_checkpointing:
+            host["checkpoint_buffer"] = pool
         transient["logits"] = peaks.with_logits - peaks.metered
         transient["wgrad_pending"] = peaks.real - peaks.with_logits
-        st = StageMemory(s, breakdown, host, transient, 0)
-        out.append(StageMemory(s, breakdown, host, transient, round(st.device_bytes * fragmentation)))
+        twice = 0 if layout.cpu_checkpointing else pool  # the device buffer is in two categories
+        st = StageMemory(s, breakdown, host, transient, 0, twice)
+        out.append(StageMemory(s, breakdown, host, transient, round(st.device_bytes * fragmentation), twice))
     return MemoryPlan(layout, tuple(out), hardware.hbm_bytes if hardware is not None else None, fragmentation)
 

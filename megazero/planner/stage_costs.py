@@ -7,6 +7,8 @@ from megazero.core.instructions import (
     P2P, Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep, ReduceGrads,
     virtual_stage,
 )
+from megazero.core.partition import segment_sizes
+from megazero.core.schedules import get_schedule, splits_backward
 from megazero.core.simulate import Costs
 from megazero.planner.block_cost import block_cost, embedding_head_cost
 from megazero.planner.layout import PlanError
@@ -166,6 +168,30 @@ def _reduce_and_step(layout, mc: Machine, impl, shards, tied: float, last_backwa
     return {"dp_comm": reduce}, {"optimizer": adam, "dp_comm": gather + onebit}
 
 
+# -- activation checkpoints ----------------------------------------------------------------------------------
+
+def _checkpoint_io(spec, layout, mc: Machine, blocks: int) -> tuple[float, float]:
+    """(forward, backward) seconds one micro-batch's full-policy checkpoints of a chunk of `blocks` blocks
+    add beside the recompute itself: per segment the kept input's copy (partitioned: this rank's 1/t;
+    to host over PCIe with cpu_checkpointing) and in backward its way back (the all-gather over the TP
+    group of a partitioned one; the host-to-device copy of a CPU one)."""
+    if layout.recompute != "full" or not blocks:
+        return 0.0, 0.0
+    segments = len(segment_sizes(blocks, layout.every_k_layers, layout.number_checkpoints))
+    t = layout.tp
+    full = layout.micro_batch * spec.seq_len * spec.hidden * mc.act / (t if layout.sequence_parallel else 1)
+    kept = full / t if layout.partition_activations else full
+    fwd = bwd = 0.0
+    if layout.partition_activations or layout.contiguous_checkpoints:
+        fwd += mc.mem(2 * kept)  # the copy into its own (or the buffer's) storage
+    if layout.cpu_checkpointing:
+        pcie = kept / (mc.eff.pcie_gbs * 1e9)
+        fwd, bwd = fwd + pcie, bwd + pcie
+    if layout.partition_activations:
+        bwd += mc.ring("all_gather", kept * t, t, mc.link(1, t))
+    return segments * fwd, segments * bwd
+
+
 # -- the pipeline ----------------------------------------------------------------------------------------
 
 def _p2p_time(spec, layout, mc: Machine, impl, a: int, b: int) -> float:
@@ -189,7 +215,9 @@ class StageCosts:
     def of(cls, spec, layout, hardware, facts, efficiency, impl) -> "StageCosts":
         """The costs of `layout` (checked against `spec`) on `hardware`; backward split for ZB-H1."""
         layout.check(spec)
-        return cls(spec, layout, Machine(hardware, efficiency, layout), impl, facts, layout.schedule == "zb-h1")
+        split = (splits_backward(get_schedule(layout.schedule, layout.pp, layout.num_microbatches, layout.chunks))
+                 if layout.custom_schedule else layout.schedule == "zb-h1")
+        return cls(spec, layout, Machine(hardware, efficiency, layout), impl, facts, split)
 
     def __init__(self, spec, layout, mc: Machine, impl, facts, split: bool):
         self.mc, self.split = mc, split
@@ -208,7 +236,9 @@ class StageCosts:
                 per_chunk = blocks[s][c]
                 vs = virtual_stage(s, c, p)
                 f = add_parts(scale_parts(blk.fwd, per_chunk), emb_f if vs == 0 else {}, head_f if vs == last else {})
-                b = add_parts(scale_parts(blk.bwd, per_chunk), {"recompute": blk.recompute * per_chunk},
+                ckpt_f, ckpt_b = _checkpoint_io(spec, layout, mc, per_chunk)
+                f = add_parts(f, {"recompute": ckpt_f}) if ckpt_f else f
+                b = add_parts(scale_parts(blk.bwd, per_chunk), {"recompute": blk.recompute * per_chunk + ckpt_b},
                          {"tp_comm": (blk.tp_bwd if split else blk.tp_bwd_overlapped) * per_chunk},
                          emb_b if vs == 0 else {}, head_b if vs == last else {})
                 w = add_parts(scale_parts(blk.wgrad, per_chunk), head_w if vs == last else {})

@@ -9,11 +9,12 @@ import dataclasses
 import re
 from typing import Any, Sequence
 
+from ..checkpoint_rules import checkpointing_problems
 from ..spec_partition import partition_problems
 from ..instructions import ScheduleError
 from ..schedules import SCHEDULES, check_sizes
 from ..suggest import did_you_mean
-from .schema import (AXIS_CHOICES, BACKEND_CHOICES, NONFINITE_CHOICES, CHECKPOINT_POLICY_CHOICES, OFFLOAD_DEVICE_CHOICES,
+from .schema import (AXIS_CHOICES, BACKEND_CHOICES, NONFINITE_CHOICES, OFFLOAD_DEVICE_CHOICES,
                      OPTIMIZER_CHOICES, PRECISION_CHOICES,
                      SCHEDULER_CHOICES, TOKENIZER_CHOICES, WARMUP_TYPE_CHOICES, Config)
 
@@ -81,9 +82,8 @@ def check_model(cfg: Config) -> list[str]:
             errs.append(f"model.{key}: {value} is not divisible by parallel.tp={p.tp}")
     if p.sequence_parallel and m.seq_len and m.seq_len % p.tp:
         errs.append(f"model.seq_len: {m.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallel)")
-    if m.layers and m.layers < p.pp * cfg.pipeline.chunks:
-        errs.append(f"model.layers: {m.layers} layers cannot fill parallel.pp={p.pp} x pipeline.chunks="
-                    f"{cfg.pipeline.chunks} pipeline stages")
+    # whether the layers fill pp x chunks stages is the partition's rule (the embedding and the head are
+    # pipeline layers too): engine/factories.py:_check_partition, with the spec
     typed = [f.name for f in dataclasses.fields(m) if f.name not in ("spec", "overrides")]
     for key in m.overrides:
         if key in typed:
@@ -235,34 +235,8 @@ def _check_one_cycle(s) -> list[str]:
 
 
 def check_activation_checkpointing(cfg: Config) -> list[str]:
-    a, key = cfg.activation_checkpointing, "activation_checkpointing"
-    errs = choice(f"{key}.policy", a.policy, CHECKPOINT_POLICY_CHOICES)
-    errs += at_least(f"{key}.every_k_layers", a.every_k_layers, 1)
-    errs += at_least(f"{key}.number_checkpoints", a.number_checkpoints, 1)
-    if a.cpu_checkpointing and not a.partition_activations:
-        errs.append(f"{key}.cpu_checkpointing: needs {key}.partition_activations")
-    if a.contiguous_memory_optimization and a.number_checkpoints is None:
-        errs.append(f"{key}.contiguous_memory_optimization: needs {key}.number_checkpoints")
-    if a.every_k_layers != 1 and a.number_checkpoints is not None:
-        errs.append(f"{key}.every_k_layers={a.every_k_layers} and {key}.number_checkpoints={a.number_checkpoints} "
-                    f"both choose the checkpointed segments; set one of them")
-    if a.policy == "none":
-        for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                  "synchronize_checkpoint_boundary", "profile"):
-            if getattr(a, k):
-                errs.append(f"{key}.{k}: has no effect with {key}.policy=none; set {key}.policy=full (or selective)")
-    if a.policy != "full":
-        for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
-            if getattr(a, k) and a.policy == "selective":
-                errs.append(f"{key}.{k}: acts on checkpointed layer inputs, which {key}.policy=selective does not "
-                            f"keep; set {key}.policy=full")
-        if a.every_k_layers != 1 or a.number_checkpoints is not None:
-            errs.append(f"{key}.every_k_layers / number_checkpoints: choose the segments of {key}.policy=full; "
-                        f"has no effect with policy={a.policy}")
-    if a.partition_activations and cfg.parallel.sequence_parallel:
-        errs.append(f"{key}.partition_activations: with parallel.sequence_parallel the layer inputs are already "
-                    f"split across the TP group (each rank holds a different sequence chunk); unset one of them")
-    return errs
+    return checkpointing_problems(cfg.activation_checkpointing, cfg.parallel.sequence_parallel)
+
 
 
 def check_partition(cfg: Config) -> list[str]:

@@ -24,13 +24,15 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ..checkpoint_rules import POLICIES
+
 PRECISION_CHOICES = ("fp32", "bf16", "fp16")
 AXIS_CHOICES = ("pp", "dp", "tp")
 OFFLOAD_DEVICE_CHOICES = ("none", "cpu")
 OPTIMIZER_CHOICES = ("adam", "adamw", "sgd", "onebit_adam")
 SCHEDULER_CHOICES = ("constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 WARMUP_TYPE_CHOICES = ("linear", "log")
-CHECKPOINT_POLICY_CHOICES = ("none", "full", "selective")
+CHECKPOINT_POLICY_CHOICES = POLICIES  # megazero/core/checkpoint_rules.py
 """Built-in pipeline schedules; a path ending in ``.csv`` names a custom schedule file."""
 """Named partition methods; ``type:<regex>`` and a list of per-stage layer counts are also valid."""
 TOKENIZER_CHOICES = ("byte", "bpe")
