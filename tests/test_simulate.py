@@ -164,3 +164,41 @@ def test_render_and_describe():
     assert RecvGrad(7, 0, 3).describe() == "RecvGrad mb 7 from stage 3"
     assert SendAct(3, 1, 0).describe() == "SendAct mb 3 chunk 1 to stage 0" and repr(SendAct(3, 1, 0)) == "SA3c1>0"
     assert repr(BackwardWeight(2, 1)) == "W2c1" and repr(RecvAct(0, 0, 1)) == "RA0<1"
+
+
+# -- batched, non-blocking p2p (megazero's NCCL path; the planner predicts GPU runs with it) ----------------
+
+def test_a_batched_run_overlaps_its_transfers():
+    """Megatron's 1F1B order with a send and a receive in one run on each stage: blocking p2p deadlocks on it
+    (each stage sends first), batched p2p posts both at once, as NCCL runs them, and the step completes,
+    the two transfers of a run overlapping in time."""
+    costs = Costs(forward=1, backward_input=1, backward_weight=1, p2p=0.5)
+    with pytest.raises(DeadlockError):
+        simulate(naive_megatron_1f1b(), costs)
+    result = simulate(naive_megatron_1f1b(), costs, batched=True)
+    run = [sp for sp in result.timeline[0] if isinstance(sp.instr, (SendAct, RecvGrad))][1:3]  # SA1, RG0
+    assert [repr(sp.instr) for sp in run] == ["SA1>1", "RG0<1"]
+    assert run[0].start < run[1].end and run[1].start < run[0].end
+    assert len(result.messages) == 6 and result.makespan > 3 * 3 + 0.5
+
+
+@pytest.mark.parametrize("name, p, m, v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 16, 1),
+                                           ("interleaved", 4, 8, 2), ("interleaved", 4, 12, 3), ("zb-h1", 4, 8, 1)])
+def test_batched_p2p_is_never_slower_and_equal_without_transfer_cost(name, p, m, v):
+    programs = S.get_schedule(name, p, m, v)
+    free = Costs(forward=1, backward_input=1.5, backward_weight=0.5)
+    assert simulate(programs, free, batched=True).makespan == simulate(programs, free).makespan
+    for c in (0.05, 0.3, 1.0):
+        costs = Costs(forward=1, backward_input=1.5, backward_weight=0.5, p2p=c)
+        batched, blocking = simulate(programs, costs, batched=True), simulate(programs, costs)
+        assert batched.makespan <= blocking.makespan + 1e-9
+        assert batched.busy == pytest.approx(blocking.busy, rel=1e-12)  # the same compute, summed in another order
+        # no faster than the compute of one stage plus one transfer per boundary each way
+        assert batched.makespan >= max(batched.busy) + 2 * (p - 1) * c - 1e-9
+
+
+def test_batched_deadlocks_are_reported_like_blocking_ones():
+    """Both stages first wait for a transfer the other posts only later: no batching helps."""
+    programs = programs_of("RG0<1 L0 F0 SA0>1 B0 Reduce Step", "RA0<0 L0 F0 B0 SG0>0 Reduce Step")
+    with pytest.raises(DeadlockError, match="stage 0 blocked at RecvGrad"):
+        simulate(programs, check=False, batched=True)

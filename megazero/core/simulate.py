@@ -1,5 +1,7 @@
 """Run every stage's pipeline program against the others, in simulated time (pure, no torch).
 
+With ``batched=True`` p2p is megazero's NCCL path instead: non-blocking runs of transfers (`_run_batched`).
+
 `simulate(programs, costs)` executes the programs with the same semantics as the executor:
 each stage runs its instructions in order; a send and its receive are a *rendezvous* (neither
 completes before both are posted, as blocking p2p on gloo), paired first-in first-out per
@@ -26,7 +28,7 @@ from typing import Callable, NamedTuple, Sequence, Union
 
 from megazero.core.instructions import (
     BACKWARD_INPUT, P2P, SENDS, Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
-    OptimizerStep, RecvAct, RecvGrad, ReduceGrads, ScheduleError, SendAct, check_programs, virtual_stage,
+    OptimizerStep, RecvAct, RecvGrad, ReduceGrads, ScheduleError, SendAct, check_programs, p2p_runs, virtual_stage,
 )
 
 
@@ -213,6 +215,80 @@ def _run(programs: Sequence[Sequence[Instruction]], cost: CostFn):
     return spans, messages
 
 
+def _run_batched(programs: Sequence[Sequence[Instruction]], cost: CostFn):
+    """Execute with batched, non-blocking p2p (megazero's NCCL path, `megazero.pipeline.p2p`): each maximal
+    run of consecutive p2p instructions of a stage is posted at once when the stage reaches it; the k-th
+    send from a stage to a peer pairs with the k-th receive there; a transfer starts once both ends are
+    posted and the previous transfer in that direction of that link is done, and lasts the send's cost;
+    the stage resumes when every transfer of its run is done. Returns per-stage spans (each transfer from
+    its start to its end; a run's may overlap; the wait before a start is idle) and the matched messages."""
+    p = len(programs)
+    pcs, clock = [0] * p, [0.0] * p
+    spans: list[list[Span]] = [[] for _ in range(p)]
+    posted: dict = {}  # (src, dst, "send" | "recv") -> [(post time, stage, instruction)]
+    ends: dict = {}  # (src, dst) -> [end time of the k-th transfer]
+    runs = {s: dict(_runs_of(programs[s])) for s in range(p)}
+    waiting: list = [None] * p  # the run a stage has posted and waits on: [(link, kind, k, instruction)]
+    placed: dict = {}  # (src, dst, k) -> {"send": span index, "recv": span index}
+    remaining = sum(len(prog) for prog in programs)
+    while remaining:
+        progress = False
+        for s in range(p):
+            while pcs[s] < len(programs[s]):
+                ins = programs[s][pcs[s]]
+                if not isinstance(ins, P2P):
+                    end = clock[s] + cost(s, ins)
+                    spans[s].append(Span(clock[s], end, ins))
+                    clock[s], pcs[s], remaining, progress = end, pcs[s] + 1, remaining - 1, True
+                    continue
+                if waiting[s] is None:  # post the whole run now
+                    ops = []
+                    for op in programs[s][pcs[s]:runs[s][pcs[s]]]:
+                        q = op.peer
+                        if not 0 <= q < p or q == s:
+                            raise ScheduleError(f"stage {s}: {op.describe()} names no other stage (stages are "
+                                                f"0..{p - 1})")
+                        link, kind = ((s, q), "send") if isinstance(op, SENDS) else ((q, s), "recv")
+                        queue = posted.setdefault((*link, kind), [])
+                        queue.append((clock[s], s, op))
+                        ops.append((link, kind, len(queue) - 1, op))
+                    waiting[s], progress = ops, True
+                ops = waiting[s]
+                if not all(len(posted.get((*link, "recv" if kind == "send" else "send"), ())) > k
+                           for link, kind, k, _ in ops):
+                    break  # a peer has not posted its end of one of these transfers yet
+                run_end = clock[s]
+                for link, kind, k, op in ops:
+                    start, end = _transfer(link, k, posted, ends, cost, p)
+                    placed.setdefault((*link, k), {})[kind] = len(spans[s])
+                    spans[s].append(Span(start, end, op))
+                    run_end = max(run_end, end)
+                remaining, pcs[s], clock[s], waiting[s], progress = (remaining - len(ops), pcs[s] + len(ops),
+                                                                     run_end, None, True)
+        if not progress:
+            raise _deadlock(programs, pcs)
+    messages = [Message(src, idx["send"], dst, idx["recv"]) for (src, dst, _), idx in sorted(placed.items())]
+    return spans, messages
+
+
+def _runs_of(program: Sequence[Instruction]):
+    """(start, stop) of each run of consecutive p2p instructions, keyed by start."""
+    return p2p_runs(program)
+
+
+def _transfer(link, k: int, posted: dict, ends: dict, cost: CostFn, num_stages: int) -> tuple[float, float]:
+    """(start, end) of the k-th transfer over `link` (src, dst), the earlier ones computed first (they go in
+    order): it starts when both ends are posted and the previous one is done."""
+    done = ends.setdefault(link, [])
+    while len(done) <= k:
+        i = len(done)
+        (t_send, src, send), (t_recv, dst, recv) = posted[(*link, "send")][i], posted[(*link, "recv")][i]
+        _check_pair(src, send, dst, recv, num_stages)
+        start = max(t_send, t_recv, done[-1][1] if done else 0.0)
+        done.append((start, start + cost(src, send)))
+    return done[k]
+
+
 def peaks(program: Sequence[Instruction]) -> tuple[int, int]:
     """(peak in-flight, peak unfinished) micro-batch chunks of one stage's program (see the module
     docstring). 1F1B stage s of p: min(p - s, m) in flight; GPipe: m. The engine sizes the
@@ -230,8 +306,9 @@ def peaks(program: Sequence[Instruction]) -> tuple[int, int]:
 
 
 def simulate(programs: Sequence[Sequence[Instruction]], costs: Union[Costs, CostFn, None] = None,
-             check: bool = True) -> SimResult:
-    """Run all stages' programs together (stage s is ``programs[s]``) with blocking p2p.
+             check: bool = True, batched: bool = False) -> SimResult:
+    """Run all stages' programs together (stage s is ``programs[s]``) with blocking p2p, or with `batched`
+    non-blocking p2p as megazero runs it on NCCL (`_run_batched`; the planner predicts GPU runs with it).
 
     Args:
         programs: one program per pipeline stage, e.g. from `schedules.get_schedule`.
@@ -248,7 +325,7 @@ def simulate(programs: Sequence[Sequence[Instruction]], costs: Union[Costs, Cost
     if check:
         check_programs(programs)
     cost = costs if costs is not None else Costs()
-    spans, messages = _run(programs, cost)
+    spans, messages = (_run_batched if batched else _run)(programs, cost)
     makespan = max((st[-1].end for st in spans if st), default=0.0)
     busy = tuple(sum(sp.end - sp.start for sp in st if not isinstance(sp.instr, P2P)) for st in spans)
     stage_peaks = [peaks(prog) for prog in programs]

@@ -31,8 +31,8 @@ class Efficiency:
     fraction of A100 peak, head dim 64-128), a fixed latency per kernel and per collective, and the
     host side of offload (host memory bandwidth per GPU, PCIe Gen4 x16 effective)."""
 
-    gemm_max: float = 0.7721
-    gemm_k_half: float = 366.9
+    gemm_max: float = 0.7709
+    gemm_k_half: float = 363.9
     hbm: float = 0.8
     nvlink: float = 0.8
     internode: float = 0.9
@@ -49,13 +49,14 @@ class Efficiency:
 
 DEFAULT_EFFICIENCY = Efficiency()
 """Fitted by `calibrate` on A100 80GB (configs/hardware/a100-80gb.yaml) to the five rows of `CALIBRATION`
-(least squares on log TFLOP/s; the other fields are the stated defaults): gemm_max = 0.7721,
-gemm_k_half = 366.9. A large GEMM with k = 8192 then runs at 0.74 of peak (230 TFLOP/s), k = 2304 at
+(least squares on log TFLOP/s; the other fields are the stated defaults): gemm_max = 0.7709,
+gemm_k_half = 363.9 (with the pipeline simulated with batched, non-blocking p2p, as Megatron and megazero's
+NCCL path run it; blocking rendezvous gave 0.7721, 366.9). A large GEMM with k = 8192 then runs at 0.74 of peak (230 TFLOP/s), k = 2304 at
 0.67, k = 768 (the 18.4B row's out projection per TP rank) at 0.52, and the attention's QKᵀ over a
 head dim of 96-128 at 0.16-0.20 (unfused attention is expensive at small hidden sizes; the fit leans on
 that to separate the 1.7B and 3.6B rows from the 39.1B one). Residuals, predicted / published hardware
 TFLOP/s per GPU - 1: 1.7B -0.9%, 3.6B +0.2%, 7.5B +1.1%, 18.4B +2.1%, 39.1B -2.4% (135.7, 138.3,
-143.6, 137.9, 134.7 against 137, 138, 142, 135, 138). With gemm_k_half fixed at 64 and only gemm_max
+143.5, 137.8, 134.7 against 137, 138, 142, 135, 138). With gemm_k_half fixed at 64 and only gemm_max
 fitted (0.674) the residuals are +2.9%, +2.1%, +0.3%, +0.4%, -5.4%."""
 
 

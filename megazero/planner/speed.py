@@ -26,10 +26,12 @@
 * Recompute: full adds one whole block forward (its GEMMs, core, elementwise and all-reduces) to each
   backward; selective adds the attention core's forward.
 * Pipeline: F, B (and W when split) per stage and chunk (embedding on the first virtual stage, LM head
-  and loss on the last: the imbalance) and the p2p costs go through `megazero.core.simulate`; the
-  makespan includes each stage's ReduceGrads and OptimizerStep. A transfer moves s·b·h activation
-  elements (s·b·h/t under sequence parallelism) on NVLink when both stages' ranks share a node, else
-  on each GPU's inter-node link, and holds both stages (the simulator's blocking rendezvous).
+  and loss on the last: the imbalance) and the p2p costs go through `megazero.core.simulate` with
+  batched, non-blocking transfers (megazero's NCCL path and Megatron's: each run of consecutive sends
+  and receives posted at once); the makespan includes each stage's ReduceGrads and OptimizerStep. A
+  transfer moves s·b·h activation elements (s·b·h/t under sequence parallelism) on NVLink when both
+  stages' ranks share a node, else on each GPU's inter-node link; a stage waits for its run's
+  transfers together.
 * Precision: 16-bit at `peak_tflops`; fp32 runs its GEMMs as TF32 at half of it, with 4-byte elements.
 * Rank order (megazero's `Topology`, pp outermost, tp innermost): rank = (pp·dp + d)·tp + t. A group of
   ranks `stride` apart stays on NVLink inside a node; one that spans nodes has k = gpus_per_node / stride
@@ -153,7 +155,7 @@ def predicted_simulation(spec, layout, hardware, facts=None, efficiency: Efficie
     unit = tuning(costs, layout) if layout.pp > 1 else None  # one stage: no transfers to order
     programs = schedule_programs(layout.schedule, layout.pp, layout.num_microbatches, layout.chunks, unit,
                                  schedule_cache)
-    return simulate(programs, costs, check=False), costs
+    return simulate(programs, costs, check=False, batched=True), costs
 
 
 def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DEFAULT_EFFICIENCY,
@@ -169,10 +171,9 @@ def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DE
     crit = max((s for s in range(layout.pp) if math.isclose(ends[s], step, rel_tol=1e-9)),
                key=lambda s: sim.busy[s])
     breakdown = dict.fromkeys(CATEGORIES, 0.0)
+    breakdown["p2p"] = _union([(sp.start, sp.end) for sp in sim.timeline[crit] if isinstance(sp.instr, P2P)])
     for span in sim.timeline[crit]:
-        if isinstance(span.instr, P2P):
-            breakdown["p2p"] += span.end - span.start
-        elif not isinstance(span.instr, LoadMicroBatch):
+        if not isinstance(span.instr, (P2P, LoadMicroBatch)):
             for k, val in costs.parts[costs.key(crit, span.instr)].items():
                 breakdown[k] += val
     breakdown["pipeline_bubble"] = step - sum(breakdown.values())
@@ -186,6 +187,16 @@ def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DE
         critical_stage=crit, stage_costs=tuple(costs.per_stage(s, layout.chunks) for s in range(layout.pp)),
         dp_bytes=sum(v.dp_bytes for v in volumes) / layout.pp,
         internode_bytes=sum(v.internode_bytes for v in volumes) / layout.pp)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals (a batched run's transfers overlap in time)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def estimate_step_time(spec, layout, hardware, facts=None, efficiency: Efficiency = DEFAULT_EFFICIENCY,
