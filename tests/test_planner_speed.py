@@ -223,3 +223,32 @@ def test_judged_rows_are_valid_layouts():
     for run in published.JUDGE:  # their predictions are reported, never asserted nor fitted
         run.layout().check(run.spec())
         assert run.layout().num_microbatches * run.micro_batch * run.dp == run.global_batch
+
+
+# -- collectives at scale: NCCL's latency model, one collective per bucket or ZeRO-3 unit ---------------------
+
+def test_collective_latency_is_nccls_model():
+    """Ring: a base plus a step per hop (NVLink inside a node, the network between nodes); an all-reduce takes
+    the tree when it is shorter (src/graph/tuning.cc's constants, Simple protocol)."""
+    from megazero.planner.machine import DEFAULT_EFFICIENCY, Machine
+
+    mc = Machine(H100, DEFAULT_EFFICIENCY, Layout())
+    assert mc.latency("all_gather", 8) == pytest.approx((8.4 + 7 * 3.4) * 1e-6)
+    assert mc.latency("reduce_scatter", 1024) == pytest.approx((8.4 + (1023 - 127) * 3.4 + 127 * 9.6) * 1e-6)
+    assert mc.latency("all_reduce", 1024) == pytest.approx((8.4 + 2 * (7 * 3.4 + 7 * 9.6)) * 1e-6)  # the tree: log2(128 nodes) = 7
+    assert mc.latency("all_gather", 16, stride=8) == pytest.approx((8.4 + 15 * 9.6) * 1e-6)  # one member per node
+    assert mc.latency("all_gather", 1) == 0.0
+    # bytes and latency add up; `count` collectives pay the latency each
+    one = mc.ring("all_gather", 1e9, 1024, mc.link(1, 1024), 1, 1)
+    assert mc.ring("all_gather", 1e9, 1024, mc.link(1, 1024), 1, 96) == pytest.approx(one + 95 * mc.latency("all_gather", 1024))
+
+
+def test_zero3_at_scale_pays_a_latency_per_unit_and_bucket():
+    """ZeRO-3 without model parallelism, a small batch per GPU: the same model and per-GPU batch on 64 and on
+    1,024 GPUs moves about the same bytes per GPU, but every unit's gathers and every bucket's reduce-scatter
+    wait ~4 ms at 1,024 ranks: the data-parallel time grows with the ranks and is no longer hidden."""
+    spec = LLAMA.replace(layers=32, seq_len=2048)
+    small, large = (Layout(dp=n, micro_batch=1, global_batch=n, zero=3, recompute="full") for n in (64, 1024))
+    a, b = predict(small, spec, H100), predict(large, spec, H100)
+    assert b.breakdown["dp_comm"] > 3 * a.breakdown["dp_comm"] and b.step_time_s > a.step_time_s
+    assert b.dp_bytes == pytest.approx(a.dp_bytes, rel=0.05)

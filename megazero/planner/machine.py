@@ -20,6 +20,7 @@ per node), and always sends fewer bytes across nodes (comm_volume.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
@@ -28,11 +29,14 @@ class Efficiency:
     `DEFAULT_EFFICIENCY`); the rest are stated: hbm (a STREAM-like copy reaches ~0.8 of datasheet
     HBM bandwidth), nvlink / internode (NCCL ring bus bandwidth over the per-direction link rate:
     ~0.8 on NVLink, ~0.9 on InfiniBand), flash_fwd / flash_bwd (FlashAttention-2's reported causal
-    fraction of A100 peak, head dim 64-128), a fixed latency per kernel and per collective, and the
-    host side of offload (host memory bandwidth per GPU, PCIe Gen4 x16 effective)."""
+    fraction of A100 peak, head dim 64-128), a fixed latency per kernel and per all-to-all or p2p
+    transfer, the host side of offload (host memory bandwidth per GPU, PCIe Gen4 x16 effective), and
+    the latency of a ring or tree collective as NCCL's own cost model states it (src/graph/tuning.cc,
+    Simple protocol, the one large messages use): a base of ring_base_us plus, per ring step, nvlink_hop_us
+    inside a node or net_hop_us between nodes (`Machine.latency`)."""
 
-    gemm_max: float = 0.7709
-    gemm_k_half: float = 363.9
+    gemm_max: float = 0.7824
+    gemm_k_half: float = 391.8
     hbm: float = 0.8
     nvlink: float = 0.8
     internode: float = 0.9
@@ -40,6 +44,9 @@ class Efficiency:
     flash_bwd: float = 0.45
     kernel_us: float = 4.0
     collective_us: float = 15.0
+    ring_base_us: float = 8.4
+    nvlink_hop_us: float = 3.4
+    net_hop_us: float = 9.6
     host_gbs: float = 25.0
     pcie_gbs: float = 20.0
 
@@ -49,15 +56,15 @@ class Efficiency:
 
 DEFAULT_EFFICIENCY = Efficiency()
 """Fitted by `calibrate` on A100 80GB (configs/hardware/a100-80gb.yaml) to the five rows of `CALIBRATION`
-(least squares on log TFLOP/s; the other fields are the stated defaults): gemm_max = 0.7709,
-gemm_k_half = 363.9 (with the pipeline simulated with batched, non-blocking p2p, as Megatron and megazero's
-NCCL path run it; blocking rendezvous gave 0.7721, 366.9). A large GEMM with k = 8192 then runs at 0.74 of peak (230 TFLOP/s), k = 2304 at
-0.67, k = 768 (the 18.4B row's out projection per TP rank) at 0.52, and the attention's QKᵀ over a
-head dim of 96-128 at 0.16-0.20 (unfused attention is expensive at small hidden sizes; the fit leans on
-that to separate the 1.7B and 3.6B rows from the 39.1B one). Residuals, predicted / published hardware
-TFLOP/s per GPU - 1: 1.7B -0.9%, 3.6B +0.2%, 7.5B +1.1%, 18.4B +2.1%, 39.1B -2.4% (135.7, 138.3,
-143.5, 137.8, 134.7 against 137, 138, 142, 135, 138). With gemm_k_half fixed at 64 and only gemm_max
-fitted (0.674) the residuals are +2.9%, +2.1%, +0.3%, +0.4%, -5.4%."""
+(least squares on log TFLOP/s; the other fields are the stated defaults, the collectives' latencies NCCL's
+own model): gemm_max = 0.7824, gemm_k_half = 391.8 (the pipeline simulated with batched, non-blocking p2p
+as Megatron and megazero's NCCL path run it). A large GEMM with k = 8192 then runs at 0.75 of peak
+(233 TFLOP/s), k = 2304 at 0.67, k = 768 (the 18.4B row's out projection per TP rank) at 0.52, and the
+attention's QKᵀ over a head dim of 96-128 at 0.16-0.20 (unfused attention is expensive at small hidden sizes;
+the fit leans on that to separate the 1.7B and 3.6B rows from the 39.1B one). Residuals, predicted /
+published hardware TFLOP/s per GPU - 1: 1.7B -1.0%, 3.6B +0.3%, 7.5B +1.3%, 18.4B +2.0%, 39.1B -2.5% (135.6,
+138.4, 143.8, 137.7, 134.6 against 137, 138, 142, 135, 138). Before NCCL's latency model (a fixed 15 us per
+collective) and batched p2p the fit was 0.7721, 366.9 with residuals within 0.1% of these."""
 
 
 @dataclass(frozen=True)
@@ -112,12 +119,34 @@ class Machine:
         per_node = max(1, g // stride)
         return min(self.nvlink, per_node * self.internode) if per_node > 1 else self.internode
 
-    def ring(self, kind: str, nbytes: float, size: int, bandwidth: float) -> float:
-        """all_reduce / reduce_scatter / all_gather of `nbytes` (the full tensor) over `size` ranks."""
+    def latency(self, kind: str, size: int, stride: int = 1) -> float:
+        """Seconds of latency of one all_reduce / reduce_scatter / all_gather over `size` ranks `stride` apart,
+        NCCL's model (see `Efficiency`): a ring takes size - 1 steps (twice for an all-reduce), those between
+        nodes at net_hop_us, the rest at nvlink_hop_us; an all-reduce may take the tree instead, 2·((k - 1)
+        steps in the node + log2(nodes) between nodes), whichever is shorter. At 1,024 ranks over 128 nodes a
+        ring reduce-scatter or all-gather waits ~4 ms however small the message: what ZeRO-3's per-layer
+        collectives meet at scale."""
+        if size <= 1:
+            return 0.0
+        e = self.eff
+        k = max(1, min(size, self.node // stride)) if stride <= self.node else 1  # members per node
+        nodes = -(-size // k)
+        twice = 2 if kind == "all_reduce" else 1
+        steps, inter = twice * (size - 1), twice * (nodes - 1)
+        ring = e.ring_base_us + (steps - inter) * e.nvlink_hop_us + inter * e.net_hop_us
+        if kind == "all_reduce":
+            tree = e.ring_base_us + 2 * ((k - 1) * e.nvlink_hop_us + math.log2(nodes) * e.net_hop_us)
+            ring = min(ring, tree)
+        return ring * 1e-6
+
+    def ring(self, kind: str, nbytes: float, size: int, bandwidth: float, stride: int = 1, count: float = 1) -> float:
+        """all_reduce / reduce_scatter / all_gather of `nbytes` (the full tensor, in all) over `size` ranks
+        `stride` apart, in `count` collectives (buckets, layers): the bytes at `bandwidth`, each collective's
+        `latency`."""
         if size <= 1 or nbytes <= 0:
             return 0.0
         factor = 2.0 if kind == "all_reduce" else 1.0
-        return factor * (size - 1) / size * nbytes / bandwidth + self.eff.collective_us * 1e-6
+        return factor * (size - 1) / size * nbytes / bandwidth + max(1.0, count) * self.latency(kind, size, stride)
 
     def two_level(self, stride: int, size: int) -> tuple[int, int] | None:
         """(k members per node, N nodes) when a data-parallel group of `size` ranks `stride` apart runs
@@ -127,18 +156,18 @@ class Machine:
             return None
         return k, size // k
 
-    def dp_collective(self, kind: str, nbytes: float, size: int, stride: int) -> float:
-        """A data-parallel all_reduce / reduce_scatter / all_gather of `nbytes` (the full tensor) over
-        `size` ranks `stride` apart: the flat ring, or two levels (module docstring)."""
+    def dp_collective(self, kind: str, nbytes: float, size: int, stride: int, count: float = 1) -> float:
+        """A data-parallel all_reduce / reduce_scatter / all_gather of `nbytes` (the full tensor, in `count`
+        collectives) over `size` ranks `stride` apart: the flat ring, or two levels (module docstring)."""
         levels = self.two_level(stride, size)
         if levels is None:
-            return self.ring(kind, nbytes, size, self.link(stride, size))
+            return self.ring(kind, nbytes, size, self.link(stride, size), stride, count)
         k, nodes = levels
-        inter = self.ring(kind, nbytes / k, nodes, self.internode)
+        inter = self.ring(kind, nbytes / k, nodes, self.internode, self.node, count)
         if kind == "all_reduce":
-            return self.ring("reduce_scatter", nbytes, k, self.nvlink) + inter + self.ring("all_gather", nbytes, k,
-                                                                                             self.nvlink)
-        return self.ring(kind, nbytes, k, self.nvlink) + inter
+            return (self.ring("reduce_scatter", nbytes, k, self.nvlink, stride, count) + inter
+                    + self.ring("all_gather", nbytes, k, self.nvlink, stride, count))
+        return self.ring(kind, nbytes, k, self.nvlink, stride, count) + inter
 
     def all_to_all(self, sent: float, size: int, stride: int) -> float:
         """An all-to-all in which this rank sends `sent` bytes, spread evenly over the other members of a

@@ -3,6 +3,8 @@ every instruction of its program (`StageCosts`, the simulator's cost function). 
 model is stated in speed.py's docstring."""
 from __future__ import annotations
 
+import math
+
 from megazero.core.instructions import (
     P2P, Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep, ReduceGrads,
     virtual_stage,
@@ -13,7 +15,7 @@ from megazero.core.simulate import Costs
 from megazero.planner.block_cost import block_cost, embedding_head_cost
 from megazero.planner.layout import PlanError
 from megazero.planner.machine import Machine, add_parts, scale_parts
-from megazero.planner.stages import blocks_per_chunk, chunk_shares
+from megazero.planner.stages import blocks_per_chunk, chunk_shares, pipeline_layers
 
 # -- parameters per stage --------------------------------------------------------------------------------
 
@@ -81,26 +83,29 @@ def _shards(layout, mc: Machine, dense: float, experts: float) -> list[tuple[flo
     return out
 
 
-def _stage3_gathers(layout, mc: Machine, psi: float, n: int, stride: int, zpp: bool) -> tuple[float, float]:
+def _stage3_gathers(layout, mc: Machine, psi: float, n: int, stride: int, zpp: bool,
+                    units: int = 1) -> tuple[float, float]:
     """(first, later) seconds of one stage-3 gather of `psi` parameters: qwZ gathers int8 blocks (INT8 bytes
     per element) and quantizes the shard and dequantizes the bucket; with hpZ the later gathers of a step
     go over the hpz group (k ranks `stride` apart, on NVLink when k·stride fits a node), in the working
-    dtype."""
-    first = later = mc.dp_collective("all_gather", psi * mc.act, n, stride)
+    dtype. One all-gather per unit (`units`: the chunk's layers), each paying the collective's latency."""
+    first = later = mc.dp_collective("all_gather", psi * mc.act, n, stride, units)
     if zpp and layout.quantized_weights:
-        first = later = (mc.dp_collective("all_gather", psi * INT8, n, stride)
+        first = later = (mc.dp_collective("all_gather", psi * INT8, n, stride, units)
                          + mc.mem(QUANT_PASS_BYTES * psi * (1 + 1 / n), kernels=8))
     if zpp and layout.hpz > 1:
-        later = mc.ring("all_gather", psi * mc.act, layout.hpz, mc.link(stride, layout.hpz))
+        later = mc.ring("all_gather", psi * mc.act, layout.hpz, mc.link(stride, layout.hpz), stride, units)
     return first, later
 
 
-def _reduce_scatter(layout, mc: Machine, impl, psi: float, n: int, stride: int, zpp: bool) -> float:
-    """One reduce-scatter of `psi` gradients; qgZ (stage 3): an all-to-all of INT8 bytes per element with the
+def _reduce_scatter(layout, mc: Machine, impl, psi: float, n: int, stride: int, zpp: bool, units: int = 1) -> float:
+    """The reduce-scatters of `psi` gradients, one per bucket (`reduce_bucket_size`; at ZeRO-3 at least one per
+    unit: buckets end at unit boundaries); qgZ (stage 3): an all-to-all of INT8 bytes per element with the
     quantization of the bucket and the dequantization and sum of the chunks received."""
     if zpp and layout.zero == 3 and layout.quantized_gradients:
         return mc.all_to_all((n - 1) / n * psi * INT8, n, stride) + mc.mem(2 * QUANT_PASS_BYTES * psi, kernels=8)
-    return mc.dp_collective("reduce_scatter", psi * impl.grad_bytes, n, stride)
+    buckets = max(math.ceil(psi / layout.reduce_bucket_size), units if layout.zero == 3 else 1)
+    return mc.dp_collective("reduce_scatter", psi * impl.grad_bytes, n, stride, buckets)
 
 
 def _onebit_average(layout, mc: Machine, psi: float, n: int, stride: int) -> float:
@@ -114,23 +119,24 @@ def _onebit_average(layout, mc: Machine, psi: float, n: int, stride: int) -> flo
             + 2 * buckets * mc.eff.collective_us * 1e-6 + mc.mem(ONEBIT_PASS_BYTES * psi, kernels=int(30 * buckets)))
 
 
-def _dp_per_microbatch(layout, mc: Machine, impl, shards, f_time: float, b_time: float):
+def _dp_per_microbatch(layout, mc: Machine, impl, shards, f_time: float, b_time: float, units: int = 1):
     """Extra (forward, backward) seconds per micro-batch and chunk: ZeRO-2's reduce-scatter, ZeRO-3's
     gathers and reduce-scatter, over each group of `shards` ((parameters of the chunk, ranks, stride,
     ZeRO++)), hidden behind the chunk's compute when overlap_comm (never in two levels: synchronous).
-    hpZ: of the m micro-batches' forward gathers only the first goes over dp (averaged over them)."""
+    hpZ: of the m micro-batches' forward gathers only the first goes over dp (averaged over them).
+    `units`: the chunk's layers, ZeRO-3's gathering units: one all-gather each per forward and backward."""
     z, m = layout.zero, layout.num_microbatches
     psi_chunk = sum(sh[0] for sh in shards)
     if z < 2 or all(sh[1] == 1 for sh in shards):
         return 0.0, 0.0
-    rs = sum(_reduce_scatter(layout, mc, impl, *sh) for sh in shards)
+    rs = sum(_reduce_scatter(layout, mc, impl, *sh, units) for sh in shards)
     overlaps = layout.overlaps and not any(mc.two_level(st, n) for _, n, st, _ in shards)
     reduce_frac = layout.reduce_bucket_size / max(psi_chunk, 1.0)
     if z == 2:
         return 0.0, _hidden(rs, b_time, reduce_frac) if overlaps else rs
     ag_f = ag_b = 0.0
     for sh in shards:
-        first, later = _stage3_gathers(layout, mc, *sh)
+        first, later = _stage3_gathers(layout, mc, *sh, units)
         ag_f += (first + (m - 1) * later) / m
         ag_b += later
     if layout.offload_param:  # the shard comes from host memory first
@@ -153,7 +159,8 @@ def _reduce_and_step(layout, mc: Machine, impl, shards, tied: float, last_backwa
         onebit = sum(_onebit_average(layout, mc, p, n, st) for p, n, st, _ in shards)
     elif z <= 1:
         kind = "all_reduce" if z == 0 else "reduce_scatter"
-        total = sum(mc.dp_collective(kind, p * impl.grad_bytes, n, st) for p, n, st, _ in shards)
+        total = sum(mc.dp_collective(kind, p * impl.grad_bytes, n, st, math.ceil(p / layout.reduce_bucket_size))
+                    for p, n, st, _ in shards)
         overlaps = layout.overlaps and not any(mc.two_level(st, n) for _, n, st, _ in shards)
         reduce = _hidden(total, last_backward, layout.reduce_bucket_size / max(psi, 1.0)) if overlaps else total
     if tied and layout.pp > 1:  # embedding and head copies (their dp shards at stages 1-3), first and last
@@ -164,7 +171,8 @@ def _reduce_and_step(layout, mc: Machine, impl, shards, tied: float, last_backwa
         adam = shard * 28 / (mc.eff.host_gbs * 1e9) + shard * 6 / (mc.eff.pcie_gbs * 1e9)
     else:
         adam = mc.mem(shard * (34 if mc.act == 2 else 32), kernels=4)
-    gather = sum(mc.dp_collective("all_gather", p * mc.act, n, st) for p, n, st, _ in shards) if z in (1, 2) else 0.0
+    gather = sum(mc.dp_collective("all_gather", p * mc.act, n, st, math.ceil(p / layout.allgather_bucket_size))
+                 for p, n, st, _ in shards) if z in (1, 2) else 0.0
     return {"dp_comm": reduce}, {"optimizer": adam, "dp_comm": gather + onebit}
 
 
@@ -226,6 +234,7 @@ class StageCosts:
         emb_f, emb_b, head_f, head_b, head_w = embedding_head_cost(spec, layout, mc)
         blocks = blocks_per_chunk(spec, layout)  # [stage][chunk], the trainer's partition
         shares = chunk_shares(spec, layout)
+        layer_kinds_of = pipeline_layers(spec, layout)  # [stage][chunk] -> its layers (ZeRO-3 units)
         stages = _stage_params(spec, layout, blk.params, facts, [sum(b) for b in blocks])
         last = p * v - 1
         self.parts: dict = {}
@@ -243,9 +252,9 @@ class StageCosts:
                          emb_b if vs == 0 else {}, head_b if vs == last else {})
                 w = add_parts(scale_parts(blk.wgrad, per_chunk), head_w if vs == last else {})
                 chunk_shards = [(x * share, *rest) for share, (x, *rest) in zip(shares[s][c], shards)]
-                dp_f, dp_b = _dp_per_microbatch(layout, mc, impl, chunk_shards,
-                                                sum(f.values()),
-                                                sum(b.values()) + sum(w.values()))
+                units = len(layer_kinds_of[s][c])
+                dp_f, dp_b = _dp_per_microbatch(layout, mc, impl, chunk_shards, sum(f.values()),
+                                                sum(b.values()) + sum(w.values()), units)
                 f = add_parts(f, {"dp_comm": dp_f})
                 if split:
                     w = add_parts(w, {"dp_comm": dp_b})
