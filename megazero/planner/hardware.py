@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megazero.core.suggest import did_you_mean
 from megazero.planner.layout import PlanError
+from megazero.planner.machine import Efficiency
 
 GIB = 2 ** 30
 
@@ -23,7 +24,8 @@ GIB = 2 ** 30
 class Hardware:
     """name; peak_tflops: dense bf16/fp16 tensor-core TFLOP/s; hbm_gib: device memory; hbm_bandwidth_tbs;
     gpus_per_node; nvlink_gbs: GB/s per GPU per direction inside a node; internode_gbs: GB/s per
-    GPU per direction between nodes."""
+    GPU per direction between nodes; efficiency: (field, value) pairs of `machine.Efficiency` this machine
+    was measured to have (``plan.py --calibrate`` writes them; a preset has none: the fitted defaults)."""
 
     name: str
     peak_tflops: float
@@ -32,13 +34,19 @@ class Hardware:
     gpus_per_node: int
     nvlink_gbs: float
     internode_gbs: float
+    efficiency: tuple = ()
 
     @property
     def hbm_bytes(self) -> float:
         return self.hbm_gib * GIB
 
+    def tuned(self, efficiency):
+        """`efficiency` (an `Efficiency`) with this machine's measured fields in place of its own."""
+        return efficiency.replace(**dict(self.efficiency)) if self.efficiency else efficiency
 
-FIELDS = [f.name for f in dataclasses.fields(Hardware)]
+
+FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name != "efficiency"]
+EFFICIENCY_FIELDS = [f.name for f in dataclasses.fields(Efficiency)]
 
 
 def presets(directory: str) -> dict[str, str]:
@@ -63,7 +71,7 @@ def load_hardware(name: str, directory: str) -> Hardware:
         raise PlanError(f"--hardware {path}: cannot read it as YAML ({exc})") from None
     if not isinstance(raw, dict):
         raise PlanError(f"--hardware {path}: expected a mapping of {', '.join(FIELDS)}")
-    unknown = [k for k in raw if k not in FIELDS]
+    unknown = [k for k in raw if k not in FIELDS and k != "efficiency"]
     missing = [k for k in FIELDS if k not in raw]
     if unknown or missing:
         parts = ([f"unknown field(s) {', '.join(unknown)}{did_you_mean(unknown[0], FIELDS)}"] if unknown else []) + \
@@ -75,4 +83,13 @@ def load_hardware(name: str, directory: str) -> Hardware:
             raise PlanError(f"--hardware {path}: {k}={v!r} must be a positive number")
     if not isinstance(raw["gpus_per_node"], int):
         raise PlanError(f"--hardware {path}: gpus_per_node={raw['gpus_per_node']!r} must be an integer")
-    return Hardware(**{k: raw[k] for k in FIELDS})
+    tuned = raw.get("efficiency") or {}
+    if not isinstance(tuned, dict):
+        raise PlanError(f"--hardware {path}: efficiency must be a mapping of {', '.join(EFFICIENCY_FIELDS)}")
+    for k, v in tuned.items():
+        if k not in EFFICIENCY_FIELDS:
+            raise PlanError(f"--hardware {path}: efficiency.{k} is not a field{did_you_mean(k, EFFICIENCY_FIELDS)}; "
+                            f"fields: {', '.join(EFFICIENCY_FIELDS)}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise PlanError(f"--hardware {path}: efficiency.{k}={v!r} must be a number >= 0")
+    return Hardware(**{k: raw[k] for k in FIELDS}, efficiency=tuple(sorted(tuned.items())))

@@ -92,6 +92,7 @@ class Machine:
     """The hardware as seen by the model: effective rates in bytes/s and FLOP/s."""
 
     def __init__(self, hw, eff: Efficiency, layout):
+        eff = hw.tuned(eff) if hasattr(hw, "tuned") else eff  # a calibrated machine's measured fractions
         self.hw, self.eff = hw, eff
         self.peak = hw.peak_tflops * 1e12 * (0.5 if layout.precision == "fp32" else 1.0)  # fp32: TF32 rate
         self.hbm = hw.hbm_bandwidth_tbs * 1e12 * eff.hbm

@@ -10,12 +10,16 @@ SPEC is a spec file and flavor (``model_specs/gpt.py:gpt3-175b``) or, for the fi
 just ``gpt:gpt3-175b``; key=value pairs override spec fields (a generic GPT or Llama:
 ``gpt:debug layers=96 hidden=12288 heads=96 vocab=51200 seq_len=2048``). Exit status: 0, 1 when the
 layout does not fit (or nothing fits), 2 for bad input (one line on stderr naming the argument).
+
+``python tools/plan.py --calibrate OUT.yaml [--ranks N]`` measures this machine instead (GEMMs, memory
+bandwidth, collectives over N ranks; `megazero.run.calibrate`) and writes the hardware file to plan with.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
 import sys
 from functools import lru_cache
 
@@ -267,7 +271,36 @@ def search(planner: Planner, args, fixed: dict) -> tuple[list[dict], list[tuple[
     return fits, rejected, len(fitting)
 
 
+def calibrate_main(argv) -> int:
+    """``plan.py --calibrate OUT.yaml [--ranks N] [--repeats R]``: measure this machine (megazero.run.calibrate)."""
+    p = argparse.ArgumentParser(prog="python tools/plan.py --calibrate",
+                                description="measure this machine and write the hardware file to plan with")
+    p.add_argument("--calibrate", required=True, metavar="OUT.yaml", help="the hardware file to write")
+    p.add_argument("--ranks", type=int, default=8, help="ranks the runs you plan put on this machine (default 8)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats of each measurement (default 5)")
+    p.add_argument("--name", default=None, help="the machine's name in the file")
+    args = p.parse_args(argv)
+    if args.ranks < 1 or args.repeats < 1:
+        print(f"error: --ranks and --repeats must be >= 1, got {args.ranks} and {args.repeats}", file=sys.stderr)
+        return 2
+    from megazero.run import calibrate
+
+    results = calibrate.measure(args.ranks, args.repeats)
+    name = args.name or f"{platform.processor() or platform.machine()} x {args.ranks} ranks (calibrated)"
+    content = calibrate.hardware_file(results, name)
+    calibrate.write(args.calibrate, content, args.ranks)
+    eff = content["efficiency"]
+    print(f"wrote {args.calibrate}: peak_tflops {content['peak_tflops']:.3f} (16-bit; fp32 at half), gemm_max "
+          f"{eff['gemm_max']}, gemm_k_half {eff['gemm_k_half']}; memory {content['hbm_bandwidth_tbs'] * 1e3:.1f} GB/s; "
+          f"collectives {content['nvlink_gbs']:.2f} GB/s bus, {eff['ring_base_us']:.0f} us + {eff['nvlink_hop_us']:.0f} us "
+          f"per step; p2p {eff['collective_us']:.0f} us")
+    return 0
+
+
 def main(argv=None, hardware_dir: str = "configs/hardware", spec_dir: str = "model_specs") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--calibrate" or a.startswith("--calibrate=") for a in argv):
+        return calibrate_main(argv)
     args = parser().parse_args(argv)
     try:
         if args.gpus < 1 or args.global_batch < 1:

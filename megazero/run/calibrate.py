@@ -1,0 +1,219 @@
+"""``python tools/plan.py --calibrate OUT.yaml [--ranks N]``: measure the machine at hand and write the hardware
+file the planner then plans with (``--hardware OUT.yaml``).
+
+The probe runs N ranks at once on this machine (as a run of N ranks would: on a CPU with fewer cores than
+ranks they share them, and each measures what it gets), each with max(1, cores // N) torch threads, and
+measures, as the planner's `Machine` models them:
+
+* GEMMs of (m x k)·(k x n) over a sweep of k and of sizes, in the training dtype (fp32 on a CPU, bf16 on a
+  GPU): the fastest rate is the peak, and `gemm_max`, `gemm_k_half` are fitted to the others (least squares
+  on the rate, e(k) = gemm_max·k / (k + gemm_k_half), the curve speed.py times every GEMM on);
+* a memory-bound pass (a copy of 64 MiB): the elementwise bandwidth, and the launch cost of a tiny op
+  (`kernel_us`);
+* all_reduce, reduce_scatter and all_gather over the N ranks at several sizes, and N / 2, N / 4 ranks: the
+  bus bandwidth (`nvlink_gbs`: all ranks of this machine are one node) and the latency model
+  `ring_base_us + steps · nvlink_hop_us` fitted over the group sizes; a send/receive's latency
+  (`collective_us`, what p2p and all-to-all pay).
+
+The file holds the `Hardware` fields and an ``efficiency`` section of `Efficiency` fields; the bandwidth
+fractions are 1 (the figures are measured, not datasheet values). On a GPU node the same command measures the
+GPU and NCCL.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+GEMM_SHAPES = [(1024, 1024, k) for k in (32, 64, 128, 256, 512, 1024, 2048)] + [(n, n, n) for n in (256, 512)]
+"""(m, n, k) of the GEMM sweep: k from a head dim to a wide MLP, and two smaller squares."""
+COLLECTIVE_BYTES = (16 << 10, 1 << 20, 8 << 20)
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def _median_seconds(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> dict:
+    """{"gemm": [(m, n, k, FLOP/s)], "copy_bytes_per_s", "kernel_s"} measured on this rank."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gemm = []
+    for m, n, k in GEMM_SHAPES:
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        seconds = _median_seconds(lambda: torch.mm(a, b), repeats, sync)
+        gemm.append((m, n, k, 2.0 * m * n * k / seconds))
+    x = torch.empty(16 << 20, device=device, dtype=torch.float32)  # 64 MiB
+    y = torch.empty_like(x)
+    copy = _median_seconds(lambda: y.copy_(x), repeats, sync)
+    tiny = torch.zeros(1, device=device)
+    kernel = _median_seconds(lambda: tiny.add_(1.0), repeats * 20, sync)
+    return {"gemm": gemm, "copy_bytes_per_s": 2 * x.numel() * 4 / copy, "kernel_s": kernel}
+
+
+def fit_gemm(rates: list[tuple[int, int, int, float]]) -> tuple[float, float, float]:
+    """(peak FLOP/s, gemm_max, gemm_k_half): the peak is the fastest rate measured, and the curve
+    rate = peak·gemm_max·k / (k + gemm_k_half) is fitted to the rates by least squares (a grid over
+    gemm_k_half, gemm_max then in closed form)."""
+    peak = max(r for *_, r in rates)
+    best = None
+    for k_half in [x * 0.5 for x in range(0, 4001)]:  # 0 .. 2000
+        basis = [k / (k + k_half) for _, _, k, _ in rates]
+        target = [r / peak for *_, r in rates]
+        g = sum(b * t for b, t in zip(basis, target)) / sum(b * b for b in basis)
+        err = sum((g * b - t) ** 2 for b, t in zip(basis, target))
+        if best is None or err < best[0]:
+            best = (err, g, k_half)
+    return peak, best[1], best[2]
+
+
+def fit_latency(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(base, per step) seconds from (ring steps, latency) points, least squares (both >= 0)."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
+    slope = max(0.0, slope)
+    return max(0.0, mean_y - slope * mean_x), slope
+
+
+def _collective(kind: str, numel: int, group, size: int, device: torch.device):
+    if kind == "all_reduce":
+        t = torch.ones(numel, device=device)
+        return lambda: dist.all_reduce(t, group=group)
+    out = torch.empty(numel // size * size, device=device)
+    shard = torch.empty(numel // size, device=device)
+    if kind == "reduce_scatter":  # torch's current names, as megazero.runtime.comm calls them
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: fn(shard, out, group=group)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return lambda: fn(out, shard, group=group)
+
+
+def _rank_probe(rank: int, world: int, port: int, queue, repeats: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    gpu = torch.cuda.is_available()  # a GPU node: the GPU in bf16 and NCCL; else the CPU in fp32 and gloo
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    try:
+        compute = probe_compute(device, torch.bfloat16 if gpu else torch.float32, repeats)
+        sizes = sorted({s for s in (world, world // 2, world // 4) if s >= 2})
+        groups = {s: dist.new_group(list(range(s))) for s in sizes}
+        comm = {}
+        for kind in KINDS:
+            for size in sizes:
+                for nbytes in COLLECTIVE_BYTES:
+                    numel = nbytes // 4
+                    if rank < size:
+                        seconds = _median_seconds(_collective(kind, numel, groups[size], size, device), repeats, sync)
+                        comm[(kind, size, nbytes)] = seconds
+                    dist.barrier()
+        p2p = None
+        if world >= 2:
+            t = torch.ones(256, device=device)
+            def pingpong():
+                if rank == 0:
+                    dist.send(t, 1)
+                    dist.recv(t, 1)
+                elif rank == 1:
+                    dist.recv(t, 0)
+                    dist.send(t, 0)
+            if rank < 2:
+                p2p = _median_seconds(pingpong, repeats * 4, sync) / 2
+            dist.barrier()
+        queue.put((rank, compute, comm, p2p, gpu))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(world: int, repeats: int = 5, timeout: float = 600.0) -> list:
+    """Run the probe on `world` ranks of this machine (gloo, or NCCL on GPUs); [(rank, compute, comm, p2p, on a
+    GPU)] in rank order."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_probe, args=(r, world, port, queue, repeats)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=timeout) for _ in procs]
+    for p in procs:
+        p.join(timeout)
+    return sorted(results, key=lambda r: r[0])
+
+
+def hardware_file(results: list, name: str) -> dict:
+    """The hardware file's content (`Hardware` fields and an ``efficiency`` section) from `measure`'s results:
+    the median over the ranks of each figure."""
+    world = len(results)
+    rates = [(m, n, k, statistics.median(r[1]["gemm"][i][3] for r in results))
+             for i, (m, n, k, _) in enumerate(results[0][1]["gemm"])]
+    peak, gemm_max, k_half = fit_gemm(rates)
+    copy = statistics.median(r[1]["copy_bytes_per_s"] for r in results)
+    kernel = statistics.median(r[1]["kernel_s"] for r in results)
+    comm = results[0][2]
+    big = max(COLLECTIVE_BYTES)
+    busbw, latency = [], []
+    for (kind, size, nbytes), seconds in comm.items():
+        factor = 2.0 if kind == "all_reduce" else 1.0
+        steps = factor * (size - 1)
+        if nbytes == big:
+            small = comm[(kind, size, min(COLLECTIVE_BYTES))]
+            bus = factor * (size - 1) / size * (nbytes - min(COLLECTIVE_BYTES)) / max(seconds - small, 1e-9)
+            busbw.append(bus)
+        if nbytes == min(COLLECTIVE_BYTES):
+            latency.append((steps, seconds))
+    base, hop = fit_latency(latency) if latency else (0.0, 0.0)
+    p2p = next((r[3] for r in results if r[3] is not None), 0.0)
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / world
+    bus = statistics.median(busbw) if busbw else copy
+    gpu = results[0][4]
+    return {"name": name, "peak_tflops": (1 if gpu else 2) * peak / 1e12,  # fp32 GEMMs run at half the peak
+            "hbm_gib": round(mem_gib, 2), "hbm_bandwidth_tbs": copy / 1e12, "gpus_per_node": world,
+            "nvlink_gbs": bus / 1e9, "internode_gbs": bus / 1e9,
+            "efficiency": {"gemm_max": round(gemm_max, 4), "gemm_k_half": round(k_half, 1), "hbm": 1.0,
+                           "nvlink": 1.0, "internode": 1.0, "kernel_us": kernel * 1e6,
+                           "collective_us": p2p * 1e6, "ring_base_us": base * 1e6, "nvlink_hop_us": hop * 1e6,
+                           "net_hop_us": hop * 1e6, "host_gbs": copy / 1e9, "pcie_gbs": copy / 1e9}}
+
+
+def write(path: str, content: dict, measured_ranks: int) -> None:
+    """Write `content` as the YAML hardware file at `path`."""
+    lines = [f"# measured by python tools/plan.py --calibrate on {measured_ranks} ranks of this machine "
+             f"({time.strftime('%Y-%m-%d')}); plan with --hardware {path}"]
+    for key, value in content.items():
+        if isinstance(value, dict):
+            lines.append(f"{key}:")
+            lines += [f"  {k}: {_num(v)}" for k, v in value.items()]
+        else:
+            lines.append(f"{key}: {value if isinstance(value, str) and key != 'name' else _num(value)}"
+                         if key != "name" else f"name: {value!r}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _num(v) -> str:
+    return str(v) if isinstance(v, int) else f"{v:.6g}" if math.isfinite(v) else "0"
