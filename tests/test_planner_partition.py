@@ -136,3 +136,14 @@ def test_more_parts_than_layers_is_the_trainers_message():
     spec = load_spec(SPECS + "gpt.py:debug")  # 2 blocks: 4 pipeline layers
     errs = Layout(pp=2, dp=1, global_batch=4, schedule="interleaved", chunks=3).problems(spec)
     assert any("cannot split 4 layers into num_stages=2 x chunks=3" in e for e in errs), errs
+
+
+def test_search_tries_megatrons_even_split_where_the_blocks_divide():
+    from megazero.planner.search import _partitions
+
+    gpt = load_spec(SPECS + "gpt.py:debug", {"layers": 96, "hidden": 1024, "heads": 16, "vocab": 50000})
+    assert (12,) * 8 in _partitions(gpt, 8, 1, {})  # 96 blocks over 8 stages (flops: fewer on the last, the head
+    # costs 4 blocks here); where two splits are the same (a small vocabulary: flops is even) one is kept
+    assert _partitions(gpt.replace(vocab=512), 8, 1, {}) == ["uniform", "flops"]
+    assert _partitions(gpt, 8, 1, {"partition": "flops"}) == ["flops"]
+    assert not any(isinstance(p, tuple) for p in _partitions(gpt.replace(layers=70), 12, 1, {}))  # 70 / 12

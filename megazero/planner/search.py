@@ -8,7 +8,8 @@ dp rank; ZeRO 1-3 (ZeRO-0 moves the same bytes as ZeRO-1 and holds more; one sta
 nothing to shard); recompute none / selective / full; the schedules 1F1B, ZB-H1 and interleaved with
 2, 3, 4, 6 or 8 chunks where the layers fill them (GPipe has 1F1B's bubble and holds every
 micro-batch's activations); when pp > 1 the partitions uniform, flops and parameters (the trainer's
-methods; flops and parameters give the stages holding the embedding and the head fewer blocks);
+methods; flops and parameters give the stages holding the embedding and the head fewer blocks) and,
+where the blocks divide, equal blocks per stage (Megatron's split, as a count list);
 sequence parallelism whenever tp > 1 (it only saves memory and replaces each all-reduce by a
 reduce-scatter plus an all-gather of the same volume), except for a Mixture-of-Experts model, which
 the runtime runs without it; for an MoE model every ep that divides dp and the experts (fewer experts
@@ -111,14 +112,17 @@ def _schedules(spec, pp: int, fixed: dict):
 
 
 def _partitions(spec, pp: int, chunks: int, fixed: dict) -> list:
-    """The partitions to try: the fixed one, else those of `PARTITIONS` that split the layers differently
-    (the first of equal splits kept; none when the layers cannot fill pp x chunks parts)."""
+    """The partitions to try: the fixed one, else those of `PARTITIONS` and, when the blocks divide, equal
+    blocks per virtual stage (Megatron's split: the embedding and the head join the end stages) that split the
+    layers differently (the first of equal splits kept; none when the layers cannot fill pp x chunks parts)."""
     if "partition" in fixed:
         return [fixed["partition"]]
     if pp == 1:
         return ["uniform"]
     seen, out = set(), []
-    for part in PARTITIONS:
+    parts = pp * chunks
+    even = [(spec.layers // parts,) * parts] if spec.layers % parts == 0 else []  # Megatron's: equal blocks
+    for part in list(PARTITIONS) + even:
         try:
             bounds = partition_bounds(spec, Layout(pp=pp, chunks=chunks, partition=part))
         except ValueError:
