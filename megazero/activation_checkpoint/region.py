@@ -186,19 +186,27 @@ class Frame:
             self.stats.synchronize(device)
         start = self.stats.now(device)
         inputs = self.store.load(self.stored)
-        kept: list[torch.Tensor] = []
+        sink: list[torch.Tensor] = []
 
         def keep(t: torch.Tensor) -> int:
-            # leaves and views of leaves (parameters, a transposed weight) stay as saved, as autograd would
-            # keep them; the rest are detached so the recompute graph is not kept alive
+            # Leaves (parameters, the restored inputs) and views of leaves that require grad (a transposed
+            # weight) stay as saved, as autograd would keep them: their graph is view nodes down to an
+            # AccumulateGrad, nothing the recompute saved. Everything else is detached so the recompute graph
+            # is not kept alive. The base must require grad: an output of a custom autograd Function can be a
+            # view of a plain tensor made inside its forward (F.linear's 3-D result is a view of its 2-D GEMM
+            # output), which has no grad_fn either, yet the view's grad_fn is the Function's node.
             base = t._base
-            own = t.grad_fn is None or (base is not None and base.grad_fn is None)
-            kept.append(t if own else t.detach())
-            return len(kept) - 1
+            own = t.grad_fn is None or (base is not None and base.grad_fn is None and base.requires_grad)
+            sink.append(t if own else t.detach())
+            return len(sink) - 1
 
         with (self.rng.replay(), torch.enable_grad(), saved_tensors_hooks(keep, _never_unpacked),
               self.log.active(self, replaying=True)):
             self.replay(*inputs)
+        # The recompute graph's saved variables hold `keep` (autograd keeps a saved variable's hooks), so a
+        # graph still reachable from a kept tensor would close a cycle through C++ autograd nodes, which
+        # Python's gc cannot collect: hand the tensors over and leave the closure's list empty.
+        kept, sink[:] = list(sink), []
         if len(kept) != self.count:
             raise RuntimeError(f"checkpoint {self.name}: the recompute saved {len(kept)} tensors for backward, "
                                f"the forward saved {self.count}; the region must run the same operations "

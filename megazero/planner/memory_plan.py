@@ -65,7 +65,7 @@ margin for planning (``expandable_segments:True`` lowers it), never used against
 MAX_INFLIGHT = 2
 """`megazero.zero.flat_group.FlatGroup.MAX_INFLIGHT`: asynchronous gradient reductions alive at once."""
 
-CATEGORIES = ("params", "grads", "master", "optimizer_states", "comm_buffers", "activations",
+CATEGORIES = ("params", "grads", "master", "optimizer_states", "comm_buffers", "grad_buckets", "activations",
               "activations_host", "checkpoint_buffer")
 GB = 1e9
 
@@ -165,38 +165,43 @@ def group_memory(g: _Group, w: int, accelerator: bool) -> tuple[dict[str, int], 
     return mem, host
 
 
-def comm_bucket_peak(g: _Group, overlap: bool) -> int:
-    """Bytes of gradient buckets alive at once in a group's backward, at their peak: stages 2-3 fill an
-    fp32 bucket and reduce-scatter it into a temporary shard (synchronously: both alive; with overlap_comm
-    up to MAX_INFLIGHT reductions in flight plus the next bucket filling); stage 1's reduce-scatter of
-    the full buffer writes temporary shards; stage 0 all-reduces in place."""
-    big = max((b.numel for b in g.layout.buckets), default=0)
-    tmp = big // g.layout.dp_size * 4
+def bucket_pool(g: _Group, overlap: bool, accelerator: bool) -> int:
+    """Bytes of a group's gradient bucket slots (stages 2-3, `flat_group.SlotPool`: made in the first
+    micro-batch, kept for the run; memory_report's ``grad_buckets``): a slot is taken by a bucket's first
+    gradient and given back at its reduction's launch on a CPU (gloo copies its input) or, on an
+    accelerator, at its end, so overlap_comm keeps MAX_INFLIGHT more of the largest; a free slot serves
+    only a bucket of its own size: one slot per bucket size."""
+    if g.stage <= 1:
+        return 0
+    sizes = {b.numel for b in g.layout.buckets}
+    extra = MAX_INFLIGHT * max(sizes, default=0) if overlap and accelerator else 0
+    return (sum(sizes) + extra) * 4
+
+
+def largest_slot(spec, layout, stage: int, persistence_threshold: int = 100_000) -> int:
+    """fp32 bytes of the largest gradient bucket of pipeline stage `stage`: what ``grad_buckets`` can be off
+    by (`bucket_pool` predicts one slot per bucket size; the runtime keeps a slot more where zero bubble's
+    deferred W holds two micro-batches' buckets open, or fewer where a bucket size never opens alone)."""
+    chunks = pipeline_layers(spec, layout)[stage]
+    return 4 * max((b.numel for g in flat_groups(spec, layout, chunks, persistence_threshold)
+                    for b in g.layout.buckets), default=0)
+
+
+def reduce_outputs(g: _Group, overlap: bool) -> int:
+    """Bytes a group's gradient reduction allocates while it runs (on top of the bucket slots): stages
+    1-3 reduce-scatter each fp32 bucket into a temporary shard of 1/dp of it (MAX_INFLIGHT of them in
+    flight with overlap_comm); stage 0 all-reduces in place."""
     if g.stage == 0:
         return 0
-    if g.stage == 1:
-        return tmp * (MAX_INFLIGHT if overlap else 1)
-    if overlap:
-        return MAX_INFLIGHT * (big * 4 + tmp) + big * 4
-    return big * 4 + tmp
+    big = max((b.numel for b in g.layout.buckets), default=0)
+    return big // g.layout.dp_size * 4 * (min(MAX_INFLIGHT, len(g.layout.buckets)) if overlap else 1)
 
 
-def gathered_peak(g: _Group, prefetch: int, w: int) -> int:
-    """ZeRO-3: bytes of gathered buckets alive at once (megazero/zero/stage3.py): the unit running and
-    the following (forward) or preceding (backward) buckets its prefetch launched, at most `prefetch`
-    elements of them; each bucket holds its full padded size while gathered."""
-    sizes = [b.numel for b in g.layout.buckets]  # reverse forward order: one bucket per unit at the default size
-    best = 0
-    for order in (sizes[::-1], sizes):
-        for i, n in enumerate(order):
-            budget, ahead = prefetch, 0
-            for m in order[i + 1:]:
-                if budget < m:
-                    break
-                budget -= m
-                ahead += m
-            best = max(best, n + ahead)
-    return best * w
+def gathered_edge(g: _Group, w: int) -> int:
+    """ZeRO-3: bytes gathered when a chunk's backward starts, with its activations all alive: the last
+    unit's bucket (the first in backward order; a unit releases its parameters after its forward, so
+    none are gathered while the loss runs)."""
+    return (g.layout.buckets[0].numel if g.layout.buckets else 0) * w
 
 
 @dataclass(frozen=True)
@@ -318,22 +323,27 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
         groups = flat_groups(spec, layout, chunks, param_persistence_threshold)
         breakdown = dict.fromkeys(CATEGORIES, 0)
         host: dict[str, int] = {}
-        transient = {"grad_buckets": 0, "gathered_params": 0}
+        transient = {}
+        gathered = reduced = reduced_at_end = 0
         for g in groups:
             mem, off = group_memory(g, w, accelerator)
             for k, v in mem.items():
                 breakdown[k] += v
             for k, v in off.items():
                 host[k] = host.get(k, 0) + v
-            transient["grad_buckets"] += comm_bucket_peak(g, layout.overlaps)
+            breakdown["grad_buckets"] += bucket_pool(g, layout.overlaps, accelerator)
+            if g.stage >= 2:
+                reduced += reduce_outputs(g, layout.overlaps)
+            else:
+                reduced_at_end += reduce_outputs(g, layout.overlaps)
             if g.shard_params:
-                transient["gathered_params"] += gathered_peak(g, layout.prefetch_bucket_size, w)
+                gathered += gathered_edge(g, w)
         states, more = option_memory(groups, layout, w)  # 1-bit Adam, ZeRO++ (comm_memory.py)
         breakdown["optimizer_states"] += states
         transient.update(more)
         ledger = activation_chunks(spec, layout, chunks, device, counts)
         pool = checkpoint_pool(spec, layout, chunks, in_flight_peaks(programs[s])[0])
-        peaks = walk_program(programs[s], ledger, pool, layout.cpu_checkpointing)
+        peaks = walk_program(programs[s], ledger, pool, layout.cpu_checkpointing, gathered, reduced, reduced_at_end)
         breakdown["activations"] = peaks.metered
         breakdown["activations_host"] = peaks.host
         breakdown["checkpoint_buffer"] = pool  # also inside activations (or activations_host), as measured
@@ -343,6 +353,7 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
             host["checkpoint_buffer"] = pool
         transient["logits"] = peaks.with_logits - peaks.metered
         transient["wgrad_pending"] = peaks.real - peaks.with_logits
+        transient["zero_buffers"] = peaks.live - peaks.real  # gathered parameters, reduce-scatter outputs
         twice = 0 if layout.cpu_checkpointing else pool  # the device buffer is in two categories
         st = StageMemory(s, breakdown, host, transient, 0, twice)
         out.append(StageMemory(s, breakdown, host, transient, round(st.device_bytes * fragmentation), twice))

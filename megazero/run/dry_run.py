@@ -36,15 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from megazero.run.memory import LiveTensorBytes
 from megazero.runtime.order_check import COMM_FILES, call_site
 
 _COMM_FILES = COMM_FILES + ("run/dry_run.py",)  # call sites are the first frame outside these
@@ -56,59 +54,21 @@ class DryRunError(RuntimeError):
     """The dry run found what NCCL would hang on or reject."""
 
 
-class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of every storage an operator creates while active, each once (views share
-    it), until the last tensor on it is gone (`torch.multiprocessing.reductions.StorageWeakRef`);
-    `peak` is the most alive at once. Answers host reads of meta tensors with `STAND_IN`."""
+class LiveBytes(LiveTensorBytes):
+    """`LiveTensorBytes` on the meta device: counts every storage an operator creates while active (the
+    dry run builds the model under it, so parameters and optimizer states are among them) and answers host
+    reads of meta tensors with `STAND_IN`."""
 
     def __init__(self):
-        super().__init__()
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        self._weak = StorageWeakRef
-        self.live: dict[int, tuple[object, int]] = {}  # storage address -> (weak ref, bytes)
-        self.total = 0
-        self.peak = 0
-        self._since_sweep = 0
+        super().__init__(seed=False)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
             t = args[0]
             if t.is_floating_point():
                 return STAND_IN["float"]
             return STAND_IN["bool"] if t.dtype == torch.bool else STAND_IN["int"]
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
-
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key = storage._cdata
-        held = self.live.get(key)
-        if held is not None and not held[0].expired():
-            return
-        if held is not None:  # a freed storage's address reused
-            self.total -= held[1]
-        nbytes = storage.nbytes()
-        self.live[key] = (self._weak(storage), nbytes)
-        self.total += nbytes
-        self._since_sweep += 1
-        if self.total > self.peak or self._since_sweep > 2000:
-            self.sweep()
-            self.peak = max(self.peak, self.total)
-
-    def sweep(self) -> None:
-        """Forget storages whose last tensor is gone."""
-        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
-        for k in dead:
-            self.total -= self.live.pop(k)[1]
-        self._since_sweep = 0
-
-    def current(self) -> int:
-        self.sweep()
-        return self.total
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 class FusedAttention(TorchFunctionMode):

@@ -32,11 +32,15 @@ storage. Backward code must not identify parameters by their unpacked saved tens
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from megazero.activation_checkpoint import HOST_TAG, CheckpointedBlock
 from megazero.models import CausalLM, EmbeddingLayer, HeadLayer, TransformerBlock
@@ -225,3 +229,68 @@ def memory_report(optimizer=None, meter: SavedActivationMeter | None = None, che
     if pool is not None:
         out["checkpoint_buffer"] = pool.nbytes
     return out
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The peak bytes of tensor storages alive at once while active: the CPU's ``max_memory_allocated``
+    (on a CPU torch keeps no such count), what the planner's memory prediction is measured against.
+
+    With `seed` (the default) it starts from every storage alive on entry (each tensor object Python holds,
+    and its ``.grad``: parameters, gradients, optimizer states, flat buffers, kept activations); while
+    active it adds every storage an operator creates (forward, backward and the optimizer alike: CPU
+    backward runs on the calling thread), each once (views share it), until the last tensor on it is gone
+    (`StorageWeakRef`). Not counted: memory outside torch tensors (gloo's own buffers, the allocator's
+    rounding). `peak` is the most alive at once, `current()` what is alive now."""
+
+    def __init__(self, seed: bool = True):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage address -> (weak ref, bytes)
+        self.total = 0
+        self.peak = 0
+        self._since_sweep = 0
+        self._seed = seed
+
+    def __enter__(self):
+        if self._seed:
+            gc.collect()  # tensors in unreachable cycles are not alive
+            for obj in gc.get_objects():
+                if issubclass(type(obj), torch.Tensor):  # (not isinstance: some objects warn on __class__)
+                    for t in (obj, obj.grad if obj.is_leaf else None):
+                        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                            self._track(t)
+            self.peak = self.total
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        held = self.live.get(key)
+        if held is not None and not held[0].expired():
+            return
+        if held is not None:  # a freed storage's address reused
+            self.total -= held[1]
+        nbytes = storage.nbytes()
+        self.live[key] = (StorageWeakRef(storage), nbytes)
+        self.total += nbytes
+        self._since_sweep += 1
+        if self.total > self.peak or self._since_sweep > 2000:
+            self.sweep()
+            self.peak = max(self.peak, self.total)
+
+    def sweep(self) -> None:
+        """Forget storages whose last tensor is gone."""
+        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        for k in dead:
+            self.total -= self.live.pop(k)[1]
+        self._since_sweep = 0
+
+    def current(self) -> int:
+        self.sweep()
+        return self.total
