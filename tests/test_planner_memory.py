@@ -250,3 +250,22 @@ def test_facts_that_disagree_with_the_planners_layers_are_an_error():
     lay = Layout(pp=2, micro_batch=1, global_batch=2)
     with pytest.raises(PlanError, match="stage 0: the model facts count 5 parameters in 2 blocks"):
         predict_memory(spec, lay, ModelFacts(10, (StageFacts(0, 2, 5), StageFacts(1, 2, 5))))
+
+
+def test_live_tensor_bytes_counts_every_storage_alive_at_the_peak():
+    """`LiveTensorBytes` (what benchmarks/planner_cpu.py measures the planner's peak against): the storages
+    alive on entry (found through gc), each operator output once (a view shares its storage), freed ones gone."""
+    import torch
+
+    from megazero.run.memory import LiveTensorBytes
+
+    before = torch.zeros(1000)
+    with LiveTensorBytes() as live:
+        start = live.total
+        a = torch.ones(2000)
+        b = (a * 2).view(40, 50)
+        del a, b
+        c = torch.ones(100)
+        assert live.current() - start == 400
+    assert live.peak - start == 16000 and start >= before.numel() * 4
+    del c

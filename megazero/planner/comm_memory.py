@@ -15,11 +15,11 @@
   padded to S' whole 256-element blocks, scales 4 bytes per block). qwZ, one gather
   (`zeropp.quantized_all_gather`): the int8 shard and gathered bucket with their scales,
   (n+1)·(S' + 4S'/256), then at its wait the n dequantized fp32 parts and their stack, 4n·S' + 4n·S
-  (on top of the gathered bucket in ``gathered_params``). Each further gather that prefetch keeps in
+  (on top of the gathered bucket). Each further gather that prefetch keeps in
   flight holds another (n+1)·(S' + 4S'/256), not counted. qgZ, one reduce-scatter
   (`zeropp.quantized_reduce_scatter`, synchronous): the int8 chunks sent and received with their scales,
   2·n·(S' + 4S'/256), and the n dequantized fp32 chunks and their sum, 4n·S' + 4S' (the fp32 gradient
-  bucket itself is in ``grad_buckets``). Derived from the code's buffers, not compared with a
+  bucket itself is in the planner's ``grad_buckets`` and ``zero_buffers``). Derived from the code's buffers, not compared with a
   measurement (gloo's own staging is not counted).
 """
 from __future__ import annotations

@@ -26,16 +26,20 @@ same), the bytes megazero holds by the categories `megazero.run.memory.memory_re
   ``checkpoint_buffer``: the stage's contiguous checkpoint buffer (``contiguous_memory_optimization``),
   which the meter also counts inside ``activations`` (or ``activations_host``), as the total counts it once.
 
-Beyond what memory_report can see, `transient` names the peaks inside a step that add on top:
-``grad_buckets`` (stage 2-3 gradient buckets being filled and reduced, stage-1 reduce-scatter
-outputs), ``gathered_params`` (ZeRO-3: the unit running plus what prefetch gathered ahead of it),
-``logits`` (the head's logits and their fp32 shifted copy while the loss runs) and ``wgrad_pending``
-(zero bubble: the inputs and output gradients kept between B and W, and the small weight gradients B
-computed and holds). Each is what it adds to the stage's peak: ``logits`` and ``wgrad_pending`` the rise
-of the walked peak above the activation peak, the other two whole (they may meet it). Those are
-derived from the code's behaviour, not compared with measurements. The communication options add
-1-bit Adam's error buffers to ``optimizer_states`` and the transients ``hpz_secondary`` and
-``zeropp_int8`` (comm_memory.py).
+* ``grad_buckets``: stages 2-3's gradient bucket slots, made in the first micro-batch and kept for the run
+  (`flat_group.SlotPool`): one per bucket size (`bucket_pool`; the runtime can keep one more or one fewer,
+  `largest_slot`), and MAX_INFLIGHT more of the largest on an accelerator with overlap_comm.
+
+Beyond what memory_report can see, `transient` names what adds to the stage's peak during a step, each at the
+moment it is alive in the walked program (`activation_ledger.walk_program`): ``logits`` (the head's logits
+and their fp32 shifted copy while the loss runs), ``wgrad_pending`` (zero bubble: the inputs and output
+gradients kept between B and W, and the small weight gradients B computed and holds) and ``zero_buffers``
+(ZeRO's gradient reduce-scatter outputs after each backward, MAX_INFLIGHT of them with overlap_comm, and
+ZeRO-3's gathered last unit when a backward starts): each is the rise of the walked peak it causes. The
+stage's peak of live bytes (the breakdown plus the transients, host and device alike on a CPU) is measured
+against `megazero.run.memory.LiveTensorBytes` on generated CPU layouts (benchmarks/planner_cpu.py). The
+communication options add 1-bit Adam's error buffers to ``optimizer_states`` and the transients
+``hpz_secondary`` and ``zeropp_int8`` (comm_memory.py), counted whole on top.
 
 The device total of a stage is what is not in host memory (offloaded master, moments and staging) plus
 the transients, times (1 + `fragmentation`): a stated allowance for the caching allocator's rounding

@@ -8,14 +8,18 @@ measures, as the planner's `Machine` models them:
 * GEMMs of (m x k)·(k x n) over a sweep of k and of sizes, in the training dtype (fp32 on a CPU, bf16 on a
   GPU): the fastest rate is the peak, and `gemm_max`, `gemm_k_half` are fitted to the others (least squares
   on the rate, e(k) = gemm_max·k / (k + gemm_k_half), the curve speed.py times every GEMM on);
-* a memory-bound pass (a copy of 64 MiB): the elementwise bandwidth, and the launch cost of a tiny op
-  (`kernel_us`);
+* causal attention (SDPA) forward and backward at three shapes: `flash_fwd`, `flash_bwd` (the fraction of
+  the GEMM peak it reaches, FLOPs counted as block_cost counts them);
+* a memory-bound pass (a copy of 64 MiB): the memory bandwidth; a norm, an activation and a residual add
+  forward and backward on 1-4 MiB activations: the fraction of it the elementwise kernels reach (`hbm`, bytes
+  counted as block_cost counts them); the launch cost of a tiny op (`kernel_us`);
 * all_reduce, reduce_scatter and all_gather over the N ranks at several sizes, and N / 2, N / 4 ranks: the
   bus bandwidth (`nvlink_gbs`: all ranks of this machine are one node) and the latency model
   `ring_base_us + steps · nvlink_hop_us` fitted over the group sizes; a send/receive's latency
   (`collective_us`, what p2p and all-to-all pay).
 
-The file holds the `Hardware` fields and an ``efficiency`` section of `Efficiency` fields; the bandwidth
+Every rank takes each measurement at the same time (a barrier before each), as a run's ranks compute. The
+file holds the `Hardware` fields and an ``efficiency`` section of `Efficiency` fields; the link bandwidth
 fractions are 1 (the figures are measured, not datasheet values). On a GPU node the same command measures the
 GPU and NCCL.
 """
@@ -36,32 +40,75 @@ COLLECTIVE_BYTES = (16 << 10, 1 << 20, 8 << 20)
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-def _median_seconds(fn, repeats: int, sync) -> float:
+def _median_seconds(fn, repeats: int, sync, sample_s: float = 0.02) -> float:
+    """The median over `repeats` samples of one call's seconds; each sample times enough calls to last about
+    `sample_s`, so that ranks sharing cores measure what they get over many scheduler slices."""
+    start = time.perf_counter()
     fn()
     sync()
+    inner = max(1, int(sample_s / max(time.perf_counter() - start, 1e-7)))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        for _ in range(inner):
+            fn()
         sync()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / inner)
     return statistics.median(times)
 
 
-def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> dict:
-    """{"gemm": [(m, n, k, FLOP/s)], "copy_bytes_per_s", "kernel_s"} measured on this rank."""
+ATTENTION_SHAPES = [(16, 128, 32), (16, 256, 32), (8, 256, 64)]
+"""(batch x heads, sequence, head dim) of the causal attention probe."""
+ELEMENTWISE_ROWS = (256, 1024)
+"""Rows of the (rows, 1024) activations the memory-bound probe runs its kernels on (1-4 MiB in fp32)."""
+
+
+def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, barrier=lambda: None) -> dict:
+    """{"gemm": [(m, n, k, FLOP/s)], "attention": [(bh, s, d, fwd FLOP/s, bwd FLOP/s)],
+    "elementwise_bytes_per_s", "copy_bytes_per_s", "kernel_s"} measured on this rank. `barrier` runs before
+    each measurement, so that ranks sharing a machine measure at the same time (as a run's ranks compute)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gemm = []
     for m, n, k in GEMM_SHAPES:
         a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        barrier()
         seconds = _median_seconds(lambda: torch.mm(a, b), repeats, sync)
         gemm.append((m, n, k, 2.0 * m * n * k / seconds))
+    attention = []
+    for bh, s, d in ATTENTION_SHAPES:  # causal: half the square, as the planner counts it
+        q, k, v = (torch.randn(1, bh, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        flops = 2.0 * bh * s * s * d
+        barrier()
+        fwd = _median_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                              repeats, sync)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        grad = torch.ones_like(out)
+        barrier()
+        bwd = _median_seconds(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats, sync)
+        attention.append((bh, s, d, flops / fwd, 2.5 * flops / bwd))
+    elementwise = []
+    for rows in ELEMENTWISE_ROWS:  # a norm, an activation and a residual add, forward and backward
+        x = torch.randn(rows, 1024, device=device, dtype=dtype, requires_grad=True)
+        r = torch.randn(rows, 1024, device=device, dtype=dtype)
+        norm = torch.nn.LayerNorm(1024, device=device, dtype=dtype)
+
+        def kernels():
+            y = torch.nn.functional.gelu(norm(x)) + r
+            y.backward(r)
+        barrier()
+        seconds = _median_seconds(kernels, repeats, sync)
+        # bytes as the planner counts them (block_cost._elementwise): a norm 2, a residual add 3 and an
+        # activation 2 elements' worth per element forward, twice that backward
+        elementwise.append(21 * x.numel() * x.element_size() / seconds)
     x = torch.empty(16 << 20, device=device, dtype=torch.float32)  # 64 MiB
     y = torch.empty_like(x)
+    barrier()
     copy = _median_seconds(lambda: y.copy_(x), repeats, sync)
     tiny = torch.zeros(1, device=device)
+    barrier()
     kernel = _median_seconds(lambda: tiny.add_(1.0), repeats * 20, sync)
-    return {"gemm": gemm, "copy_bytes_per_s": 2 * x.numel() * 4 / copy, "kernel_s": kernel}
+    return {"gemm": gemm, "attention": attention, "elementwise_bytes_per_s": statistics.median(elementwise),
+            "copy_bytes_per_s": 2 * x.numel() * 4 / copy, "kernel_s": kernel}
 
 
 def fit_gemm(rates: list[tuple[int, int, int, float]]) -> tuple[float, float, float]:
@@ -114,7 +161,7 @@ def _rank_probe(rank: int, world: int, port: int, queue, repeats: int) -> None:
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     try:
-        compute = probe_compute(device, torch.bfloat16 if gpu else torch.float32, repeats)
+        compute = probe_compute(device, torch.bfloat16 if gpu else torch.float32, repeats, dist.barrier)
         sizes = sorted({s for s in (world, world // 2, world // 4) if s >= 2})
         groups = {s: dist.new_group(list(range(s))) for s in sizes}
         comm = {}
@@ -123,7 +170,9 @@ def _rank_probe(rank: int, world: int, port: int, queue, repeats: int) -> None:
                 for nbytes in COLLECTIVE_BYTES:
                     numel = nbytes // 4
                     if rank < size:
-                        seconds = _median_seconds(_collective(kind, numel, groups[size], size, device), repeats, sync)
+                        # one call per sample: every rank of the group calls the collective equally often
+                        seconds = _median_seconds(_collective(kind, numel, groups[size], size, device), repeats, sync,
+                                                  sample_s=0)
                         comm[(kind, size, nbytes)] = seconds
                     dist.barrier()
         p2p = None
@@ -137,7 +186,7 @@ def _rank_probe(rank: int, world: int, port: int, queue, repeats: int) -> None:
                     dist.recv(t, 0)
                     dist.send(t, 0)
             if rank < 2:
-                p2p = _median_seconds(pingpong, repeats * 4, sync) / 2
+                p2p = _median_seconds(pingpong, repeats * 4, sync, sample_s=0) / 2
             dist.barrier()
         queue.put((rank, compute, comm, p2p, gpu))
     finally:
@@ -173,6 +222,11 @@ def hardware_file(results: list, name: str) -> dict:
              for i, (m, n, k, _) in enumerate(results[0][1]["gemm"])]
     peak, gemm_max, k_half = fit_gemm(rates)
     copy = statistics.median(r[1]["copy_bytes_per_s"] for r in results)
+    elementwise = statistics.median(r[1]["elementwise_bytes_per_s"] for r in results)
+    flash = [(statistics.median(r[1]["attention"][i][3] for r in results),
+              statistics.median(r[1]["attention"][i][4] for r in results)) for i in range(len(ATTENTION_SHAPES))]
+    flash_fwd = statistics.median(f for f, _ in flash) / peak  # of the measured GEMM peak, as block_cost uses it
+    flash_bwd = statistics.median(b for _, b in flash) / peak
     kernel = statistics.median(r[1]["kernel_s"] for r in results)
     comm = results[0][2]
     big = max(COLLECTIVE_BYTES)
@@ -194,7 +248,9 @@ def hardware_file(results: list, name: str) -> dict:
     return {"name": name, "peak_tflops": (1 if gpu else 2) * peak / 1e12,  # fp32 GEMMs run at half the peak
             "hbm_gib": round(mem_gib, 2), "hbm_bandwidth_tbs": copy / 1e12, "gpus_per_node": world,
             "nvlink_gbs": bus / 1e9, "internode_gbs": bus / 1e9,
-            "efficiency": {"gemm_max": round(gemm_max, 4), "gemm_k_half": round(k_half, 1), "hbm": 1.0,
+            "efficiency": {"gemm_max": round(gemm_max, 4), "gemm_k_half": round(k_half, 1),
+                           "hbm": round(min(1.0, elementwise / copy), 4), "flash_fwd": round(flash_fwd, 4),
+                           "flash_bwd": round(flash_bwd, 4),
                            "nvlink": 1.0, "internode": 1.0, "kernel_us": kernel * 1e6,
                            "collective_us": p2p * 1e6, "ring_base_us": base * 1e6, "nvlink_hop_us": hop * 1e6,
                            "net_hop_us": hop * 1e6, "host_gbs": copy / 1e9, "pcie_gbs": copy / 1e9}}
