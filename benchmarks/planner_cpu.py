@@ -121,8 +121,7 @@ def calibrate(world: int, out_dir: Path) -> Path:
     from megazero.run import calibrate as cal
 
     path = out_dir / f"cpu-{world}-ranks.yaml"
-    results = cal.measure(world)
-    cal.write(str(path), cal.hardware_file(results, f"this CPU, {world} ranks (gloo)"), world)
+    cal.write(str(path), cal.probe(world, name=f"this CPU, {world} ranks (gloo)"), world)
     return path
 
 
@@ -155,6 +154,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", nargs="*", default=None, help="layout names (substrings) to run")
     ap.add_argument("--hardware-dir", default=None, help="reuse the calibrated files here")
     ap.add_argument("--json", default="runs/planner_cpu.json")
+    ap.add_argument("--predict-only", default=None, metavar="MEASURED.json",
+                    help="take the measurements from this earlier output (and its hardware files); predict again")
     args = ap.parse_args(argv)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,16 +165,23 @@ def main(argv=None) -> dict:
     files = {}
     for world in sorted({lay["world"] for lay in todo}):
         path = hw_dir / f"cpu-{world}-ranks.yaml"
-        files[world] = path if path.exists() and args.hardware_dir else calibrate(world, hw_dir)
+        files[world] = path if path.exists() and (args.hardware_dir or args.predict_only) else calibrate(world, hw_dir)
     rows = []
+    earlier = {r["name"]: r for r in json.loads(Path(args.predict_only).read_text())["layouts"]} if args.predict_only else {}
     for lay in todo:
-        ranks = C.run_ranks(layout_worker, lay["world"], lay["config"], args.warmup, args.steps)
-        step = _seconds_stats(ranks[0]["times"]) if args.steps else {"median": float("nan"), "min": 0, "max": 0}
-        measured, reports = {}, {}
-        for r in ranks:
-            if r["peak_bytes"] >= measured.get(r["pp"], 0):
-                measured[r["pp"]] = r["peak_bytes"]
-                reports[r["pp"]] = {"start": r["start_bytes"], "end": r["end_bytes"], **r["report"]}
+        if args.predict_only:
+            old = earlier[lay["name"]]
+            step = old["step_s"]
+            measured = {m["stage"]: m["measured"] for m in old["memory"]}
+            reports = {m["stage"]: m["report"] for m in old["memory"]}
+        else:
+            ranks = C.run_ranks(layout_worker, lay["world"], lay["config"], args.warmup, args.steps)
+            step = _seconds_stats(ranks[0]["times"]) if args.steps else {"median": float("nan"), "min": 0, "max": 0}
+            measured, reports = {}, {}
+            for r in ranks:
+                if r["peak_bytes"] >= measured.get(r["pp"], 0):
+                    measured[r["pp"]] = r["peak_bytes"]
+                    reports[r["pp"]] = {"start": r["start_bytes"], "end": r["end_bytes"], **r["report"]}
         pred = predict(lay["config"], lay["world"], files[lay["world"]])
         mem = [{"stage": s, "measured": measured[s], "predicted": pred["stage_bytes"][s], "report": reports[s],
                 "predicted_parts": pred["stage_parts"][s],

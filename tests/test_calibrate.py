@@ -11,11 +11,13 @@ from megazero.run import calibrate, plan
 
 
 def test_gemm_fit_recovers_the_curve():
-    peak, g, kh = 2.0e11, 0.9, 120.0
-    rates = [(1024, 1024, k, peak * g * k / (k + kh)) for k in (32, 64, 128, 256, 512, 1024, 2048, 8192)]
-    got_peak, got_g, got_kh = calibrate.fit_gemm(rates)
+    peak, g, kh, mnh = 2.0e11, 0.9, 120.0, 2.0 ** 18
+    rates = [(m, n, k, peak * g * k / (k + kh) * m * n / (m * n + mnh))
+             for m, n in ((1024, 1024), (256, 256), (256, 1024)) for k in (32, 64, 128, 256, 512, 1024, 2048, 8192)]
+    got_peak, got_g, got_kh, got_mnh = calibrate.fit_gemm(rates)
     assert got_peak == max(r for *_, r in rates)
-    assert got_g * got_peak == pytest.approx(g * peak, rel=1e-3) and got_kh == pytest.approx(kh, abs=0.5)
+    assert got_g * got_peak == pytest.approx(g * peak, rel=1e-3) and got_kh == pytest.approx(kh, abs=1.0)
+    assert got_mnh == pytest.approx(mnh, rel=1e-3)
 
 
 def test_latency_fit_recovers_base_and_step():
@@ -50,3 +52,28 @@ def test_calibrate_runs_on_two_ranks_and_plans_with_its_file(tmp_path, capsys):
     assert plan.main(["gpt:debug", "--hardware", out, "--gpus", "2", "--global-batch", "4", "--pp", "2",
                       "--precision", "fp32"], hardware_dir="configs/hardware", spec_dir="model_specs") in (0, 1)
     assert "step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flavor,extra", [("gpt", {}), ("llama", {"kv_heads": 2, "ffn_hidden": 48})])
+def test_the_planners_operator_counts_are_megazeros(flavor, extra):
+    """block_cost.HOST_OPS (what a CPU's host time per operator is multiplied by) against a count of one
+    step's operators with 2 and 4 blocks (their difference: two blocks, forward and backward, one micro-batch),
+    without recompute and with full recompute (one more forward per block)."""
+    from megazero.core.spec import load_spec
+    from megazero.planner.block_cost import host_ops
+
+    def per_block(policy):
+        counts = []
+        for layers in (2, 4):
+            engine, data = calibrate.tiny_engine(f"model_specs/{flavor}.py:debug", layers, policy, **extra)
+            engine.train_batch(data)
+            with calibrate.OpCount() as count:
+                engine.train_batch(data)
+            counts.append(count.n)
+        return (counts[1] - counts[0]) / 2
+
+    spec = load_spec(f"model_specs/{flavor}.py:debug")
+    fwd, bwd, _ = host_ops(spec, Layout())
+    _, _, again = host_ops(spec, Layout(recompute="full"))
+    assert per_block("none") == pytest.approx(fwd + bwd, rel=0.1)
+    assert per_block("full") == pytest.approx(fwd + bwd + again, rel=0.1)

@@ -252,3 +252,19 @@ def test_zero3_at_scale_pays_a_latency_per_unit_and_bucket():
     a, b = predict(small, spec, H100), predict(large, spec, H100)
     assert b.breakdown["dp_comm"] > 3 * a.breakdown["dp_comm"] and b.step_time_s > a.step_time_s
     assert b.dp_bytes == pytest.approx(a.dp_bytes, rel=0.05)
+
+
+def test_ranks_sharing_a_cpus_cores_take_the_nodes_compute_over_its_cores():
+    """A calibrated CPU file's cores_per_node: 8 data-parallel ranks on 2 cores take at least 8 / 2 of one
+    rank's compute (`speed.shared_cores_bound`); accelerators (0) keep the simulator's step."""
+    from megazero.core.spec import load_spec
+    from megazero.planner.hardware import Hardware
+
+    spec = load_spec("model_specs/gpt.py:debug")
+    cpu = Hardware("cpu", 0.2, 20.0, 0.05, 8, 1.0, 1.0, cores_per_node=2)
+    lay = Layout(dp=8, micro_batch=1, global_batch=16, precision="fp32")
+    alone = speed.predict_step(spec, lay, dataclasses.replace(cpu, cores_per_node=0))
+    shared = speed.predict_step(spec, lay, cpu)
+    compute = sum(v for k, v in alone.breakdown.items() if k in speed.COMPUTE)
+    assert shared.step_time_s == pytest.approx(max(alone.step_time_s, compute * 8 / 2), rel=1e-9)
+    assert shared.step_time_s > alone.step_time_s

@@ -66,6 +66,22 @@ def _elementwise(spec, layout, mc: Machine) -> float:
     return (2 * 2 * mc.act + 2 * (3 * mc.act + (1 if spec.dropout > 0 else 0))) * x + act + rope
 
 
+HOST_OPS = {"learned": (81, 167), "rope": (126, 135)}
+"""Operators megazero dispatches for one transformer block and micro-batch on its CPU path, (forward, backward),
+by position kind (the GPT block; the Llama block with RoPE, RMSNorm and SwiGLU): counted with a dispatch mode
+(tests/test_planner_speed.py checks them against a count). Selective recompute adds SELECTIVE_OPS to backward;
+full recompute repeats the forward's."""
+SELECTIVE_OPS = 25
+HEAD_OPS = 140
+"""Operators of the embedding, the head and the loss for one micro-batch (the same count)."""
+
+
+def host_ops(spec, layout) -> tuple[float, float, float]:
+    """(forward, backward, recompute) operators of one block and micro-batch (`HOST_OPS`)."""
+    fwd, bwd = HOST_OPS.get(spec.position, HOST_OPS["learned"])
+    return fwd, bwd, {"full": fwd, "selective": SELECTIVE_OPS}.get(layout.recompute, 0)
+
+
 def block_cost(spec, layout, mc: Machine, impl: Implementation) -> BlockCost:
     """The `BlockCost` of one block of `spec` (speed.py's model; an MoE MLP's as moe_cost.py's, its
     backward TP all-reduces exposed)."""
@@ -90,9 +106,11 @@ def block_cost(spec, layout, mc: Machine, impl: Implementation) -> BlockCost:
     else:
         exposed = len(regions) * ar
         hidden = sum(max(0.0, ar - wgrad[r]) for r in regions)
-    fwd = {"gemm": fwd_gemm, "attention": attn_f, "elementwise": mc.mem(elem, 6), "tp_comm": len(regions) * ar}
-    recompute = {"full": sum(fwd.values()), "selective": attn_f}.get(layout.recompute, 0.0)
-    bwd = {"gemm": sum(dgrad.values()), "attention": attn_b, "elementwise": mc.mem(2 * elem, 8)}
+    ops_f, ops_b, ops_r = host_ops(spec, layout)
+    fwd = {"gemm": fwd_gemm, "attention": attn_f, "elementwise": mc.mem(elem, 6) + mc.host(ops_f),
+           "tp_comm": len(regions) * ar}
+    recompute = {"full": sum(fwd.values()), "selective": attn_f + mc.host(ops_r)}.get(layout.recompute, 0.0)
+    bwd = {"gemm": sum(dgrad.values()), "attention": attn_b, "elementwise": mc.mem(2 * elem, 8) + mc.host(ops_b)}
     wgrad_parts = {"gemm": sum(wgrad.values()), "elementwise": mc.mem(10 * params, len(gemms))}
     if shape is None:
         return BlockCost(fwd=fwd, bwd=bwd, wgrad=wgrad_parts, tp_bwd=exposed,
@@ -118,12 +136,12 @@ def embedding_head_cost(spec, layout, mc: Machine) -> tuple[dict, ...]:
     x = tokens * h
     ar = mc.ring("all_reduce", x * mc.act, t, mc.link(1, t))
     pos = 3 * mc.act * x if spec.position == "learned" else 0
-    emb_f = mc.mem(2 * mc.act * x + pos, 2) + ar
+    emb_f = mc.mem(2 * mc.act * x + pos, 2) + ar + mc.host(HEAD_OPS / 2)
     emb_b = mc.mem(4 * mc.act * x + 4 * vocab * h, 2)  # scatter-add into the (dense, fp32) table gradient
     logits = tokens * vocab
     loss_ar = 3 * mc.ring("all_reduce", 4 * tokens, t, mc.link(1, t))
     head_f = mc.gemm(tokens, vocab, h) + mc.mem(4 * mc.act * x + 10 * logits, 4) + loss_ar
-    head_b = mc.gemm(tokens, h, vocab) + mc.mem(6 * logits + 8 * mc.act * x, 4) + ar
+    head_b = mc.gemm(tokens, h, vocab) + mc.mem(6 * logits + 8 * mc.act * x, 4) + ar + mc.host(HEAD_OPS / 2)
     head_w = mc.gemm(vocab, h, tokens) + mc.mem(10 * vocab * h)
     return ({"embedding_head": emb_f}, {"embedding_head": emb_b}, {"embedding_head": head_f},
             {"embedding_head": head_b}, {"embedding_head": head_w})

@@ -25,7 +25,9 @@ class Hardware:
     """name; peak_tflops: dense bf16/fp16 tensor-core TFLOP/s; hbm_gib: device memory; hbm_bandwidth_tbs;
     gpus_per_node; nvlink_gbs: GB/s per GPU per direction inside a node; internode_gbs: GB/s per
     GPU per direction between nodes; efficiency: (field, value) pairs of `machine.Efficiency` this machine
-    was measured to have (``plan.py --calibrate`` writes them; a preset has none: the fitted defaults)."""
+    was measured to have (``plan.py --calibrate`` writes them; a preset has none: the fitted defaults);
+    cores_per_node: on a CPU, the cores the node's ranks share (``--calibrate`` writes it; 0: accelerators,
+    one per rank)."""
 
     name: str
     peak_tflops: float
@@ -35,6 +37,7 @@ class Hardware:
     nvlink_gbs: float
     internode_gbs: float
     efficiency: tuple = ()
+    cores_per_node: int = 0
 
     @property
     def hbm_bytes(self) -> float:
@@ -45,7 +48,8 @@ class Hardware:
         return efficiency.replace(**dict(self.efficiency)) if self.efficiency else efficiency
 
 
-FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name != "efficiency"]
+OPTIONAL = ("efficiency", "cores_per_node")
+FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name not in OPTIONAL]
 EFFICIENCY_FIELDS = [f.name for f in dataclasses.fields(Efficiency)]
 
 
@@ -71,7 +75,7 @@ def load_hardware(name: str, directory: str) -> Hardware:
         raise PlanError(f"--hardware {path}: cannot read it as YAML ({exc})") from None
     if not isinstance(raw, dict):
         raise PlanError(f"--hardware {path}: expected a mapping of {', '.join(FIELDS)}")
-    unknown = [k for k in raw if k not in FIELDS and k != "efficiency"]
+    unknown = [k for k in raw if k not in FIELDS and k not in OPTIONAL]
     missing = [k for k in FIELDS if k not in raw]
     if unknown or missing:
         parts = ([f"unknown field(s) {', '.join(unknown)}{did_you_mean(unknown[0], FIELDS)}"] if unknown else []) + \
@@ -92,4 +96,7 @@ def load_hardware(name: str, directory: str) -> Hardware:
                             f"fields: {', '.join(EFFICIENCY_FIELDS)}")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise PlanError(f"--hardware {path}: efficiency.{k}={v!r} must be a number >= 0")
-    return Hardware(**{k: raw[k] for k in FIELDS}, efficiency=tuple(sorted(tuned.items())))
+    cores = raw.get("cores_per_node", 0)
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
+        raise PlanError(f"--hardware {path}: cores_per_node={cores!r} must be an integer >= 0")
+    return Hardware(**{k: raw[k] for k in FIELDS}, efficiency=tuple(sorted(tuned.items())), cores_per_node=cores)

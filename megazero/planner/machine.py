@@ -37,6 +37,8 @@ class Efficiency:
 
     gemm_max: float = 0.7824
     gemm_k_half: float = 391.8
+    gemm_mn_half: float = 0.0  # measured by --calibrate on a CPU: small outputs (m·n) run below the curve
+    host_op_us: float = 0.0  # a CPU (--calibrate): host time per dispatched operator, paid in series with compute
     hbm: float = 0.8
     nvlink: float = 0.8
     internode: float = 0.9
@@ -105,12 +107,20 @@ class Machine:
     def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
         """One (m x k)·(k x n) GEMM (`batch` of them in one batched kernel)."""
         e = self.eff.gemm_max * k / (k + self.eff.gemm_k_half)
+        if self.eff.gemm_mn_half:  # a small output is fewer tiles than the cores / threads take at once
+            e *= m * n / (m * n + self.eff.gemm_mn_half)
         compute = 2.0 * m * n * k * batch / (e * self.peak)
         memory = self.act * (m * k + k * n + m * n) * batch / self.hbm
         return max(compute, memory) + self.eff.kernel_us * 1e-6
 
     def mem(self, nbytes: float, kernels: int = 1) -> float:
         return nbytes / self.hbm + kernels * self.eff.kernel_us * 1e-6
+
+    def host(self, ops: float) -> float:
+        """Seconds the host spends dispatching `ops` operators (Python, the dispatcher, autograd) where it runs
+        them in series with the compute: a CPU measured by --calibrate (`host_op_us`); 0 on accelerators,
+        whose host runs ahead of the device."""
+        return ops * self.eff.host_op_us * 1e-6
 
     def link(self, stride: int, size: int) -> float:
         """Bus bandwidth (bytes/s) of a ring over `size` ranks `stride` apart (see the module docstring)."""

@@ -9,7 +9,12 @@
   tile pays a fixed prologue / epilogue (pipeline fill, writing the tile) worth about `gemm_k_half`
   iterations of its k-loop, so short reductions (the attention's QKᵀ over the head dim, the out
   projection of a small TP shard) run below `gemm_max`. `gemm_max` and `gemm_k_half` are the only
-  fitted parameters (below); the bandwidth fractions are stated, not fitted.
+  fitted parameters (below); the bandwidth fractions are stated, not fitted. A machine measured by
+  ``--calibrate`` may add ``gemm_mn_half``: the curve times mn / (mn + gemm_mn_half), small outputs (a CPU's
+  256-token GEMMs) running below it; the presets leave it 0.
+* A CPU node with more ranks than cores (``cores_per_node`` in a calibrated file): the ranks share the
+  cores, so a step takes at least the node's compute over its cores (`shared_cores_bound`); a waiting rank
+  lends its core, so the simulator's bubbles cost less than its makespan says.
 * Attention core: with attention dropout off megazero runs flash attention (SDPA): causal FLOPs at
   `flash_fwd` / `flash_bwd` of peak (backward 2.5x the forward's FLOPs). With dropout on (megazero's
   reference core, and Megatron-LM in 2021) the scores are materialised: two batched GEMMs forward, four
@@ -176,6 +181,7 @@ def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DE
         if not isinstance(span.instr, (P2P, LoadMicroBatch)):
             for k, val in costs.parts[costs.key(crit, span.instr)].items():
                 breakdown[k] += val
+    step = max(step, shared_cores_bound(sim, costs, layout, hardware, mc.node))
     breakdown["pipeline_bubble"] = step - sum(breakdown.values())
     model, hw_flops = step_flops(spec, layout)
     gpus = layout.gpus
@@ -187,6 +193,27 @@ def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DE
         critical_stage=crit, stage_costs=tuple(costs.per_stage(s, layout.chunks) for s in range(layout.pp)),
         dp_bytes=sum(v.dp_bytes for v in volumes) / layout.pp,
         internode_bytes=sum(v.internode_bytes for v in volumes) / layout.pp)
+
+
+COMPUTE = ("gemm", "attention", "elementwise", "recompute", "embedding_head", "optimizer")
+"""The breakdown categories a CPU rank computes (the rest: collectives and transfers, timed as measured among
+the sharing ranks)."""
+
+
+def shared_cores_bound(sim, costs, layout, hardware, ranks_per_node: int) -> float:
+    """On a CPU whose node runs more ranks than it has cores (``cores_per_node``, as ``--calibrate`` writes it;
+    0 on accelerators: no bound), the ranks share the cores: the step takes at least the node's compute (each
+    rank's `COMPUTE` parts of its instructions, as the simulator timed them on a core of its own) over its
+    cores. A rank that waits (a bubble, a transfer) lends its core to the others, so a pipeline's bubble costs
+    less than the simulator's own makespan says, down to this bound."""
+    cores = getattr(hardware, "cores_per_node", 0)
+    ranks_here = min(layout.gpus, ranks_per_node)
+    if not cores or ranks_here <= cores:
+        return 0.0
+    work = [sum(sum(v for k, v in costs.parts[costs.key(s, sp.instr)].items() if k in COMPUTE)
+                for sp in stage if not isinstance(sp.instr, (P2P, LoadMicroBatch)))
+            for s, stage in enumerate(sim.timeline)]
+    return sum(work) / len(work) * ranks_here / cores
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:

@@ -13,12 +13,17 @@ measures, as the planner's `Machine` models them:
 * a memory-bound pass (a copy of 64 MiB): the memory bandwidth; a norm, an activation and a residual add
   forward and backward on 1-4 MiB activations: the fraction of it the elementwise kernels reach (`hbm`, bytes
   counted as block_cost counts them); the launch cost of a tiny op (`kernel_us`);
+* GEMMs with small outputs over k (`gemm_mn_half`: the curve times mn / (mn + gemm_mn_half));
+* on a CPU, the host time per dispatched operator in megazero's own step (`host_op_us`, `probe_host`), which
+  a CPU pays in series with its compute (a GPU's host runs ahead: 0 there);
 * all_reduce, reduce_scatter and all_gather over the N ranks at several sizes, and N / 2, N / 4 ranks: the
   bus bandwidth (`nvlink_gbs`: all ranks of this machine are one node) and the latency model
   `ring_base_us + steps · nvlink_hop_us` fitted over the group sizes; a send/receive's latency
   (`collective_us`, what p2p and all-to-all pay).
 
-Every rank takes each measurement at the same time (a barrier before each), as a run's ranks compute. The
+Every rank takes each measurement at the same time (a barrier before each), as a run's ranks compute. On a
+CPU with fewer cores than N (`probe`), the compute is measured on one rank per core and the file records
+``cores_per_node``: the planner shares the cores among the N ranks itself (`speed.shared_cores_bound`). The
 file holds the `Hardware` fields and an ``efficiency`` section of `Efficiency` fields; the link bandwidth
 fractions are 1 (the figures are measured, not datasheet values). On a GPU node the same command measures the
 GPU and NCCL.
@@ -33,20 +38,23 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
-GEMM_SHAPES = [(1024, 1024, k) for k in (32, 64, 128, 256, 512, 1024, 2048)] + [(n, n, n) for n in (256, 512)]
-"""(m, n, k) of the GEMM sweep: k from a head dim to a wide MLP, and two smaller squares."""
+GEMM_SHAPES = ([(1024, 1024, k) for k in (32, 64, 128, 256, 512, 1024, 2048)] + [(n, n, n) for n in (256, 512)]
+               + [(m, n, k) for m, n in ((256, 256), (256, 1024), (128, 512)) for k in (64, 256, 1024)])
+"""(m, n, k) of the GEMM sweep: k from a head dim to a wide MLP, squares, and small outputs (m·n) over k."""
 COLLECTIVE_BYTES = (16 << 10, 1 << 20, 8 << 20)
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-def _median_seconds(fn, repeats: int, sync, sample_s: float = 0.02) -> float:
-    """The median over `repeats` samples of one call's seconds; each sample times enough calls to last about
-    `sample_s`, so that ranks sharing cores measure what they get over many scheduler slices."""
+def _median_seconds(fn, repeats: int, sync, sample_s: float = 0.05, calls: int | None = None) -> float:
+    """The median over `repeats` samples of one call's seconds; each sample times `calls` calls (default: enough
+    to last about `sample_s` here). Ranks sharing cores pass the same `calls` (sized by the work, not by a
+    timing), so that they compute together for the whole measurement."""
     start = time.perf_counter()
     fn()
     sync()
-    inner = max(1, int(sample_s / max(time.perf_counter() - start, 1e-7)))
+    inner = calls or max(1, int(sample_s / max(time.perf_counter() - start, 1e-7)))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -55,6 +63,11 @@ def _median_seconds(fn, repeats: int, sync, sample_s: float = 0.02) -> float:
         sync()
         times.append((time.perf_counter() - start) / inner)
     return statistics.median(times)
+
+
+def _calls(work: float, per_second: float, sample_s: float = 0.05) -> int:
+    """Calls of `work` (FLOPs or bytes) that take about `sample_s` at `per_second`: the same on every rank."""
+    return max(1, int(sample_s * per_second / max(work, 1.0)))
 
 
 ATTENTION_SHAPES = [(16, 128, 32), (16, 256, 32), (8, 256, 64)]
@@ -68,11 +81,12 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
     "elementwise_bytes_per_s", "copy_bytes_per_s", "kernel_s"} measured on this rank. `barrier` runs before
     each measurement, so that ranks sharing a machine measure at the same time (as a run's ranks compute)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    flops_s, bytes_s = (1e14, 1e12) if device.type == "cuda" else (1e11, 1e10)  # only sizes the samples
     gemm = []
     for m, n, k in GEMM_SHAPES:
         a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
         barrier()
-        seconds = _median_seconds(lambda: torch.mm(a, b), repeats, sync)
+        seconds = _median_seconds(lambda: torch.mm(a, b), repeats, sync, calls=_calls(2.0 * m * n * k, flops_s))
         gemm.append((m, n, k, 2.0 * m * n * k / seconds))
     attention = []
     for bh, s, d in ATTENTION_SHAPES:  # causal: half the square, as the planner counts it
@@ -80,11 +94,12 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
         flops = 2.0 * bh * s * s * d
         barrier()
         fwd = _median_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                              repeats, sync)
+                              repeats, sync, calls=_calls(flops, flops_s / 4))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         grad = torch.ones_like(out)
         barrier()
-        bwd = _median_seconds(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats, sync)
+        bwd = _median_seconds(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats, sync,
+                              calls=_calls(2.5 * flops, flops_s / 4))
         attention.append((bh, s, d, flops / fwd, 2.5 * flops / bwd))
     elementwise = []
     for rows in ELEMENTWISE_ROWS:  # a norm, an activation and a residual add, forward and backward
@@ -96,35 +111,85 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
             y = torch.nn.functional.gelu(norm(x)) + r
             y.backward(r)
         barrier()
-        seconds = _median_seconds(kernels, repeats, sync)
+        seconds = _median_seconds(kernels, repeats, sync, calls=_calls(21 * x.numel() * x.element_size(), bytes_s))
         # bytes as the planner counts them (block_cost._elementwise): a norm 2, a residual add 3 and an
         # activation 2 elements' worth per element forward, twice that backward
         elementwise.append(21 * x.numel() * x.element_size() / seconds)
     x = torch.empty(16 << 20, device=device, dtype=torch.float32)  # 64 MiB
     y = torch.empty_like(x)
     barrier()
-    copy = _median_seconds(lambda: y.copy_(x), repeats, sync)
+    copy = _median_seconds(lambda: y.copy_(x), repeats, sync, calls=_calls(2 * x.numel() * 4, bytes_s))
     tiny = torch.zeros(1, device=device)
     barrier()
-    kernel = _median_seconds(lambda: tiny.add_(1.0), repeats * 20, sync)
+    kernel = _median_seconds(lambda: tiny.add_(1.0), repeats * 20, sync, calls=1000)
     return {"gemm": gemm, "attention": attention, "elementwise_bytes_per_s": statistics.median(elementwise),
             "copy_bytes_per_s": 2 * x.numel() * 4 / copy, "kernel_s": kernel}
 
 
-def fit_gemm(rates: list[tuple[int, int, int, float]]) -> tuple[float, float, float]:
-    """(peak FLOP/s, gemm_max, gemm_k_half): the peak is the fastest rate measured, and the curve
-    rate = peak·gemm_max·k / (k + gemm_k_half) is fitted to the rates by least squares (a grid over
-    gemm_k_half, gemm_max then in closed form)."""
+def probe_host(repeats: int = 5) -> float:
+    """Seconds of host time per dispatched operator in megazero's own training step on this machine (Python,
+    the dispatcher, autograd, the engine): a tiny debug GPT (h 32, s 8) of 2 and of 6 blocks, one step each,
+    its operators counted with a dispatch mode; the difference of the step times over the difference of the
+    counts. Run before the process group exists (a single-process engine). 0.0 where the repository's
+    model_specs/ is not at hand."""
+    from pathlib import Path
+
+    import megazero
+
+    spec = Path(megazero.__file__).resolve().parents[1] / "model_specs" / "gpt.py"
+    if not spec.is_file():
+        return 0.0
+
+    def step(layers: int) -> tuple[int, float]:
+        engine, data = tiny_engine(f"{spec}:debug", layers)
+        engine.train_batch(data)
+        with OpCount() as count:
+            engine.train_batch(data)
+        return count.n, _median_seconds(lambda: engine.train_batch(data), repeats, lambda: None, sample_s=0.1)
+
+    (n_small, t_small), (n_big, t_big) = step(2), step(6)
+    return max(0.0, (t_big - t_small) / max(1, n_big - n_small))
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the operators dispatched while active (`n`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tiny_engine(spec: str, layers: int, policy: str = "none", **model):
+    """(engine, data) of a single-process tiny model (h 32, s 8, one micro-batch of one sequence, ZeRO-0)."""
+    import megazero
+
+    cfg = {"model": {"spec": spec, "layers": layers, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8, **model},
+           "precision": "fp32", "train": {"micro_batch_size": 1, "global_batch_size": 1, "seed": 1, "steps": 100},
+           "zero": {"stage": 0}, "activation_checkpointing": {"policy": policy},
+           "optimizer": {"type": "adamw", "lr": 1e-4}}
+    engine, _, data, _ = megazero.initialize(config=cfg)
+    return engine, data
+
+
+def fit_gemm(rates: list[tuple[int, int, int, float]]) -> tuple[float, float, float, float]:
+    """(peak FLOP/s, gemm_max, gemm_k_half, gemm_mn_half): the peak is the fastest rate measured, and the
+    curve rate = peak·gemm_max·k / (k + gemm_k_half)·mn / (mn + gemm_mn_half) is fitted to the rates by least
+    squares on their logs (a grid over gemm_k_half and gemm_mn_half, gemm_max then in closed form)."""
     peak = max(r for *_, r in rates)
+    logs = [math.log(r / peak) for *_, r in rates]
     best = None
-    for k_half in [x * 0.5 for x in range(0, 4001)]:  # 0 .. 2000
-        basis = [k / (k + k_half) for _, _, k, _ in rates]
-        target = [r / peak for *_, r in rates]
-        g = sum(b * t for b, t in zip(basis, target)) / sum(b * b for b in basis)
-        err = sum((g * b - t) ** 2 for b, t in zip(basis, target))
-        if best is None or err < best[0]:
-            best = (err, g, k_half)
-    return peak, best[1], best[2]
+    for k_half in [x * 2.0 for x in range(0, 1001)]:  # 0 .. 2000
+        for mn_half in [0.0] + [2.0 ** (x / 2) for x in range(24, 49)]:  # 4096 .. 16M
+            basis = [math.log(k / (k + k_half) * (m * n / (m * n + mn_half))) for m, n, k, _ in rates]
+            log_g = sum(t - b for b, t in zip(basis, logs)) / len(logs)
+            err = sum((log_g + b - t) ** 2 for b, t in zip(basis, logs))
+            if best is None or err < best[0]:
+                best = (err, math.exp(log_g), k_half, mn_half)
+    return peak, best[1], best[2], best[3]
 
 
 def fit_latency(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -151,18 +216,22 @@ def _collective(kind: str, numel: int, group, size: int, device: torch.device):
     return lambda: fn(out, shard, group=group)
 
 
-def _rank_probe(rank: int, world: int, port: int, queue, repeats: int) -> None:
+def _rank_probe(rank: int, world: int, port: int, queue, repeats: int, parts: tuple = ("compute", "comm")) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     gpu = torch.cuda.is_available()  # a GPU node: the GPU in bf16 and NCCL; else the CPU in fp32 and gloo
+    host = probe_host(repeats) if "host" in parts and not gpu else 0.0  # the host runs ahead of a GPU
     device = torch.device("cuda", rank % torch.cuda.device_count()) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     try:
-        compute = probe_compute(device, torch.bfloat16 if gpu else torch.float32, repeats, dist.barrier)
-        sizes = sorted({s for s in (world, world // 2, world // 4) if s >= 2})
+        compute = (probe_compute(device, torch.bfloat16 if gpu else torch.float32, repeats, dist.barrier)
+                   if "compute" in parts else None)
+        if compute is not None or host:
+            compute = dict(compute or {}, host_op_s=host)
+        sizes = sorted({s for s in (world, world // 2, world // 4) if s >= 2}) if "comm" in parts else []
         groups = {s: dist.new_group(list(range(s))) for s in sizes}
         comm = {}
         for kind in KINDS:
@@ -176,7 +245,7 @@ def _rank_probe(rank: int, world: int, port: int, queue, repeats: int) -> None:
                         comm[(kind, size, nbytes)] = seconds
                     dist.barrier()
         p2p = None
-        if world >= 2:
+        if world >= 2 and "comm" in parts:
             t = torch.ones(256, device=device)
             def pingpong():
                 if rank == 0:
@@ -199,13 +268,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(world: int, repeats: int = 5, timeout: float = 600.0) -> list:
-    """Run the probe on `world` ranks of this machine (gloo, or NCCL on GPUs); [(rank, compute, comm, p2p, on a
-    GPU)] in rank order."""
+def measure(world: int, repeats: int = 5, timeout: float = 600.0, parts: tuple = ("compute", "comm")) -> list:
+    """Run the probe's `parts` on `world` ranks of this machine (gloo, or NCCL on GPUs); [(rank, compute, comm,
+    p2p, on a GPU)] in rank order."""
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_probe, args=(r, world, port, queue, repeats)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_probe, args=(r, world, port, queue, repeats, parts)) for r in range(world)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=timeout) for _ in procs]
@@ -214,13 +283,35 @@ def measure(world: int, repeats: int = 5, timeout: float = 600.0) -> list:
     return sorted(results, key=lambda r: r[0])
 
 
-def hardware_file(results: list, name: str) -> dict:
-    """The hardware file's content (`Hardware` fields and an ``efficiency`` section) from `measure`'s results:
-    the median over the ranks of each figure."""
+def probe(world: int, repeats: int = 5, name: str | None = None, share_cores: bool = True) -> dict:
+    """The hardware file's content for runs of `world` ranks on this machine. On a CPU with fewer cores than
+    `world` the compute is measured on as many ranks as there are cores, one core each (the planner then shares
+    the cores among the ranks, `speed.shared_cores_bound`), the collectives on all `world`."""
+    cores = os.cpu_count() or 1
+    if torch.cuda.is_available() or world <= cores or not share_cores:
+        results = measure(world, repeats)
+        compute = results
+    else:
+        results = measure(world, repeats, parts=("comm",))
+        compute = measure(cores, repeats, parts=("compute",))
+    host = 0.0 if torch.cuda.is_available() else measure(1, repeats, parts=("host",))[0][1]["host_op_s"]
+    compute = [(r[0], dict(r[1], host_op_s=host), *r[2:]) for r in compute]
+    content = hardware_file(results, name or f"this machine, {world} ranks", compute)
+    if not share_cores:  # measured under the run's own contention: no sharing left to model
+        content.pop("cores_per_node", None)
+    return content
+
+
+def hardware_file(results: list, name: str, compute: list | None = None) -> dict:
+    """The hardware file's content (`Hardware` fields and an ``efficiency`` section) from `measure`'s results
+    (the compute figures from `compute`'s, default the same): the median over the ranks of each figure."""
     world = len(results)
+    gpu = results[0][4]
+    comm = results[0][2]
+    results = compute or results
     rates = [(m, n, k, statistics.median(r[1]["gemm"][i][3] for r in results))
              for i, (m, n, k, _) in enumerate(results[0][1]["gemm"])]
-    peak, gemm_max, k_half = fit_gemm(rates)
+    peak, gemm_max, k_half, mn_half = fit_gemm(rates)
     copy = statistics.median(r[1]["copy_bytes_per_s"] for r in results)
     elementwise = statistics.median(r[1]["elementwise_bytes_per_s"] for r in results)
     flash = [(statistics.median(r[1]["attention"][i][3] for r in results),
@@ -228,7 +319,7 @@ def hardware_file(results: list, name: str) -> dict:
     flash_fwd = statistics.median(f for f, _ in flash) / peak  # of the measured GEMM peak, as block_cost uses it
     flash_bwd = statistics.median(b for _, b in flash) / peak
     kernel = statistics.median(r[1]["kernel_s"] for r in results)
-    comm = results[0][2]
+    host = statistics.median(r[1]["host_op_s"] for r in results)
     big = max(COLLECTIVE_BYTES)
     busbw, latency = [], []
     for (kind, size, nbytes), seconds in comm.items():
@@ -244,16 +335,17 @@ def hardware_file(results: list, name: str) -> dict:
     p2p = next((r[3] for r in results if r[3] is not None), 0.0)
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / world
     bus = statistics.median(busbw) if busbw else copy
-    gpu = results[0][4]
+    cores = {} if gpu else {"cores_per_node": os.cpu_count() or 1}
     return {"name": name, "peak_tflops": (1 if gpu else 2) * peak / 1e12,  # fp32 GEMMs run at half the peak
             "hbm_gib": round(mem_gib, 2), "hbm_bandwidth_tbs": copy / 1e12, "gpus_per_node": world,
             "nvlink_gbs": bus / 1e9, "internode_gbs": bus / 1e9,
             "efficiency": {"gemm_max": round(gemm_max, 4), "gemm_k_half": round(k_half, 1),
+                           "gemm_mn_half": round(mn_half, 1), "host_op_us": round(host * 1e6, 3),
                            "hbm": round(min(1.0, elementwise / copy), 4), "flash_fwd": round(flash_fwd, 4),
                            "flash_bwd": round(flash_bwd, 4),
                            "nvlink": 1.0, "internode": 1.0, "kernel_us": kernel * 1e6,
                            "collective_us": p2p * 1e6, "ring_base_us": base * 1e6, "nvlink_hop_us": hop * 1e6,
-                           "net_hop_us": hop * 1e6, "host_gbs": copy / 1e9, "pcie_gbs": copy / 1e9}}
+                           "net_hop_us": hop * 1e6, "host_gbs": copy / 1e9, "pcie_gbs": copy / 1e9}, **cores}
 
 
 def write(path: str, content: dict, measured_ranks: int) -> None:

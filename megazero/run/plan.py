@@ -285,9 +285,8 @@ def calibrate_main(argv) -> int:
         return 2
     from megazero.run import calibrate
 
-    results = calibrate.measure(args.ranks, args.repeats)
     name = args.name or f"{platform.processor() or platform.machine()} x {args.ranks} ranks (calibrated)"
-    content = calibrate.hardware_file(results, name)
+    content = calibrate.probe(args.ranks, args.repeats, name)
     calibrate.write(args.calibrate, content, args.ranks)
     eff = content["efficiency"]
     print(f"wrote {args.calibrate}: peak_tflops {content['peak_tflops']:.3f} (16-bit; fp32 at half), gemm_max "
