@@ -76,6 +76,13 @@ HEAD_OPS = 140
 """Operators of the embedding, the head and the loss for one micro-batch (the same count)."""
 
 
+def accumulate_bytes(layout, mc: Machine) -> int:
+    """Bytes per parameter and micro-batch that megazero moves to accumulate a weight gradient: autograd's
+    gradient read (the working dtype) and the fp32 buffer read and written (`FlatGroup.grad_view`); at ZeRO
+    2-3 the bucket slot is zeroed first (4) and divided in place before its reduction (8)."""
+    return mc.act + 8 + (12 if layout.zero >= 2 else 0)
+
+
 def host_ops(spec, layout) -> tuple[float, float, float]:
     """(forward, backward, recompute) operators of one block and micro-batch (`HOST_OPS`)."""
     fwd, bwd = HOST_OPS.get(spec.position, HOST_OPS["learned"])
@@ -111,7 +118,7 @@ def block_cost(spec, layout, mc: Machine, impl: Implementation) -> BlockCost:
            "tp_comm": len(regions) * ar}
     recompute = {"full": sum(fwd.values()), "selective": attn_f + mc.host(ops_r)}.get(layout.recompute, 0.0)
     bwd = {"gemm": sum(dgrad.values()), "attention": attn_b, "elementwise": mc.mem(2 * elem, 8) + mc.host(ops_b)}
-    wgrad_parts = {"gemm": sum(wgrad.values()), "elementwise": mc.mem(10 * params, len(gemms))}
+    wgrad_parts = {"gemm": sum(wgrad.values()), "elementwise": mc.mem(accumulate_bytes(layout, mc) * params, len(gemms))}
     if shape is None:
         return BlockCost(fwd=fwd, bwd=bwd, wgrad=wgrad_parts, tp_bwd=exposed,
                          tp_bwd_overlapped=hidden if impl.tp_overlap else exposed, recompute=recompute,

@@ -21,7 +21,8 @@
   backward, and the fused scale-mask-softmax and dropout at HBM bandwidth over the (b, a/t, s, s) scores.
 * Elementwise and norm kernels at HBM bandwidth: per layer forward 4 bytes per element of (s, b, h) per
   norm, 6 (7 with a dropout mask) per residual add, 4 (SwiGLU 6) per MLP-intermediate element for the
-  activation; backward twice the forward's bytes; 10 bytes per parameter per micro-batch to accumulate
+  activation; backward twice the forward's bytes; 10 bytes per parameter per micro-batch (+12 at ZeRO 2-3,
+  `block_cost.accumulate_bytes`) to accumulate
   the 16-bit weight gradient into megazero's fp32 buffer. Sequence parallelism divides the (s, b, h)
   terms by t.
 * TP collectives on NVLink (ring: all-reduce 2(t-1)/t·bytes / bus bandwidth, docs/reference.md): forward's

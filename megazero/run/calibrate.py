@@ -30,6 +30,7 @@ GPU and NCCL.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import socket
@@ -84,9 +85,13 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
     flops_s, bytes_s = (1e14, 1e12) if device.type == "cuda" else (1e11, 1e10)  # only sizes the samples
     gemm = []
     for m, n, k in GEMM_SHAPES:
-        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        # operands cycled through 64 MiB, as a model's weights and activations stream through the caches
+        count = max(1, min(64, (64 << 20) // ((m * k + k * n) * torch.finfo(dtype).bits // 8)))
+        operands = itertools.cycle([(torch.randn(m, k, device=device, dtype=dtype),
+                                     torch.randn(k, n, device=device, dtype=dtype)) for _ in range(count)])
         barrier()
-        seconds = _median_seconds(lambda: torch.mm(a, b), repeats, sync, calls=_calls(2.0 * m * n * k, flops_s))
+        seconds = _median_seconds(lambda: torch.mm(*next(operands)), repeats, sync,
+                                  calls=_calls(2.0 * m * n * k, flops_s))
         gemm.append((m, n, k, 2.0 * m * n * k / seconds))
     attention = []
     for bh, s, d in ATTENTION_SHAPES:  # causal: half the square, as the planner counts it
