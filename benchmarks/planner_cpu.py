@@ -137,8 +137,7 @@ def predict(config: dict, world: int, hardware_path: Path) -> dict:
     layout, _ = layout_of(cfg)
     spec = spec_of(cfg)
     hw = load_hardware(str(hardware_path), str(C.ROOT / "configs" / "hardware"))
-    from megazero.planner.machine import DEFAULT_EFFICIENCY
-    step = predict_step(spec, layout, hw, efficiency=hw.tuned(DEFAULT_EFFICIENCY))
+    step = predict_step(spec, layout, hw)  # the file's measured efficiency replaces the defaults (Machine)
     mem = predict_memory(spec, layout, device="cpu", param_persistence_threshold=cfg.zero.param_persistence_threshold)
     stage_bytes = [sum(st.breakdown.values()) + sum(st.transient.values()) - st.counted_twice for st in mem.stages]
     parts = [{k: v for k, v in {**st.breakdown, **st.transient}.items() if v} for st in mem.stages]

@@ -225,7 +225,6 @@ def _rank_probe(rank: int, world: int, port: int, queue, repeats: int, parts: tu
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     gpu = torch.cuda.is_available()  # a GPU node: the GPU in bf16 and NCCL; else the CPU in fp32 and gloo
-    host = probe_host(repeats) if "host" in parts and not gpu else 0.0  # the host runs ahead of a GPU
     device = torch.device("cuda", rank % torch.cuda.device_count()) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
@@ -234,8 +233,8 @@ def _rank_probe(rank: int, world: int, port: int, queue, repeats: int, parts: tu
     try:
         compute = (probe_compute(device, torch.bfloat16 if gpu else torch.float32, repeats, dist.barrier)
                    if "compute" in parts else None)
-        if compute is not None or host:
-            compute = dict(compute or {}, host_op_s=host)
+        if "host" in parts:  # measured alone (`probe`); the host runs ahead of a GPU
+            compute = {"host_op_s": 0.0 if gpu else probe_host(repeats)}
         sizes = sorted({s for s in (world, world // 2, world // 4) if s >= 2}) if "comm" in parts else []
         groups = {s: dist.new_group(list(range(s))) for s in sizes}
         comm = {}
