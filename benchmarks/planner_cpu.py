@@ -1,29 +1,35 @@
 """The calibrated planner against megazero's measured steps on this machine (issue 33, item 3).
 
-    python benchmarks/planner_cpu.py [--layouts N] [--steps K] [--only NAME ...] --json OUT.json
+    python benchmarks/planner_cpu.py [--layouts N] [--rounds R] [--steps K] [--only NAME ...] --json OUT.json
 
+R rounds (default 5), each:
 1. ``plan.py --calibrate`` on 1, 2, 4 and 8 ranks (`megazero.run.calibrate`): the hardware file each layout's
-   rank count plans with (8 ranks share the 2 cores here; the probe measures what one rank gets when they do).
+   rank count plans with (8 ranks share the 2 cores here; the probe measures what one rank gets when they do),
+   measured again each round, as the machine's speed drifts over minutes.
 2. A generated set of layouts of the debug GPT and Llama (`layouts()`: every pp x tp x dp factorisation of
    1, 2, 4 and 8 ranks, each with a ZeRO stage, schedule, recompute policy, precision and micro-batch drawn
-   by a seeded generator under the trainer's own rules).
+   by a seeded generator under the trainer's own rules), in an order shuffled per round, each started once the
+   cores are idle.
 3. Each layout runs on its ranks (gloo): warm-up steps, then K timed steps (a barrier before and after each;
-   the step time is their median, the spread min-max), then one step under `LiveTensorBytes`, the peak of
-   every tensor storage alive on the rank during the step (parameters, gradients, optimizer states, buffers,
-   activations and temporaries; the CPU's `max_memory_allocated`), per pipeline stage the largest of its
-   ranks.
-4. The planner's prediction from the calibrated file: `predict_step(...).step_time_s` and, per stage, every
-   byte `predict_memory(device="cpu")` counts before its fragmentation allowance (host and device: one
-   memory on a CPU). Error = predicted / measured - 1.
+   the round's step time is their median; the CPU time of each rank's process, gloo's threads included),
+   then one step under `LiveTensorBytes`, the peak of every tensor storage alive on the rank during the step
+   (parameters, gradients, optimizer states, buffers, activations and temporaries; the CPU's
+   `max_memory_allocated`), per pipeline stage the largest of its ranks.
+4. The planner's prediction from the round's calibrated files: `predict_step(...).step_time_s` and, per stage,
+   every byte `predict_memory(device="cpu")` counts before its fragmentation allowance (host and device: one
+   memory on a CPU).
 
-Writes OUT.json (the hardware files, every layout's measured and predicted figures) and OUT.md (the table
-the README shows). Nothing here asserts on wall-clock times.
+A layout's measured step is the median over the rounds (the spread: the rounds' min-max), its predicted step
+the median of the rounds' predictions; error = predicted / measured - 1. Writes OUT.json (the hardware files,
+every layout's measured and predicted figures) and OUT.md (the table the README shows). Nothing here asserts on
+wall-clock times.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import resource
 import statistics
 import sys
 import time
@@ -86,6 +92,28 @@ def _seconds_stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
+def _cpu_seconds() -> float:
+    """CPU time this process used so far (user + system, every thread: torch's and gloo's)."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+def wait_until_idle(max_wait_s: float = 20.0, busy: float = 0.1) -> None:
+    """Before a layout starts: wait (up to `max_wait_s`) until the machine's cores were less than `busy` used over
+    half a second (the previous layout's ranks exiting, or another program, would otherwise slow its steps)."""
+    def ticks():
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return sum(values), values[3] + values[4]  # all, idle + iowait
+    deadline = time.monotonic() + max_wait_s
+    while time.monotonic() < deadline:
+        total0, idle0 = ticks()
+        time.sleep(0.5)
+        total1, idle1 = ticks()
+        if total1 == total0 or 1 - (idle1 - idle0) / (total1 - total0) < busy:
+            return
+
+
 def layout_worker(config: dict, warmup: int, steps: int) -> dict:
     """On each rank: warm-up steps, `steps` timed steps (barriers around each), one step under
     `LiveTensorBytes`; {"pp": stage, "times": [s], "peak_bytes": int}."""
@@ -97,13 +125,14 @@ def layout_worker(config: dict, warmup: int, steps: int) -> dict:
     engine, opt, data, _ = megazero.initialize(config=config)
     for _ in range(warmup):
         engine.train_batch(data)
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, used = time.perf_counter(), _cpu_seconds()
         engine.train_batch(data)
         dist.barrier()
         times.append(time.perf_counter() - start)
+        cpu.append(_cpu_seconds() - used)
     ckpt = engine.module.activation_checkpointer
     meter = SavedActivationMeter(engine.module, checkpointer=ckpt)
     with LiveTensorBytes() as live:
@@ -112,7 +141,7 @@ def layout_worker(config: dict, warmup: int, steps: int) -> dict:
             engine.train_batch(data)
         end = live.current()
     report = {k: v for k, v in memory_report(opt, meter, ckpt).items() if v}
-    return {"pp": engine.pctx.pp_rank, "times": times, "peak_bytes": live.peak, "start_bytes": start,
+    return {"pp": engine.pctx.pp_rank, "times": times, "cpu": cpu, "peak_bytes": live.peak, "start_bytes": start,
             "end_bytes": end, "report": report}
 
 
@@ -145,11 +174,26 @@ def predict(config: dict, world: int, hardware_path: Path) -> dict:
             "breakdown": {k: round(v, 5) for k, v in step.breakdown.items() if v}}
 
 
+def markdown(rows: list[dict]) -> str:
+    """The README's table of `rows` (main's layouts)."""
+    lines = ["| layout | ranks | measured step (s, median of rounds; min-max) | CPU s per rank | predicted (min-max) "
+             "| error | measured peak (MB, the stage furthest off) | predicted | error |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        st, pr = r["step_s"], r.get("predicted_spread") or {"min": r["predicted_step_s"], "max": r["predicted_step_s"]}
+        m = min(r["memory"], key=lambda x: -abs(x["error"]))
+        cpu = f"{r['cpu_s']:.3f}" if r.get("cpu_s") is not None else "-"
+        lines.append(f"| {r['name']} | {r['world']} | {st['median']:.3f} ({st['min']:.3f}-{st['max']:.3f}) | {cpu} "
+                     f"| {r['predicted_step_s']:.3f} ({pr['min']:.3f}-{pr['max']:.3f}) | {r['time_error']:+.0%} "
+                     f"| {m['measured'] / 1e6:.2f} (stage {m['stage']}) | {m['predicted'] / 1e6:.2f} | {m['error']:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", type=int, default=24)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="passes over the layouts (the step time: their medians' median)")
     ap.add_argument("--only", nargs="*", default=None, help="layout names (substrings) to run")
     ap.add_argument("--hardware-dir", default=None, help="reuse the calibrated files here")
     ap.add_argument("--json", default="runs/planner_cpu.json")
@@ -161,39 +205,66 @@ def main(argv=None) -> dict:
     hw_dir = Path(args.hardware_dir) if args.hardware_dir else out.parent / "planner_cpu_hardware"
     hw_dir.mkdir(parents=True, exist_ok=True)
     todo = [lay for lay in layouts(args.layouts) if not args.only or any(s in lay["name"] for s in args.only)]
-    files = {}
-    for world in sorted({lay["world"] for lay in todo}):
-        path = hw_dir / f"cpu-{world}-ranks.yaml"
-        files[world] = path if path.exists() and (args.hardware_dir or args.predict_only) else calibrate(world, hw_dir)
-    rows = []
+    worlds = sorted({lay["world"] for lay in todo})
+
+    def hardware_files(round_: int) -> dict:
+        """{ranks: hardware file}: those in --hardware-dir (calibrated there if absent), else calibrated now,
+        before this round's measurements (the machine's speed drifts by several percent over minutes)."""
+        if args.hardware_dir or args.predict_only:
+            return {w: hw_dir / f"cpu-{w}-ranks.yaml" if (hw_dir / f"cpu-{w}-ranks.yaml").exists()
+                    else calibrate(w, hw_dir) for w in worlds}
+        here = hw_dir / f"round{round_ + 1}"
+        here.mkdir(parents=True, exist_ok=True)
+        return {w: calibrate(w, here) for w in worlds}
+
     earlier = {r["name"]: r for r in json.loads(Path(args.predict_only).read_text())["layouts"]} if args.predict_only else {}
+    runs = {lay["name"]: [] for lay in todo}
+    files_per_round = []
+    for round_ in range(1 if args.predict_only else args.rounds):  # interleaved: a slow minute hits one round
+        wait_until_idle()
+        files_per_round.append(hardware_files(round_))
+        order = [] if args.predict_only else list(todo)
+        random.Random(round_).shuffle(order)  # each round in its own order: no layout always follows the same one
+        for lay in order:
+            wait_until_idle()
+            runs[lay["name"]].append(C.run_ranks(layout_worker, lay["world"], lay["config"], args.warmup, args.steps))
+            print(f"round {round_ + 1}/{args.rounds} {lay['name']}: "
+                  f"{statistics.median(runs[lay['name']][-1][0]['times']):.3f} s", flush=True)
+    rows = []
     for lay in todo:
         if args.predict_only:
             old = earlier[lay["name"]]
-            step = old["step_s"]
+            step, cpu = old["step_s"], old.get("cpu_s")
             measured = {m["stage"]: m["measured"] for m in old["memory"]}
             reports = {m["stage"]: m["report"] for m in old["memory"]}
         else:
-            ranks = C.run_ranks(layout_worker, lay["world"], lay["config"], args.warmup, args.steps)
-            step = _seconds_stats(ranks[0]["times"]) if args.steps else {"median": float("nan"), "min": 0, "max": 0}
+            rounds = runs[lay["name"]]
+            step = _seconds_stats([statistics.median(ranks[0]["times"]) for ranks in rounds])
+            step["steps_per_round"] = args.steps
+            cpu = statistics.median(statistics.median(r["cpu"]) for ranks in rounds for r in ranks)
             measured, reports = {}, {}
-            for r in ranks:
+            for r in rounds[0]:  # the peak is the same every round (the table shows round 1's)
                 if r["peak_bytes"] >= measured.get(r["pp"], 0):
                     measured[r["pp"]] = r["peak_bytes"]
                     reports[r["pp"]] = {"start": r["start_bytes"], "end": r["end_bytes"], **r["report"]}
-        pred = predict(lay["config"], lay["world"], files[lay["world"]])
+        preds = [predict(lay["config"], lay["world"], files[lay["world"]]) for files in files_per_round]
+        pred = preds[0]  # memory: the same from every file (exact byte counts)
+        predicted = _seconds_stats([p["step_s"] for p in preds])
         mem = [{"stage": s, "measured": measured[s], "predicted": pred["stage_bytes"][s], "report": reports[s],
                 "predicted_parts": pred["stage_parts"][s],
                 "error": pred["stage_bytes"][s] / measured[s] - 1} for s in sorted(measured)]
-        row = {"name": lay["name"], "world": lay["world"], "step_s": step, "predicted_step_s": pred["step_s"],
-               "time_error": pred["step_s"] / step["median"] - 1, "memory": mem,
+        row = {"name": lay["name"], "world": lay["world"], "step_s": step, "cpu_s": cpu,
+               "predicted_step_s": predicted["median"], "predicted_spread": predicted,
+               "time_error": predicted["median"] / step["median"] - 1, "memory": mem,
                "memory_error": max((m["error"] for m in mem), key=abs), "breakdown": pred["breakdown"]}
         rows.append(row)
         print(f"{row['name']:60s} step {step['median']:.3f} s ({step['min']:.3f}-{step['max']:.3f}) "
-              f"predicted {pred['step_s']:.3f} ({row['time_error']:+.1%}); memory error {row['memory_error']:+.1%}",
-              flush=True)
+              f"predicted {predicted['median']:.3f} ({predicted['min']:.3f}-{predicted['max']:.3f}, "
+              f"{row['time_error']:+.1%}); memory error {row['memory_error']:+.1%}", flush=True)
+    files = files_per_round[0]
     result = {"machine": C.machine_info(), "hardware": {w: str(p) for w, p in files.items()}, "layouts": rows}
     out.write_text(json.dumps(result, indent=1, default=str))
+    out.with_suffix(".md").write_text(markdown(rows))
     return result
 
 

@@ -254,9 +254,10 @@ def test_zero3_at_scale_pays_a_latency_per_unit_and_bucket():
     assert b.dp_bytes == pytest.approx(a.dp_bytes, rel=0.05)
 
 
-def test_ranks_sharing_a_cpus_cores_take_the_nodes_compute_over_its_cores():
+def test_ranks_sharing_a_cpus_cores_take_the_nodes_cpu_time_over_its_cores():
     """A calibrated CPU file's cores_per_node: 8 data-parallel ranks on 2 cores take at least 8 / 2 of one
-    rank's compute (`speed.shared_cores_bound`); accelerators (0) keep the simulator's step."""
+    rank's CPU time (`speed.shared_cores_bound`): its compute, and comm_cpu of each second of its collectives;
+    accelerators (0) keep the simulator's step."""
     from megazero.core.spec import load_spec
     from megazero.planner.hardware import Hardware
 
@@ -268,3 +269,7 @@ def test_ranks_sharing_a_cpus_cores_take_the_nodes_compute_over_its_cores():
     compute = sum(v for k, v in alone.breakdown.items() if k in speed.COMPUTE)
     assert shared.step_time_s == pytest.approx(max(alone.step_time_s, compute * 8 / 2), rel=1e-9)
     assert shared.step_time_s > alone.step_time_s
+    busy = dataclasses.replace(cpu, efficiency=(("comm_cpu", 0.5),))
+    comm = alone.breakdown["dp_comm"]
+    assert comm > 0
+    assert speed.predict_step(spec, lay, busy).step_time_s == pytest.approx((compute + 0.5 * comm) * 8 / 2, rel=1e-9)

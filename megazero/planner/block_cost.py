@@ -19,9 +19,10 @@ class BlockCost:
     wgrad: dict     # weight-grad GEMMs and the fp32 accumulation
     tp_bwd: float   # backward collectives, all exposed (weight GEMMs deferred to W, or no overlap)
     tp_bwd_overlapped: float  # the same, hidden behind the GEMMs where megazero does so
-    recompute: float  # time of the recompute forward added to each backward
+    recompute: float  # time of the recompute forward added to each backward (its compute)
     params: float   # GEMM weights of the block on this TP rank (an MoE MLP's router and shared experts too)
     expert_params: float = 0.0  # an MoE MLP's routed experts on this rank (their own data-parallel group)
+    recompute_comm: float = 0.0  # the recompute forward's TP collectives (full recompute), added to tp_comm
 
 
 def block_gemms(spec, t: int, impl: Implementation):
@@ -46,7 +47,7 @@ def _attention(spec, layout, mc: Machine) -> tuple[float, float]:
     bh = b * spec.heads // layout.tp
     if spec.attention_dropout == 0:  # SDPA flash: the causal half of the square
         flops = 2.0 * bh * s * s * d
-        return flops / (mc.eff.flash_fwd * mc.peak), 2.5 * flops / (mc.eff.flash_bwd * mc.peak)
+        return mc.flops(flops, mc.eff.flash_fwd), mc.flops(2.5 * flops, mc.eff.flash_bwd)
     scores = bh * s * s
     dropout = (2 * mc.act + 1) * scores  # read, write, 1-byte mask; the same backward
     fwd = mc.gemm(s, s, d, bh) + mc.gemm(s, d, s, bh) + mc.mem(2 * mc.act * scores + dropout, 2)  # QKᵀ, PV, softmax
@@ -116,20 +117,23 @@ def block_cost(spec, layout, mc: Machine, impl: Implementation) -> BlockCost:
     ops_f, ops_b, ops_r = host_ops(spec, layout)
     fwd = {"gemm": fwd_gemm, "attention": attn_f, "elementwise": mc.mem(elem, 6) + mc.host(ops_f),
            "tp_comm": len(regions) * ar}
-    recompute = {"full": sum(fwd.values()), "selective": attn_f + mc.host(ops_r)}.get(layout.recompute, 0.0)
+    recompute = {"full": sum(v for k, v in fwd.items() if k != "tp_comm"),
+                 "selective": attn_f + mc.host(ops_r)}.get(layout.recompute, 0.0)
+    recompute_comm = fwd["tp_comm"] if layout.recompute == "full" else 0.0
     bwd = {"gemm": sum(dgrad.values()), "attention": attn_b, "elementwise": mc.mem(2 * elem, 8) + mc.host(ops_b)}
     wgrad_parts = {"gemm": sum(wgrad.values()), "elementwise": mc.mem(accumulate_bytes(layout, mc) * params, len(gemms))}
     if shape is None:
         return BlockCost(fwd=fwd, bwd=bwd, wgrad=wgrad_parts, tp_bwd=exposed,
                          tp_bwd_overlapped=hidden if impl.tp_overlap else exposed, recompute=recompute,
-                         params=params)
+                         params=params, recompute_comm=recompute_comm)
     moe = moe_cost(shape, layout, mc)
     moe_tp = moe.bwd.get("tp_comm", 0.0)
     return BlockCost(fwd=add_parts(fwd, moe.fwd), bwd=add_parts(bwd, {k: v for k, v in moe.bwd.items() if k != "tp_comm"}),
                      wgrad=add_parts(wgrad_parts, moe.wgrad), tp_bwd=exposed + moe_tp,
                      tp_bwd_overlapped=(hidden if impl.tp_overlap else exposed) + moe_tp,
                      recompute=recompute + (moe.recompute if layout.recompute == "full" else 0.0),
-                     params=params + moe.dense_params, expert_params=moe.expert_params)
+                     params=params + moe.dense_params, expert_params=moe.expert_params,
+                     recompute_comm=recompute_comm)
 
 
 def embedding_head_cost(spec, layout, mc: Machine) -> tuple[dict, ...]:
@@ -143,12 +147,14 @@ def embedding_head_cost(spec, layout, mc: Machine) -> tuple[dict, ...]:
     x = tokens * h
     ar = mc.ring("all_reduce", x * mc.act, t, mc.link(1, t))
     pos = 3 * mc.act * x if spec.position == "learned" else 0
-    emb_f = mc.mem(2 * mc.act * x + pos, 2) + ar + mc.host(HEAD_OPS / 2)
+    emb_f = mc.mem(2 * mc.act * x + pos, 2) + mc.host(HEAD_OPS / 2)
     emb_b = mc.mem(4 * mc.act * x + 4 * vocab * h, 2)  # scatter-add into the (dense, fp32) table gradient
     logits = tokens * vocab
     loss_ar = 3 * mc.ring("all_reduce", 4 * tokens, t, mc.link(1, t))
-    head_f = mc.gemm(tokens, vocab, h) + mc.mem(4 * mc.act * x + 10 * logits, 4) + loss_ar
-    head_b = mc.gemm(tokens, h, vocab) + mc.mem(6 * logits + 8 * mc.act * x, 4) + ar + mc.host(HEAD_OPS / 2)
+    head_f = mc.gemm(tokens, vocab, h) + mc.mem(4 * mc.act * x + 10 * logits, 4)
+    head_b = mc.gemm(tokens, h, vocab) + mc.mem(6 * logits + 8 * mc.act * x, 4) + mc.host(HEAD_OPS / 2)
     head_w = mc.gemm(vocab, h, tokens) + mc.mem(10 * vocab * h)
-    return ({"embedding_head": emb_f}, {"embedding_head": emb_b}, {"embedding_head": head_f},
-            {"embedding_head": head_b}, {"embedding_head": head_w})
+    comm = {"tp_comm": ar} if t > 1 else {}  # the collectives, apart: a CPU's ranks share cores only in compute
+    return ({"embedding_head": emb_f, **comm}, {"embedding_head": emb_b},
+            {"embedding_head": head_f, **({"tp_comm": loss_ar} if t > 1 else {})},
+            {"embedding_head": head_b, **comm}, {"embedding_head": head_w})

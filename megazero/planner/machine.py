@@ -39,6 +39,7 @@ class Efficiency:
     gemm_k_half: float = 391.8
     gemm_mn_half: float = 0.0  # measured by --calibrate on a CPU: small outputs (m·n) run below the curve
     host_op_us: float = 0.0  # a CPU (--calibrate): host time per dispatched operator, paid in series with compute
+    comm_cpu: float = 0.0  # a CPU (--calibrate): CPU seconds a rank spends per second of collective or transfer
     hbm: float = 0.8
     nvlink: float = 0.8
     internode: float = 0.9
@@ -103,6 +104,10 @@ class Machine:
         self.act = 4 if layout.precision == "fp32" else 2  # bytes per activation / parameter element
         self.node = layout.ranks_per_node or hw.gpus_per_node  # ranks per node
         self.hierarchical = layout.hierarchical
+        # a CPU node that runs more ranks than it has cores (``cores_per_node`` of a calibrated file): the rates
+        # here are a core of its own; speed.py shares the cores among the ranks computing at once (0: no sharing)
+        cores = getattr(hw, "cores_per_node", 0)
+        self.shared_cores = cores if min(layout.gpus, self.node) > cores else 0
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
         """One (m x k)·(k x n) GEMM (`batch` of them in one batched kernel)."""
@@ -112,6 +117,10 @@ class Machine:
         compute = 2.0 * m * n * k * batch / (e * self.peak)
         memory = self.act * (m * k + k * n + m * n) * batch / self.hbm
         return max(compute, memory) + self.eff.kernel_us * 1e-6
+
+    def flops(self, flops: float, fraction: float) -> float:
+        """Seconds of `flops` at `fraction` of the peak (a fused kernel's measured rate, e.g. flash attention)."""
+        return flops / (fraction * self.peak)
 
     def mem(self, nbytes: float, kernels: int = 1) -> float:
         return nbytes / self.hbm + kernels * self.eff.kernel_us * 1e-6

@@ -13,8 +13,10 @@
   ``--calibrate`` may add ``gemm_mn_half``: the curve times mn / (mn + gemm_mn_half), small outputs (a CPU's
   256-token GEMMs) running below it; the presets leave it 0.
 * A CPU node with more ranks than cores (``cores_per_node`` in a calibrated file): the ranks share the
-  cores, so a step takes at least the node's compute over its cores (`shared_cores_bound`); a waiting rank
-  lends its core, so the simulator's bubbles cost less than its makespan says.
+  cores, so a step takes at least the node's CPU time over its cores (`shared_cores_bound`: compute at the
+  file's CPU-second rates, and ``comm_cpu`` of each second of communication); a waiting rank lends its core,
+  so the simulator's bubbles and latencies cost less than its makespan says. The file's collective and
+  transfer times are what one adds after compute among the sharing ranks (the probe times them so).
 * Attention core: with attention dropout off megazero runs flash attention (SDPA): causal FLOPs at
   `flash_fwd` / `flash_bwd` of peak (backward 2.5x the forward's FLOPs). With dropout on (megazero's
   reference core, and Megatron-LM in 2021) the scores are materialised: two batched GEMMs forward, four
@@ -180,9 +182,9 @@ def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DE
     breakdown["p2p"] = _union([(sp.start, sp.end) for sp in sim.timeline[crit] if isinstance(sp.instr, P2P)])
     for span in sim.timeline[crit]:
         if not isinstance(span.instr, (P2P, LoadMicroBatch)):
-            for k, val in costs.parts[costs.key(crit, span.instr)].items():
+            for k, val in costs.parts_of(crit, span.instr).items():
                 breakdown[k] += val
-    step = max(step, shared_cores_bound(sim, costs, layout, hardware, mc.node))
+    step = max(step, shared_cores_bound(sim, costs, layout))
     breakdown["pipeline_bubble"] = step - sum(breakdown.values())
     model, hw_flops = step_flops(spec, layout)
     gpus = layout.gpus
@@ -197,24 +199,29 @@ def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DE
 
 
 COMPUTE = ("gemm", "attention", "elementwise", "recompute", "embedding_head", "optimizer")
-"""The breakdown categories a CPU rank computes (the rest: collectives and transfers, timed as measured among
-the sharing ranks)."""
+"""The breakdown categories a CPU rank computes (the rest: collectives and transfers)."""
 
 
-def shared_cores_bound(sim, costs, layout, hardware, ranks_per_node: int) -> float:
-    """On a CPU whose node runs more ranks than it has cores (``cores_per_node``, as ``--calibrate`` writes it;
-    0 on accelerators: no bound), the ranks share the cores: the step takes at least the node's compute (each
-    rank's `COMPUTE` parts of its instructions, as the simulator timed them on a core of its own) over its
-    cores. A rank that waits (a bubble, a transfer) lends its core to the others, so a pipeline's bubble costs
+def shared_cores_bound(sim, costs, layout) -> float:
+    """On a CPU node that runs more ranks than it has cores (`Machine.shared_cores`, from a calibrated file's
+    ``cores_per_node``; 0 on accelerators: no bound) the ranks share the cores: the step takes at least the CPU
+    time of the node's ranks over its cores. A rank's CPU time: its `COMPUTE` parts (the file's rates are CPU
+    seconds, a core of its own) and ``comm_cpu`` of each second of its collectives and transfers (what gloo's
+    copies, reductions and wake-ups cost). A rank that waits lends its core, so bubbles and latencies cost
     less than the simulator's own makespan says, down to this bound."""
-    cores = getattr(hardware, "cores_per_node", 0)
-    ranks_here = min(layout.gpus, ranks_per_node)
-    if not cores or ranks_here <= cores:
+    mc = costs.mc
+    if not mc.shared_cores:
         return 0.0
-    work = [sum(sum(v for k, v in costs.parts[costs.key(s, sp.instr)].items() if k in COMPUTE)
-                for sp in stage if not isinstance(sp.instr, (P2P, LoadMicroBatch)))
-            for s, stage in enumerate(sim.timeline)]
-    return sum(work) / len(work) * ranks_here / cores
+    ranks = min(layout.gpus, mc.node)
+
+    def cpu(s, ins) -> float:
+        if isinstance(ins, LoadMicroBatch):
+            return 0.0
+        if isinstance(ins, P2P):
+            return mc.eff.comm_cpu * costs(s, ins)
+        return sum(v if k in COMPUTE else mc.eff.comm_cpu * v for k, v in costs.parts_of(s, ins).items())
+    work = [sum(cpu(s, sp.instr) for sp in stage) for s, stage in enumerate(sim.timeline)]
+    return sum(work) / len(work) * ranks / mc.shared_cores
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:

@@ -248,7 +248,7 @@ class StageCosts:
                 ckpt_f, ckpt_b = _checkpoint_io(spec, layout, mc, per_chunk)
                 f = add_parts(f, {"recompute": ckpt_f}) if ckpt_f else f
                 b = add_parts(scale_parts(blk.bwd, per_chunk), {"recompute": blk.recompute * per_chunk + ckpt_b},
-                         {"tp_comm": (blk.tp_bwd if split else blk.tp_bwd_overlapped) * per_chunk},
+                         {"tp_comm": ((blk.tp_bwd if split else blk.tp_bwd_overlapped) + blk.recompute_comm) * per_chunk},
                          emb_b if vs == 0 else {}, head_b if vs == last else {})
                 w = add_parts(scale_parts(blk.wgrad, per_chunk), head_w if vs == last else {})
                 chunk_shards = [(x * share, *rest) for share, (x, *rest) in zip(shares[s][c], shards)]
@@ -280,12 +280,16 @@ class StageCosts:
             return (stage, "O", 0)
         return None
 
+    def parts_of(self, stage: int, ins) -> dict:
+        """Seconds per breakdown category of compute or step instruction `ins` on `stage`."""
+        return self.parts[self.key(stage, ins)]
+
     def __call__(self, stage: int, ins) -> float:
         if isinstance(ins, P2P):
             return self.p2p[(stage, ins.peer)]
         if isinstance(ins, LoadMicroBatch):
             return 0.0
-        return sum(self.parts[self.key(stage, ins)].values())
+        return sum(self.parts_of(stage, ins).values())
 
     def per_stage(self, stage: int, v: int) -> tuple[float, float, float]:
         return tuple(sum(sum(self.parts[(stage, k, c)].values()) for c in range(v)) for k in "FBW")

@@ -30,6 +30,7 @@ GPU and NCCL.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -48,21 +49,23 @@ COLLECTIVE_BYTES = (16 << 10, 1 << 20, 8 << 20)
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-def _median_seconds(fn, repeats: int, sync, sample_s: float = 0.05, calls: int | None = None) -> float:
-    """The median over `repeats` samples of one call's seconds; each sample times `calls` calls (default: enough
-    to last about `sample_s` here). Ranks sharing cores pass the same `calls` (sized by the work, not by a
-    timing), so that they compute together for the whole measurement."""
-    start = time.perf_counter()
+def _median_seconds(fn, repeats: int, sync, sample_s: float = 0.05, calls: int | None = None,
+                    clock=time.perf_counter) -> float:
+    """The median over `repeats` samples of one call's seconds on `clock` (wall time; `time.process_time`: the
+    CPU time this rank used); each sample times `calls` calls (default: enough to last about `sample_s` here).
+    Ranks sharing cores pass the same `calls` (sized by the work, not by a timing), so that they compute
+    together for the whole measurement."""
+    start = clock()
     fn()
     sync()
-    inner = calls or max(1, int(sample_s / max(time.perf_counter() - start, 1e-7)))
+    inner = calls or max(1, int(sample_s / max(clock() - start, 1e-7)))
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(inner):
             fn()
         sync()
-        times.append((time.perf_counter() - start) / inner)
+        times.append((clock() - start) / inner)
     return statistics.median(times)
 
 
@@ -77,11 +80,15 @@ ELEMENTWISE_ROWS = (256, 1024)
 """Rows of the (rows, 1024) activations the memory-bound probe runs its kernels on (1-4 MiB in fp32)."""
 
 
-def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, barrier=lambda: None) -> dict:
+def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, barrier=lambda: None,
+                  clock=time.perf_counter) -> dict:
     """{"gemm": [(m, n, k, FLOP/s)], "attention": [(bh, s, d, fwd FLOP/s, bwd FLOP/s)],
-    "elementwise_bytes_per_s", "copy_bytes_per_s", "kernel_s"} measured on this rank. `barrier` runs before
-    each measurement, so that ranks sharing a machine measure at the same time (as a run's ranks compute)."""
+    "elementwise_bytes_per_s", "copy_bytes_per_s", "kernel_s"} measured on this rank, on `clock` (ranks
+    sharing cores time their CPU time: what a core of its own would take, with the caches and switches that
+    sharing costs). `barrier` runs before each measurement, so that ranks sharing a machine measure at the
+    same time (as a run's ranks compute)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    _median = functools.partial(_median_seconds, clock=clock)
     flops_s, bytes_s = (1e14, 1e12) if device.type == "cuda" else (1e11, 1e10)  # only sizes the samples
     gemm = []
     for m, n, k in GEMM_SHAPES:
@@ -90,7 +97,7 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
         operands = itertools.cycle([(torch.randn(m, k, device=device, dtype=dtype),
                                      torch.randn(k, n, device=device, dtype=dtype)) for _ in range(count)])
         barrier()
-        seconds = _median_seconds(lambda: torch.mm(*next(operands)), repeats, sync,
+        seconds = _median(lambda: torch.mm(*next(operands)), repeats, sync,
                                   calls=_calls(2.0 * m * n * k, flops_s))
         gemm.append((m, n, k, 2.0 * m * n * k / seconds))
     attention = []
@@ -98,12 +105,12 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
         q, k, v = (torch.randn(1, bh, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         flops = 2.0 * bh * s * s * d
         barrier()
-        fwd = _median_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+        fwd = _median(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
                               repeats, sync, calls=_calls(flops, flops_s / 4))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         grad = torch.ones_like(out)
         barrier()
-        bwd = _median_seconds(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats, sync,
+        bwd = _median(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats, sync,
                               calls=_calls(2.5 * flops, flops_s / 4))
         attention.append((bh, s, d, flops / fwd, 2.5 * flops / bwd))
     elementwise = []
@@ -116,17 +123,17 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
             y = torch.nn.functional.gelu(norm(x)) + r
             y.backward(r)
         barrier()
-        seconds = _median_seconds(kernels, repeats, sync, calls=_calls(21 * x.numel() * x.element_size(), bytes_s))
+        seconds = _median(kernels, repeats, sync, calls=_calls(21 * x.numel() * x.element_size(), bytes_s))
         # bytes as the planner counts them (block_cost._elementwise): a norm 2, a residual add 3 and an
         # activation 2 elements' worth per element forward, twice that backward
         elementwise.append(21 * x.numel() * x.element_size() / seconds)
     x = torch.empty(16 << 20, device=device, dtype=torch.float32)  # 64 MiB
     y = torch.empty_like(x)
     barrier()
-    copy = _median_seconds(lambda: y.copy_(x), repeats, sync, calls=_calls(2 * x.numel() * 4, bytes_s))
+    copy = _median(lambda: y.copy_(x), repeats, sync, calls=_calls(2 * x.numel() * 4, bytes_s))
     tiny = torch.zeros(1, device=device)
     barrier()
-    kernel = _median_seconds(lambda: tiny.add_(1.0), repeats * 20, sync, calls=1000)
+    kernel = _median(lambda: tiny.add_(1.0), repeats * 20, sync, calls=1000)
     return {"gemm": gemm, "attention": attention, "elementwise_bytes_per_s": statistics.median(elementwise),
             "copy_bytes_per_s": 2 * x.numel() * 4 / copy, "kernel_s": kernel}
 
@@ -221,7 +228,51 @@ def _collective(kind: str, numel: int, group, size: int, device: torch.device):
     return lambda: fn(out, shard, group=group)
 
 
-def _rank_probe(rank: int, world: int, port: int, queue, repeats: int, parts: tuple = ("compute", "comm")) -> None:
+PACE = (256, 1024, 256)
+"""(m, k, n) of the GEMM each collective and transfer is timed after: the compute a step runs between two of them
+(a block's GEMMs at a debug size), so that it is timed as a step meets it (on a CPU whose ranks share cores a
+collective costs several times more after compute than called back to back)."""
+PACE_CALLS = 8
+
+
+def _paced_seconds(fn, baseline: tuple, repeats: int, sync, pace) -> tuple[float, float]:
+    """(wall, CPU) seconds `fn` adds to the pacing GEMM `pace` (each call: the GEMM, then `fn`) over `baseline`
+    (the GEMM's own, `_pace_seconds`): medians of `repeats` samples of `PACE_CALLS` calls."""
+    def paced():
+        torch.mm(*pace)
+        fn()
+    wall, cpu = _pace_seconds(paced, repeats, sync)
+    return max(0.0, wall - baseline[0]), max(0.0, cpu - baseline[1])
+
+
+def _pace_seconds(fn, repeats: int, sync) -> tuple[float, float]:
+    """(wall, CPU seconds of this process: every thread, gloo's too) per call of `fn`, medians of `repeats`
+    samples of `PACE_CALLS` calls."""
+    fn()
+    sync()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(PACE_CALLS):
+            fn()
+        sync()
+        walls.append((time.perf_counter() - wall) / PACE_CALLS)
+        cpus.append((time.process_time() - cpu) / PACE_CALLS)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def _partition(world: int, size: int) -> dict:
+    """{rank: its group}: the world in consecutive groups of `size` ranks (every rank creates every group)."""
+    groups = {}
+    for first in range(0, world - world % size, size):
+        ranks = list(range(first, first + size))
+        group = dist.new_group(ranks)
+        groups.update(dict.fromkeys(ranks, group))
+    return groups
+
+
+def _rank_probe(rank: int, world: int, port: int, queue, repeats: int, parts: tuple = ("compute", "comm"),
+                share_cores: bool = True) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     gpu = torch.cuda.is_available()  # a GPU node: the GPU in bf16 and NCCL; else the CPU in fp32 and gloo
@@ -230,36 +281,43 @@ def _rank_probe(rank: int, world: int, port: int, queue, repeats: int, parts: tu
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
+    shared = share_cores and not gpu and world > (os.cpu_count() or 1)
     try:
-        compute = (probe_compute(device, torch.bfloat16 if gpu else torch.float32, repeats, dist.barrier)
+        compute = (probe_compute(device, torch.bfloat16 if gpu else torch.float32, repeats, dist.barrier,
+                                 clock=time.process_time if shared else time.perf_counter)
                    if "compute" in parts else None)
         if "host" in parts:  # measured alone (`probe`); the host runs ahead of a GPU
             compute = {"host_op_s": 0.0 if gpu else probe_host(repeats)}
-        sizes = sorted({s for s in (world, world // 2, world // 4) if s >= 2}) if "comm" in parts else []
-        groups = {s: dist.new_group(list(range(s))) for s in sizes}
-        comm = {}
-        for kind in KINDS:
+        comm, p2p = {}, None
+        if "comm" in parts:
+            m, k, n = PACE
+            pace = (torch.randn(m, k, device=device), torch.randn(k, n, device=device))
+            dist.barrier()
+            baseline = _pace_seconds(lambda: torch.mm(*pace), repeats, sync)
+            sizes = sorted({s for s in (world, world // 2, world // 4) if s >= 2})
             for size in sizes:
-                for nbytes in COLLECTIVE_BYTES:
-                    numel = nbytes // 4
-                    if rank < size:
-                        # one call per sample: every rank of the group calls the collective equally often
-                        seconds = _median_seconds(_collective(kind, numel, groups[size], size, device), repeats, sync,
-                                                  sample_s=0)
-                        comm[(kind, size, nbytes)] = seconds
-                    dist.barrier()
-        p2p = None
-        if world >= 2 and "comm" in parts:
-            t = torch.ones(256, device=device)
-            def pingpong():
-                if rank == 0:
-                    dist.send(t, 1)
-                    dist.recv(t, 1)
-                elif rank == 1:
-                    dist.recv(t, 0)
-                    dist.send(t, 0)
-            if rank < 2:
-                p2p = _median_seconds(pingpong, repeats * 4, sync, sample_s=0) / 2
+                groups = _partition(world, size)  # every group measures at once, as a layout's groups run
+                for kind in KINDS:
+                    for nbytes in COLLECTIVE_BYTES:
+                        dist.barrier()
+                        if rank in groups:
+                            fn = _collective(kind, nbytes // 4, groups[rank], size, device)
+                            comm[(kind, size, nbytes)] = _paced_seconds(fn, baseline, repeats, sync, pace)
+            if world >= 2:  # a send and a receive between neighbours (every pair at once), per transfer
+                t = torch.ones(256, device=device)
+                peer = rank ^ 1
+
+                def pingpong():
+                    if rank % 2 == 0:
+                        dist.send(t, peer)
+                        dist.recv(t, peer)
+                    else:
+                        dist.recv(t, peer)
+                        dist.send(t, peer)
+                dist.barrier()
+                if peer < world:
+                    wall, cpu = _paced_seconds(pingpong, baseline, repeats, sync, pace)
+                    p2p = (wall / 2, cpu / 2)
             dist.barrier()
         queue.put((rank, compute, comm, p2p, gpu))
     finally:
@@ -272,13 +330,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(world: int, repeats: int = 5, timeout: float = 600.0, parts: tuple = ("compute", "comm")) -> list:
+def measure(world: int, repeats: int = 5, timeout: float = 600.0, parts: tuple = ("compute", "comm"),
+            share_cores: bool = True) -> list:
     """Run the probe's `parts` on `world` ranks of this machine (gloo, or NCCL on GPUs); [(rank, compute, comm,
     p2p, on a GPU)] in rank order."""
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_probe, args=(r, world, port, queue, repeats, parts)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_probe, args=(r, world, port, queue, repeats, parts, share_cores))
+             for r in range(world)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=timeout) for _ in procs]
@@ -288,20 +348,15 @@ def measure(world: int, repeats: int = 5, timeout: float = 600.0, parts: tuple =
 
 
 def probe(world: int, repeats: int = 5, name: str | None = None, share_cores: bool = True) -> dict:
-    """The hardware file's content for runs of `world` ranks on this machine. On a CPU with fewer cores than
-    `world` the compute is measured on as many ranks as there are cores, one core each (the planner then shares
-    the cores among the ranks, `speed.shared_cores_bound`), the collectives on all `world`."""
-    cores = os.cpu_count() or 1
-    if torch.cuda.is_available() or world <= cores or not share_cores:
-        results = measure(world, repeats)
-        compute = results
-    else:
-        results = measure(world, repeats, parts=("comm",))
-        compute = measure(cores, repeats, parts=("compute",))
+    """The hardware file's content for runs of `world` ranks on this machine, every rank measuring at once. On a
+    CPU with fewer cores than `world` each rank times its compute in CPU seconds (what it would take on a core
+    of its own, the cost of sharing included) and the file records ``cores_per_node``: the planner shares the
+    cores among the ranks (`Machine.share`). `share_cores=False`: wall time throughout, no ``cores_per_node``."""
+    results = measure(world, repeats, share_cores=share_cores)
     host = 0.0 if torch.cuda.is_available() else measure(1, repeats, parts=("host",))[0][1]["host_op_s"]
-    compute = [(r[0], dict(r[1], host_op_s=host), *r[2:]) for r in compute]
+    compute = [(r[0], dict(r[1], host_op_s=host), *r[2:]) for r in results]
     content = hardware_file(results, name or f"this machine, {world} ranks", compute)
-    if not share_cores:  # measured under the run's own contention: no sharing left to model
+    if not share_cores or world <= (os.cpu_count() or 1):  # no sharing left to model
         content.pop("cores_per_node", None)
     return content
 
@@ -326,6 +381,10 @@ def hardware_file(results: list, name: str, compute: list | None = None) -> dict
     host = statistics.median(r[1]["host_op_s"] for r in results)
     big = max(COLLECTIVE_BYTES)
     busbw, latency = [], []
+    # CPU seconds per second of communication, over every rank's collectives and transfers
+    spent = [c / w for r in results for w, c in [*r[2].values(), *([r[3]] if r[3] else [])] if w > 0]
+    comm_cpu = 0.0 if gpu or not spent else statistics.median(spent)
+    comm = {key: wall for key, (wall, _) in comm.items()}
     for (kind, size, nbytes), seconds in comm.items():
         factor = 2.0 if kind == "all_reduce" else 1.0
         steps = factor * (size - 1)
@@ -336,7 +395,7 @@ def hardware_file(results: list, name: str, compute: list | None = None) -> dict
         if nbytes == min(COLLECTIVE_BYTES):
             latency.append((steps, seconds))
     base, hop = fit_latency(latency) if latency else (0.0, 0.0)
-    p2p = next((r[3] for r in results if r[3] is not None), 0.0)
+    p2p = next((r[3][0] for r in results if r[3] is not None), 0.0)
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / world
     bus = statistics.median(busbw) if busbw else copy
     cores = {} if gpu else {"cores_per_node": os.cpu_count() or 1}
@@ -345,6 +404,7 @@ def hardware_file(results: list, name: str, compute: list | None = None) -> dict
             "nvlink_gbs": bus / 1e9, "internode_gbs": bus / 1e9,
             "efficiency": {"gemm_max": round(gemm_max, 4), "gemm_k_half": round(k_half, 1),
                            "gemm_mn_half": round(mn_half, 1), "host_op_us": round(host * 1e6, 3),
+                           "comm_cpu": round(comm_cpu, 4),
                            "hbm": round(min(1.0, elementwise / copy), 4), "flash_fwd": round(flash_fwd, 4),
                            "flash_bwd": round(flash_bwd, 4),
                            "nvlink": 1.0, "internode": 1.0, "kernel_us": kernel * 1e6,
