@@ -228,8 +228,9 @@ def main(argv=None) -> dict:
         for lay in order:
             wait_until_idle()
             runs[lay["name"]].append(C.run_ranks(layout_worker, lay["world"], lay["config"], args.warmup, args.steps))
+            times = runs[lay["name"]][-1][0]["times"]
             print(f"round {round_ + 1}/{args.rounds} {lay['name']}: "
-                  f"{statistics.median(runs[lay['name']][-1][0]['times']):.3f} s", flush=True)
+                  f"{statistics.median(times) if times else float('nan'):.3f} s", flush=True)
     rows = []
     for lay in todo:
         if args.predict_only:
@@ -239,9 +240,12 @@ def main(argv=None) -> dict:
             reports = {m["stage"]: m["report"] for m in old["memory"]}
         else:
             rounds = runs[lay["name"]]
-            step = _seconds_stats([statistics.median(ranks[0]["times"]) for ranks in rounds])
+            if args.steps:
+                step = _seconds_stats([statistics.median(ranks[0]["times"]) for ranks in rounds])
+                cpu = statistics.median(statistics.median(r["cpu"]) for ranks in rounds for r in ranks)
+            else:  # memory only
+                step, cpu = {"median": float("nan"), "min": 0, "max": 0, "n": 0}, None
             step["steps_per_round"] = args.steps
-            cpu = statistics.median(statistics.median(r["cpu"]) for ranks in rounds for r in ranks)
             measured, reports = {}, {}
             for r in rounds[0]:  # the peak is the same every round (the table shows round 1's)
                 if r["peak_bytes"] >= measured.get(r["pp"], 0):

@@ -49,7 +49,7 @@ def test_calibrate_runs_on_two_ranks_and_plans_with_its_file(tmp_path, capsys):
     assert hw.gpus_per_node == 2 and hw.peak_tflops > 0 and hw.nvlink_gbs > 0
     assert 0 < eff["gemm_max"] <= 1.5 and eff["nvlink_hop_us"] >= 0
     # gloo's collectives cost CPU (copies, reductions, wake-ups), less than a core per rank while they last
-    assert 0 < eff["comm_cpu"] <= 2.0 and eff["collective_us"] > 0
+    assert 0 < eff["comm_cpu"] <= 2.0 and eff["collective_us"] >= 0
     capsys.readouterr()
     assert plan.main(["gpt:debug", "--hardware", out, "--gpus", "2", "--global-batch", "4", "--pp", "2",
                       "--precision", "fp32"], hardware_dir="configs/hardware", spec_dir="model_specs") in (0, 1)

@@ -273,3 +273,23 @@ def test_ranks_sharing_a_cpus_cores_take_the_nodes_cpu_time_over_its_cores():
     comm = alone.breakdown["dp_comm"]
     assert comm > 0
     assert speed.predict_step(spec, lay, busy).step_time_s == pytest.approx((compute + 0.5 * comm) * 8 / 2, rel=1e-9)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_compute_categories_hold_no_collectives(moe):
+    """A CPU whose ranks share cores counts compute at full CPU and communication at comm_cpu
+    (`speed.shared_cores_bound`), so no collective may hide in a compute category: the embedding's, the loss's
+    and full recompute's TP all-reduces, a partitioned checkpoint's all-gather and an MoE layer's recomputed
+    all-to-alls are communication. With the network 100x slower, the compute categories stay the same."""
+    from megazero.core.spec import load_spec
+
+    spec = load_spec("model_specs/llama.py:debug-moe" if moe else "model_specs/gpt.py:debug")
+    lay = Layout(tp=2, dp=2, ep=2 if moe else 1, micro_batch=1, global_batch=4, recompute="full",
+                 partition_activations=True)
+    slow = dataclasses.replace(H100, nvlink_gbs=H100.nvlink_gbs / 100, internode_gbs=H100.internode_gbs / 100)
+    fast_plan, slow_plan = speed.predict_step(spec, lay, H100), speed.predict_step(spec, lay, slow)
+    for k in speed.COMPUTE:
+        assert slow_plan.breakdown[k] == pytest.approx(fast_plan.breakdown[k], rel=1e-12), k
+    assert slow_plan.breakdown["tp_comm"] > fast_plan.breakdown["tp_comm"] > 0
+    if moe:
+        assert slow_plan.breakdown["all_to_all"] > fast_plan.breakdown["all_to_all"] > 0

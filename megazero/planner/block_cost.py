@@ -3,7 +3,7 @@
 an MoE block's MLP from moe_cost.py."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megazero.planner.machine import Implementation, Machine, add_parts
 from megazero.planner.moe_cost import moe_cost
@@ -22,7 +22,7 @@ class BlockCost:
     recompute: float  # time of the recompute forward added to each backward (its compute)
     params: float   # GEMM weights of the block on this TP rank (an MoE MLP's router and shared experts too)
     expert_params: float = 0.0  # an MoE MLP's routed experts on this rank (their own data-parallel group)
-    recompute_comm: float = 0.0  # the recompute forward's TP collectives (full recompute), added to tp_comm
+    recompute_comm: dict = field(default_factory=dict)  # that forward's collectives (full recompute): parts
 
 
 def block_gemms(spec, t: int, impl: Implementation):
@@ -119,7 +119,7 @@ def block_cost(spec, layout, mc: Machine, impl: Implementation) -> BlockCost:
            "tp_comm": len(regions) * ar}
     recompute = {"full": sum(v for k, v in fwd.items() if k != "tp_comm"),
                  "selective": attn_f + mc.host(ops_r)}.get(layout.recompute, 0.0)
-    recompute_comm = fwd["tp_comm"] if layout.recompute == "full" else 0.0
+    recompute_comm = {"tp_comm": fwd["tp_comm"]} if layout.recompute == "full" else {}
     bwd = {"gemm": sum(dgrad.values()), "attention": attn_b, "elementwise": mc.mem(2 * elem, 8) + mc.host(ops_b)}
     wgrad_parts = {"gemm": sum(wgrad.values()), "elementwise": mc.mem(accumulate_bytes(layout, mc) * params, len(gemms))}
     if shape is None:
@@ -133,13 +133,13 @@ def block_cost(spec, layout, mc: Machine, impl: Implementation) -> BlockCost:
                      tp_bwd_overlapped=(hidden if impl.tp_overlap else exposed) + moe_tp,
                      recompute=recompute + (moe.recompute if layout.recompute == "full" else 0.0),
                      params=params + moe.dense_params, expert_params=moe.expert_params,
-                     recompute_comm=recompute_comm)
+                     recompute_comm=add_parts(recompute_comm, moe.recompute_comm if layout.recompute == "full" else {}))
 
 
 def embedding_head_cost(spec, layout, mc: Machine) -> tuple[dict, ...]:
     """(embedding forward, embedding backward, head forward, head input-grad, head weight-grad) as
-    parts dicts (category embedding_head) for one micro-batch on one TP rank. The vocabulary-parallel
-    embedding all-reduces its output; the head's input grad is all-reduced (f); the loss all-reduces
+    parts dicts (category embedding_head; their collectives tp_comm) for one micro-batch on one TP rank. The
+    vocabulary-parallel embedding all-reduces its output; the head's input grad is all-reduced (f); the loss all-reduces
     three fp32 values per token; the logits cost 10 bytes per element forward and 6 backward (the
     16-bit logits read, fp32 softmax statistics, the 16-bit grad written)."""
     t, tokens, h = layout.tp, layout.micro_batch * spec.seq_len, spec.hidden
@@ -154,7 +154,7 @@ def embedding_head_cost(spec, layout, mc: Machine) -> tuple[dict, ...]:
     head_f = mc.gemm(tokens, vocab, h) + mc.mem(4 * mc.act * x + 10 * logits, 4)
     head_b = mc.gemm(tokens, h, vocab) + mc.mem(6 * logits + 8 * mc.act * x, 4) + mc.host(HEAD_OPS / 2)
     head_w = mc.gemm(vocab, h, tokens) + mc.mem(10 * vocab * h)
-    comm = {"tp_comm": ar} if t > 1 else {}  # the collectives, apart: a CPU's ranks share cores only in compute
+    comm = {"tp_comm": ar} if t > 1 else {}  # apart from compute: a CPU counts their CPU time at comm_cpu
     return ({"embedding_head": emb_f, **comm}, {"embedding_head": emb_b},
             {"embedding_head": head_f, **({"tp_comm": loss_ar} if t > 1 else {})},
             {"embedding_head": head_b, **comm}, {"embedding_head": head_w})

@@ -36,7 +36,8 @@ from megazero.planner.moe_plan import MoEShape
 @dataclass(frozen=True)
 class MoECost:
     """Seconds of one MoE MLP per micro-batch: `fwd`, `bwd` (input-gradient side), `wgrad` as parts dicts
-    (gemm, elementwise, all_to_all, tp_comm); `recompute`: its forward again under full recompute;
+    (gemm, elementwise, all_to_all, tp_comm); `recompute`: its forward's compute again under full recompute,
+    `recompute_comm`: that forward's collectives (parts dict: all_to_all, tp_comm);
     `dense_params`: GEMM weights that go with the dense ones (router, shared experts) and
     `expert_params`: the routed experts' on this rank."""
 
@@ -46,6 +47,7 @@ class MoECost:
     recompute: float
     dense_params: float
     expert_params: float
+    recompute_comm: dict
 
 
 def _experts(mc: Machine, rows: float, count: int, width: int, h: int, mats: int) -> tuple[float, float, float]:
@@ -85,7 +87,8 @@ def moe_cost(m: MoEShape, layout, mc: Machine) -> MoECost:
            "tp_comm": tp}
     dense = m.dense_params
     wgrad = {"gemm": router[2] + ex[2] + sh[2], "elementwise": mc.mem(10 * (dense + m.expert_params), 3)}
-    return MoECost(fwd, bwd, wgrad, sum(fwd.values()) - counts, dense, m.expert_params)
+    compute = sum(v for k, v in fwd.items() if k not in ("all_to_all", "tp_comm"))
+    return MoECost(fwd, bwd, wgrad, compute, dense, m.expert_params, {"all_to_all": rows, "tp_comm": tp})
 
 
 __all__ = ["MoECost", "moe_cost"]

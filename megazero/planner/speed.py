@@ -31,8 +31,9 @@
   two all-reduces are exposed; backward's two (the column regions' input grads) overlap the region's
   weight-grad GEMMs in megazero (`tensor_parallel/column_region.py`): exposed max(0, ar - wgrad); under
   ZB-H1 the weight GEMMs are deferred to W, so nothing hides them. Megatron-LM 2021 overlapped nothing.
-* Recompute: full adds one whole block forward (its GEMMs, core, elementwise and all-reduces) to each
-  backward; selective adds the attention core's forward.
+* Recompute: full adds one whole block forward (its GEMMs, core, elementwise and all-reduces: these booked
+  as tp_comm, an MoE layer's all-to-alls as all_to_all) to each backward; selective adds the attention core's
+  forward.
 * Pipeline: F, B (and W when split) per stage and chunk (embedding on the first virtual stage, LM head
   and loss on the last: the imbalance) and the p2p costs go through `megazero.core.simulate` with
   batched, non-blocking transfers (megazero's NCCL path and Megatron's: each run of consecutive sends

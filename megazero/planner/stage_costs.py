@@ -178,13 +178,13 @@ def _reduce_and_step(layout, mc: Machine, impl, shards, tied: float, last_backwa
 
 # -- activation checkpoints ----------------------------------------------------------------------------------
 
-def _checkpoint_io(spec, layout, mc: Machine, blocks: int) -> tuple[float, float]:
-    """(forward, backward) seconds one micro-batch's full-policy checkpoints of a chunk of `blocks` blocks
-    add beside the recompute itself: per segment the kept input's copy (partitioned: this rank's 1/t;
-    to host over PCIe with cpu_checkpointing) and in backward its way back (the all-gather over the TP
-    group of a partitioned one; the host-to-device copy of a CPU one)."""
+def _checkpoint_io(spec, layout, mc: Machine, blocks: int) -> tuple[float, float, float]:
+    """(forward, backward, backward's collective) seconds one micro-batch's full-policy checkpoints of a chunk of
+    `blocks` blocks add beside the recompute itself: per segment the kept input's copy (partitioned: this
+    rank's 1/t; to host over PCIe with cpu_checkpointing) and in backward its way back (the host-to-device
+    copy of a CPU one; the all-gather over the TP group of a partitioned one, the third)."""
     if layout.recompute != "full" or not blocks:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     segments = len(segment_sizes(blocks, layout.every_k_layers, layout.number_checkpoints))
     t = layout.tp
     full = layout.micro_batch * spec.seq_len * spec.hidden * mc.act / (t if layout.sequence_parallel else 1)
@@ -195,9 +195,8 @@ def _checkpoint_io(spec, layout, mc: Machine, blocks: int) -> tuple[float, float
     if layout.cpu_checkpointing:
         pcie = kept / (mc.eff.pcie_gbs * 1e9)
         fwd, bwd = fwd + pcie, bwd + pcie
-    if layout.partition_activations:
-        bwd += mc.ring("all_gather", kept * t, t, mc.link(1, t))
-    return segments * fwd, segments * bwd
+    gather = mc.ring("all_gather", kept * t, t, mc.link(1, t)) if layout.partition_activations else 0.0
+    return segments * fwd, segments * bwd, segments * gather
 
 
 # -- the pipeline ----------------------------------------------------------------------------------------
@@ -245,10 +244,11 @@ class StageCosts:
                 per_chunk = blocks[s][c]
                 vs = virtual_stage(s, c, p)
                 f = add_parts(scale_parts(blk.fwd, per_chunk), emb_f if vs == 0 else {}, head_f if vs == last else {})
-                ckpt_f, ckpt_b = _checkpoint_io(spec, layout, mc, per_chunk)
+                ckpt_f, ckpt_b, ckpt_gather = _checkpoint_io(spec, layout, mc, per_chunk)
                 f = add_parts(f, {"recompute": ckpt_f}) if ckpt_f else f
                 b = add_parts(scale_parts(blk.bwd, per_chunk), {"recompute": blk.recompute * per_chunk + ckpt_b},
-                         {"tp_comm": ((blk.tp_bwd if split else blk.tp_bwd_overlapped) + blk.recompute_comm) * per_chunk},
+                         {"tp_comm": (blk.tp_bwd if split else blk.tp_bwd_overlapped) * per_chunk + ckpt_gather},
+                         scale_parts(blk.recompute_comm, per_chunk),
                          emb_b if vs == 0 else {}, head_b if vs == last else {})
                 w = add_parts(scale_parts(blk.wgrad, per_chunk), head_w if vs == last else {})
                 chunk_shards = [(x * share, *rest) for share, (x, *rest) in zip(shares[s][c], shards)]

@@ -2,8 +2,8 @@
 file the planner then plans with (``--hardware OUT.yaml``).
 
 The probe runs N ranks at once on this machine (as a run of N ranks would: on a CPU with fewer cores than
-ranks they share them, and each measures what it gets), each with max(1, cores // N) torch threads, and
-measures, as the planner's `Machine` models them:
+ranks they share them), each with max(1, cores // N) torch threads, and measures, as the planner's `Machine`
+models them:
 
 * GEMMs of (m x k)·(k x n) over a sweep of k and of sizes, in the training dtype (fp32 on a CPU, bf16 on a
   GPU): the fastest rate is the peak, and `gemm_max`, `gemm_k_half` are fitted to the others (least squares
@@ -16,17 +16,20 @@ measures, as the planner's `Machine` models them:
 * GEMMs with small outputs over k (`gemm_mn_half`: the curve times mn / (mn + gemm_mn_half));
 * on a CPU, the host time per dispatched operator in megazero's own step (`host_op_us`, `probe_host`), which
   a CPU pays in series with its compute (a GPU's host runs ahead: 0 there);
-* all_reduce, reduce_scatter and all_gather over the N ranks at several sizes, and N / 2, N / 4 ranks: the
-  bus bandwidth (`nvlink_gbs`: all ranks of this machine are one node) and the latency model
-  `ring_base_us + steps · nvlink_hop_us` fitted over the group sizes; a send/receive's latency
-  (`collective_us`, what p2p and all-to-all pay).
+* all_reduce, reduce_scatter and all_gather over the N ranks at several sizes, and in groups of N / 2 and
+  N / 4 ranks (every group at once): the bus bandwidth (`nvlink_gbs`: all ranks of this machine are one node)
+  and the latency model `ring_base_us + steps · nvlink_hop_us` fitted over the group sizes; a send/receive
+  between neighbours (`collective_us`, what p2p and all-to-all pay). Each is timed as a step meets it: right
+  after a GEMM (`PACE`), by what it adds to the GEMM's time (on gloo with ranks sharing cores, several times
+  what it costs called back to back); on a CPU also the CPU time it adds per second (`comm_cpu`: gloo's
+  copies, reductions and wake-ups).
 
 Every rank takes each measurement at the same time (a barrier before each), as a run's ranks compute. On a
-CPU with fewer cores than N (`probe`), the compute is measured on one rank per core and the file records
-``cores_per_node``: the planner shares the cores among the N ranks itself (`speed.shared_cores_bound`). The
-file holds the `Hardware` fields and an ``efficiency`` section of `Efficiency` fields; the link bandwidth
-fractions are 1 (the figures are measured, not datasheet values). On a GPU node the same command measures the
-GPU and NCCL.
+CPU with fewer cores than N (`probe`) each rank times its compute in CPU seconds (what a core of its own would
+take, with the caches and switches that sharing costs) and the file records ``cores_per_node``: the planner
+shares the cores among the N ranks itself (`speed.shared_cores_bound`). The file holds the `Hardware` fields
+and an ``efficiency`` section of `Efficiency` fields; the link bandwidth fractions are 1 (the figures are
+measured, not datasheet values). On a GPU node the same command measures the GPU and NCCL.
 """
 from __future__ import annotations
 
@@ -97,8 +100,7 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
         operands = itertools.cycle([(torch.randn(m, k, device=device, dtype=dtype),
                                      torch.randn(k, n, device=device, dtype=dtype)) for _ in range(count)])
         barrier()
-        seconds = _median(lambda: torch.mm(*next(operands)), repeats, sync,
-                                  calls=_calls(2.0 * m * n * k, flops_s))
+        seconds = _median(lambda: torch.mm(*next(operands)), repeats, sync, calls=_calls(2.0 * m * n * k, flops_s))
         gemm.append((m, n, k, 2.0 * m * n * k / seconds))
     attention = []
     for bh, s, d in ATTENTION_SHAPES:  # causal: half the square, as the planner counts it
@@ -106,12 +108,12 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
         flops = 2.0 * bh * s * s * d
         barrier()
         fwd = _median(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                              repeats, sync, calls=_calls(flops, flops_s / 4))
+                      repeats, sync, calls=_calls(flops, flops_s / 4))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         grad = torch.ones_like(out)
         barrier()
         bwd = _median(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats, sync,
-                              calls=_calls(2.5 * flops, flops_s / 4))
+                      calls=_calls(2.5 * flops, flops_s / 4))
         attention.append((bh, s, d, flops / fwd, 2.5 * flops / bwd))
     elementwise = []
     for rows in ELEMENTWISE_ROWS:  # a norm, an activation and a residual add, forward and backward
@@ -228,8 +230,8 @@ def _collective(kind: str, numel: int, group, size: int, device: torch.device):
     return lambda: fn(out, shard, group=group)
 
 
-PACE = (256, 1024, 256)
-"""(m, k, n) of the GEMM each collective and transfer is timed after: the compute a step runs between two of them
+PACE = (256, 256, 1024)
+"""(m, n, k) of the GEMM each collective and transfer is timed after: the compute a step runs between two of them
 (a block's GEMMs at a debug size), so that it is timed as a step meets it (on a CPU whose ranks share cores a
 collective costs several times more after compute than called back to back)."""
 PACE_CALLS = 8
@@ -237,15 +239,15 @@ PACE_CALLS = 8
 
 def _paced_seconds(fn, baseline: tuple, repeats: int, sync, pace) -> tuple[float, float]:
     """(wall, CPU) seconds `fn` adds to the pacing GEMM `pace` (each call: the GEMM, then `fn`) over `baseline`
-    (the GEMM's own, `_pace_seconds`): medians of `repeats` samples of `PACE_CALLS` calls."""
+    (the GEMM's own, `_wall_and_cpu`): medians of `repeats` samples of `PACE_CALLS` calls."""
     def paced():
         torch.mm(*pace)
         fn()
-    wall, cpu = _pace_seconds(paced, repeats, sync)
+    wall, cpu = _wall_and_cpu(paced, repeats, sync)
     return max(0.0, wall - baseline[0]), max(0.0, cpu - baseline[1])
 
 
-def _pace_seconds(fn, repeats: int, sync) -> tuple[float, float]:
+def _wall_and_cpu(fn, repeats: int, sync) -> tuple[float, float]:
     """(wall, CPU seconds of this process: every thread, gloo's too) per call of `fn`, medians of `repeats`
     samples of `PACE_CALLS` calls."""
     fn()
@@ -290,10 +292,10 @@ def _rank_probe(rank: int, world: int, port: int, queue, repeats: int, parts: tu
             compute = {"host_op_s": 0.0 if gpu else probe_host(repeats)}
         comm, p2p = {}, None
         if "comm" in parts:
-            m, k, n = PACE
+            m, n, k = PACE
             pace = (torch.randn(m, k, device=device), torch.randn(k, n, device=device))
             dist.barrier()
-            baseline = _pace_seconds(lambda: torch.mm(*pace), repeats, sync)
+            baseline = _wall_and_cpu(lambda: torch.mm(*pace), repeats, sync)
             sizes = sorted({s for s in (world, world // 2, world // 4) if s >= 2})
             for size in sizes:
                 groups = _partition(world, size)  # every group measures at once, as a layout's groups run
@@ -333,7 +335,8 @@ def _free_port() -> int:
 def measure(world: int, repeats: int = 5, timeout: float = 600.0, parts: tuple = ("compute", "comm"),
             share_cores: bool = True) -> list:
     """Run the probe's `parts` on `world` ranks of this machine (gloo, or NCCL on GPUs); [(rank, compute, comm,
-    p2p, on a GPU)] in rank order."""
+    p2p, on a GPU)] in rank order: comm {(kind, ranks, bytes): (wall, CPU) seconds added}, p2p (wall, CPU)
+    seconds per transfer (None on a rank without a neighbour)."""
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -351,7 +354,7 @@ def probe(world: int, repeats: int = 5, name: str | None = None, share_cores: bo
     """The hardware file's content for runs of `world` ranks on this machine, every rank measuring at once. On a
     CPU with fewer cores than `world` each rank times its compute in CPU seconds (what it would take on a core
     of its own, the cost of sharing included) and the file records ``cores_per_node``: the planner shares the
-    cores among the ranks (`Machine.share`). `share_cores=False`: wall time throughout, no ``cores_per_node``."""
+    cores among the ranks (`speed.shared_cores_bound`). `share_cores=False`: wall time throughout, no ``cores_per_node``."""
     results = measure(world, repeats, share_cores=share_cores)
     host = 0.0 if torch.cuda.is_available() else measure(1, repeats, parts=("host",))[0][1]["host_op_s"]
     compute = [(r[0], dict(r[1], host_op_s=host), *r[2:]) for r in results]
@@ -367,6 +370,8 @@ def hardware_file(results: list, name: str, compute: list | None = None) -> dict
     world = len(results)
     gpu = results[0][4]
     comm = results[0][2]
+    # CPU seconds per second of communication, over every rank's collectives and transfers
+    spent = [c / w for r in results for w, c in [*r[2].values(), *([r[3]] if r[3] else [])] if w > 0]
     results = compute or results
     rates = [(m, n, k, statistics.median(r[1]["gemm"][i][3] for r in results))
              for i, (m, n, k, _) in enumerate(results[0][1]["gemm"])]
@@ -381,15 +386,13 @@ def hardware_file(results: list, name: str, compute: list | None = None) -> dict
     host = statistics.median(r[1]["host_op_s"] for r in results)
     big = max(COLLECTIVE_BYTES)
     busbw, latency = [], []
-    # CPU seconds per second of communication, over every rank's collectives and transfers
-    spent = [c / w for r in results for w, c in [*r[2].values(), *([r[3]] if r[3] else [])] if w > 0]
     comm_cpu = 0.0 if gpu or not spent else statistics.median(spent)
     comm = {key: wall for key, (wall, _) in comm.items()}
     for (kind, size, nbytes), seconds in comm.items():
         factor = 2.0 if kind == "all_reduce" else 1.0
         steps = factor * (size - 1)
-        if nbytes == big:
-            small = comm[(kind, size, min(COLLECTIVE_BYTES))]
+        small = comm[(kind, size, min(COLLECTIVE_BYTES))]
+        if nbytes == big and seconds > small:  # (noise can make a paced difference of the two 0)
             bus = factor * (size - 1) / size * (nbytes - min(COLLECTIVE_BYTES)) / max(seconds - small, 1e-9)
             busbw.append(bus)
         if nbytes == min(COLLECTIVE_BYTES):
