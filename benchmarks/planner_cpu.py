@@ -198,7 +198,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--hardware-dir", default=None, help="reuse the calibrated files here")
     ap.add_argument("--json", default="runs/planner_cpu.json")
     ap.add_argument("--predict-only", default=None, metavar="MEASURED.json",
-                    help="take the measurements from this earlier output (and its hardware files); predict again")
+                    help="take the measurements from this earlier output and predict again, from its rounds' "
+                         "hardware files (or those in --hardware-dir)")
     args = ap.parse_args(argv)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -217,10 +218,13 @@ def main(argv=None) -> dict:
         here.mkdir(parents=True, exist_ok=True)
         return {w: calibrate(w, here) for w in worlds}
 
-    earlier = {r["name"]: r for r in json.loads(Path(args.predict_only).read_text())["layouts"]} if args.predict_only else {}
+    before = json.loads(Path(args.predict_only).read_text()) if args.predict_only else {}
+    earlier = {r["name"]: r for r in before.get("layouts", [])}
     runs = {lay["name"]: [] for lay in todo}
     files_per_round = []
-    for round_ in range(1 if args.predict_only else args.rounds):  # interleaved: a slow minute hits one round
+    if before.get("hardware_rounds") and not args.hardware_dir:  # predict again from the rounds' own files
+        files_per_round = [{int(w): Path(p) for w, p in files.items()} for files in before["hardware_rounds"]]
+    for round_ in range(0 if files_per_round else 1 if args.predict_only else args.rounds):  # interleaved
         wait_until_idle()
         files_per_round.append(hardware_files(round_))
         order = [] if args.predict_only else list(todo)
@@ -266,7 +270,8 @@ def main(argv=None) -> dict:
               f"predicted {predicted['median']:.3f} ({predicted['min']:.3f}-{predicted['max']:.3f}, "
               f"{row['time_error']:+.1%}); memory error {row['memory_error']:+.1%}", flush=True)
     files = files_per_round[0]
-    result = {"machine": C.machine_info(), "hardware": {w: str(p) for w, p in files.items()}, "layouts": rows}
+    result = {"machine": C.machine_info(), "hardware": {w: str(p) for w, p in files.items()},
+              "hardware_rounds": [{w: str(p) for w, p in f.items()} for f in files_per_round], "layouts": rows}
     out.write_text(json.dumps(result, indent=1, default=str))
     out.with_suffix(".md").write_text(markdown(rows))
     return result
