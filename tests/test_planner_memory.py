@@ -269,3 +269,34 @@ def test_live_tensor_bytes_counts_every_storage_alive_at_the_peak():
         assert live.current() - start == 400
     assert live.peak - start == 16000 and start >= before.numel() * 4
     del c
+
+
+def gloo_reduce_scatter_worker() -> int:
+    """Bytes LiveTensorBytes sees a gloo reduce-scatter of a 4 MiB input allocate beyond its output."""
+    import torch
+    import torch.distributed as dist
+
+    from megazero.run.memory import LiveTensorBytes
+
+    x, out = torch.ones(1 << 20), torch.empty(1 << 19)
+    with LiveTensorBytes() as live:
+        start = live.total
+        dist.reduce_scatter_tensor(out, x)
+    return live.peak - start
+
+
+def test_a_cpu_reduce_scatter_holds_a_copy_of_its_input_and_the_planner_counts_it():
+    """gloo's reduce-scatter copies its whole input while it runs (measured on 2 ranks: 4 MiB for a 4 MiB
+    bucket; all-reduce and all-gather work in place); the planner's reduction transient on a CPU is the
+    output shard plus that copy of the largest bucket, on an accelerator the shard alone."""
+    from megazero.planner.memory_plan import flat_groups, reduce_outputs
+    from megazero.planner.stages import pipeline_layers
+
+    assert run_ranks(gloo_reduce_scatter_worker, 2) == [4 << 20] * 2
+    spec = load_spec("model_specs/gpt.py:debug")
+    lay = Layout(dp=2, micro_batch=1, global_batch=2, zero=2, precision="fp32")
+    chunks = pipeline_layers(spec, lay)[0]
+    (group,) = [g for g in flat_groups(spec, lay, chunks, 0) if g.stage == 2]
+    big = max(b.numel for b in group.layout.buckets)
+    assert reduce_outputs(group, False, accelerator=True) == big // 2 * 4
+    assert reduce_outputs(group, False, accelerator=False) == big // 2 * 4 + big * 4

@@ -34,7 +34,8 @@ Beyond what memory_report can see, `transient` names what adds to the stage's pe
 moment it is alive in the walked program (`activation_ledger.walk_program`): ``logits`` (the head's logits
 and their fp32 shifted copy while the loss runs), ``wgrad_pending`` (zero bubble: the inputs and output
 gradients kept between B and W, and the small weight gradients B computed and holds) and ``zero_buffers``
-(ZeRO's gradient reduce-scatter outputs after each backward, MAX_INFLIGHT of them with overlap_comm, and
+(ZeRO's gradient reduce-scatter outputs after each backward, MAX_INFLIGHT of them with overlap_comm, on a
+CPU with gloo's copy of each reduce-scatter's input, and
 ZeRO-3's gathered last unit when a backward starts): each is the rise of the walked peak it causes. The
 stage's peak of live bytes (the breakdown plus the transients, host and device alike on a CPU) is measured
 against `megazero.run.memory.LiveTensorBytes` on generated CPU layouts (benchmarks/planner_cpu.py). The
@@ -191,14 +192,17 @@ def largest_slot(spec, layout, stage: int, persistence_threshold: int = 100_000)
                     for b in g.layout.buckets), default=0)
 
 
-def reduce_outputs(g: _Group, overlap: bool) -> int:
+def reduce_outputs(g: _Group, overlap: bool, accelerator: bool) -> int:
     """Bytes a group's gradient reduction allocates while it runs (on top of the bucket slots): stages
     1-3 reduce-scatter each fp32 bucket into a temporary shard of 1/dp of it (MAX_INFLIGHT of them in
-    flight with overlap_comm); stage 0 all-reduces in place."""
+    flight with overlap_comm), and on a CPU gloo's reduce-scatter first copies its whole input (measured:
+    a 4 MiB input, 4 MiB more while it runs); stage 0 all-reduces in place (gloo too)."""
     if g.stage == 0:
         return 0
     big = max((b.numel for b in g.layout.buckets), default=0)
-    return big // g.layout.dp_size * 4 * (min(MAX_INFLIGHT, len(g.layout.buckets)) if overlap else 1)
+    copied = not accelerator and g.layout.dp_size > 1  # (one rank: the shard is copied out, nothing reduced)
+    each = big // g.layout.dp_size * 4 + (big * 4 if copied else 0)
+    return each * (min(MAX_INFLIGHT, len(g.layout.buckets)) if overlap else 1)
 
 
 def gathered_edge(g: _Group, w: int) -> int:
@@ -337,9 +341,9 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
                 host[k] = host.get(k, 0) + v
             breakdown["grad_buckets"] += bucket_pool(g, layout.overlaps, accelerator)
             if g.stage >= 2:
-                reduced += reduce_outputs(g, layout.overlaps)
+                reduced += reduce_outputs(g, layout.overlaps, accelerator)
             else:
-                reduced_at_end += reduce_outputs(g, layout.overlaps)
+                reduced_at_end += reduce_outputs(g, layout.overlaps, accelerator)
             if g.shard_params:
                 gathered += gathered_edge(g, w)
         states, more = option_memory(groups, layout, w)  # 1-bit Adam, ZeRO++ (comm_memory.py)
