@@ -107,7 +107,8 @@ class Machine:
         # a CPU node that runs more ranks than it has cores (``cores_per_node`` of a calibrated file): the rates
         # here are a core of its own; speed.py shares the cores among the ranks computing at once (0: no sharing)
         cores = getattr(hw, "cores_per_node", 0)
-        self.shared_cores = cores if min(layout.gpus, self.node) > cores else 0
+        self.ranks_here = min(layout.gpus, self.node)  # ranks on one node
+        self.shared_cores = cores if self.ranks_here > cores else 0
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
         """One (m x k)·(k x n) GEMM (`batch` of them in one batched kernel)."""

@@ -185,7 +185,7 @@ def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DE
         if not isinstance(span.instr, (P2P, LoadMicroBatch)):
             for k, val in costs.parts_of(crit, span.instr).items():
                 breakdown[k] += val
-    step = max(step, shared_cores_bound(sim, costs, layout))
+    step = max(step, shared_cores_bound(sim, costs))
     breakdown["pipeline_bubble"] = step - sum(breakdown.values())
     model, hw_flops = step_flops(spec, layout)
     gpus = layout.gpus
@@ -203,7 +203,7 @@ COMPUTE = ("gemm", "attention", "elementwise", "recompute", "embedding_head", "o
 """The breakdown categories a CPU rank computes (the rest: collectives and transfers)."""
 
 
-def shared_cores_bound(sim, costs, layout) -> float:
+def shared_cores_bound(sim, costs) -> float:
     """On a CPU node that runs more ranks than it has cores (`Machine.shared_cores`, from a calibrated file's
     ``cores_per_node``; 0 on accelerators: no bound) the ranks share the cores: the step takes at least the CPU
     time of the node's ranks over its cores. A rank's CPU time: its `COMPUTE` parts (the file's rates are CPU
@@ -213,7 +213,6 @@ def shared_cores_bound(sim, costs, layout) -> float:
     mc = costs.mc
     if not mc.shared_cores:
         return 0.0
-    ranks = min(layout.gpus, mc.node)
 
     def cpu(s, ins) -> float:
         if isinstance(ins, LoadMicroBatch):
@@ -222,7 +221,7 @@ def shared_cores_bound(sim, costs, layout) -> float:
             return mc.eff.comm_cpu * costs(s, ins)
         return sum(v if k in COMPUTE else mc.eff.comm_cpu * v for k, v in costs.parts_of(s, ins).items())
     work = [sum(cpu(s, sp.instr) for sp in stage) for s, stage in enumerate(sim.timeline)]
-    return sum(work) / len(work) * ranks / mc.shared_cores
+    return sum(work) / len(work) * mc.ranks_here / mc.shared_cores
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:

@@ -58,18 +58,24 @@ def _median_seconds(fn, repeats: int, sync, sample_s: float = 0.05, calls: int |
     CPU time this rank used); each sample times `calls` calls (default: enough to last about `sample_s` here).
     Ranks sharing cores pass the same `calls` (sized by the work, not by a timing), so that they compute
     together for the whole measurement."""
-    start = clock()
+    return _medians(fn, repeats, sync, sample_s, calls, (clock,))[0]
+
+
+def _medians(fn, repeats: int, sync, sample_s: float, calls: int | None, clocks: tuple) -> list[float]:
+    """`_median_seconds` on every clock of `clocks` at once (the same samples)."""
+    start = clocks[0]()
     fn()
     sync()
-    inner = calls or max(1, int(sample_s / max(clock() - start, 1e-7)))
-    times = []
+    inner = calls or max(1, int(sample_s / max(clocks[0]() - start, 1e-7)))
+    times = [[] for _ in clocks]
     for _ in range(repeats):
-        start = clock()
+        starts = [clock() for clock in clocks]
         for _ in range(inner):
             fn()
         sync()
-        times.append((clock() - start) / inner)
-    return statistics.median(times)
+        for t, clock, begun in zip(times, clocks, starts):
+            t.append((clock() - begun) / inner)
+    return [statistics.median(t) for t in times]
 
 
 def _calls(work: float, per_second: float, sample_s: float = 0.05) -> int:
@@ -250,17 +256,8 @@ def _paced_seconds(fn, baseline: tuple, repeats: int, sync, pace) -> tuple[float
 def _wall_and_cpu(fn, repeats: int, sync) -> tuple[float, float]:
     """(wall, CPU seconds of this process: every thread, gloo's too) per call of `fn`, medians of `repeats`
     samples of `PACE_CALLS` calls."""
-    fn()
-    sync()
-    walls, cpus = [], []
-    for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(PACE_CALLS):
-            fn()
-        sync()
-        walls.append((time.perf_counter() - wall) / PACE_CALLS)
-        cpus.append((time.process_time() - cpu) / PACE_CALLS)
-    return statistics.median(walls), statistics.median(cpus)
+    wall, cpu = _medians(fn, repeats, sync, 0.0, PACE_CALLS, (time.perf_counter, time.process_time))
+    return wall, cpu
 
 
 def _partition(world: int, size: int) -> dict:
