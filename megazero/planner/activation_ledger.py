@@ -61,7 +61,9 @@ class Chunk:
     """One micro-batch of one model chunk: `saved` bytes kept after its forward, `backward_peak` the most
     alive during its backward (kept + rebuilt, >= saved), `shared` per-stage storages {name: bytes}
     (RoPE tables), `logits` bytes alive beyond the kept ones while the loss runs (head chunk), `wgrad`
-    bytes zero bubble's B leaves for W."""
+    bytes zero bubble's B leaves for W, `working` what its backward holds beyond the kept and rebuilt
+    tensors at `backward_peak` (`backward_working`; `working_wgrad` of it the weight gradient, which zero
+    bubble's B leaves to W)."""
 
     saved: int
     backward_peak: int
@@ -69,6 +71,8 @@ class Chunk:
     logits: int = 0
     wgrad: int = 0
     saved_host: int = 0
+    working: int = 0
+    working_wgrad: int = 0
 
 
 class _Ledger:
@@ -357,6 +361,20 @@ def _head(L: _Ledger, c: _Dims, x: str) -> int:
     return tokens * c.vocab_t * (c.w + 4)
 
 
+def backward_working(c: _Dims) -> tuple[int, int]:
+    """(bytes, of them the weight gradient's) a block's backward holds beyond the tensors kept for it, at its
+    first GEMM, the MLP's output projection (every kept tensor of the chunk still alive: the moment of the
+    chunk's backward peak): the incoming gradient of the stream (w·sbh/r), under SP its all-gather (w·sbh,
+    RowParallelLinear's backward), the projection's input gradient (w·sb·f_t) and its weight gradient (w·h·f_t,
+    a new tensor until autograd accumulates it; zero bubble defers it to W). An MoE MLP's expert backward is
+    not counted (0)."""
+    if c.moe is not None:
+        return 0, 0
+    gathered = c.s * c.b * c.h * c.w if c.r > 1 else 0
+    weight = c.h * c.f_t * c.w
+    return c.stream + gathered + c.s * c.b * c.f_t * c.w + weight, weight
+
+
 def _wgrad(c: _Dims, kind: str, other_params: int, all_params: int) -> int:
     """Bytes zero bubble's B leaves for W (tensor_parallel/weight_grad.py, pipeline/executor.py): each
     deferred GEMM's (input, output gradient), the region input once (under SP the re-gathered (s, b, h)),
@@ -398,7 +416,8 @@ def activation_chunks(spec, layout, chunks, device: str, param_counts: dict) -> 
                 x = block(L, c, f"u{unit}", x, policy)
             else:
                 logits = _head(L, c, x)
-        out.append(Chunk(L.saved, L.backward_peak(), dict(L.shared), logits, wgrad, L.host))
+        working = backward_working(c) if blocks else (0, 0)
+        out.append(Chunk(L.saved, L.backward_peak(), dict(L.shared), logits, wgrad, L.host, *working))
     return out
 
 
@@ -417,14 +436,15 @@ def layer_bytes(spec, layout, device: str = "cuda") -> dict[str, int]:
 @dataclass(frozen=True)
 class Peaks:
     """Peaks over one step: `metered` what SavedActivationMeter reports (kept + rebuilt), `with_logits`
-    adding the loss's logits, `real` adding zero bubble's pending W data too, `live` adding ZeRO's
-    momentary buffers (see `walk_program`)."""
+    adding the loss's logits, `working` adding the backward's working set (`Chunk.working`), `real`
+    adding zero bubble's pending W data too, `live` adding ZeRO's momentary buffers (see `walk_program`)."""
 
     metered: int
     with_logits: int
     real: int
     host: int = 0
     live: int = 0
+    working: int = 0
 
 
 def walk_program(program, chunks: list[Chunk], pool: int = 0, pool_host: bool = False, gathered: int = 0,
@@ -438,7 +458,7 @@ def walk_program(program, chunks: list[Chunk], pool: int = 0, pool_host: bool = 
     is still alive then) and `reduced_at_end` (stages 0-1: after the last backward)."""
     shared = sum({k: v for ch in chunks for k, v in ch.shared.items()}.values())  # once per stage
     shared += 0 if pool_host else pool
-    alive = pending = metered = with_logits = real = host = peak_host = live = 0
+    alive = pending = metered = with_logits = working = real = host = peak_host = live = 0
     for ins in program:
         if isinstance(ins, Forward):
             ch = chunks[ins.chunk]
@@ -447,13 +467,19 @@ def walk_program(program, chunks: list[Chunk], pool: int = 0, pool_host: bool = 
             alive += ch.saved
             now = alive + shared
             metered, with_logits = max(metered, now), max(with_logits, now + ch.logits)
+            working = max(working, with_logits)
             real = max(real, now + ch.logits + pending)
             live = max(live, real)
         elif isinstance(ins, (Backward, BackwardInput)):
             ch = chunks[ins.chunk]
             during = alive - ch.saved + ch.backward_peak + shared
-            metered, with_logits, real = max(metered, during), max(with_logits, during), max(real, during + pending)
-            live = max(live, during + pending + gathered)
+            work = ch.working - (ch.working_wgrad if isinstance(ins, BackwardInput) else 0)
+            metered, with_logits = max(metered, during), max(with_logits, during)
+            working = max(working, with_logits, during + work)
+            real = max(real, working, during + work + pending)
+            # ZeRO-3: the last unit gathered as the backward starts, then at the first GEMM the working set
+            # beside the gathered weight of the output projection (the size of its weight gradient)
+            live = max(live, during + pending + max(gathered, work + (ch.working_wgrad if gathered else 0)))
             alive -= ch.saved
             host -= ch.saved_host
             if isinstance(ins, BackwardInput):
@@ -463,4 +489,4 @@ def walk_program(program, chunks: list[Chunk], pool: int = 0, pool_host: bool = 
         elif isinstance(ins, BackwardWeight):
             pending -= chunks[ins.chunk].wgrad
     live = max(live, real, shared + reduced_at_end)
-    return Peaks(metered, with_logits, real, peak_host, live)
+    return Peaks(metered, with_logits, real, peak_host, live, working)

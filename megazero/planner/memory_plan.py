@@ -32,7 +32,9 @@ same), the bytes megazero holds by the categories `megazero.run.memory.memory_re
 
 Beyond what memory_report can see, `transient` names what adds to the stage's peak during a step, each at the
 moment it is alive in the walked program (`activation_ledger.walk_program`): ``logits`` (the head's logits
-and their fp32 shifted copy while the loss runs), ``wgrad_pending`` (zero bubble: the inputs and output
+and their fp32 shifted copy while the loss runs), ``backward_working`` (at a chunk's first block backward: the
+incoming gradient, its SP all-gather, the MLP output projection's input and weight gradients,
+`activation_ledger.backward_working`), ``wgrad_pending`` (zero bubble: the inputs and output
 gradients kept between B and W, and the small weight gradients B computed and holds) and ``zero_buffers``
 (ZeRO's gradient reduce-scatter outputs after each backward, MAX_INFLIGHT of them with overlap_comm, on a
 CPU with gloo's copy of each reduce-scatter's input, and
@@ -360,7 +362,8 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
         if pool and layout.cpu_checkpointing:
             host["checkpoint_buffer"] = pool
         transient["logits"] = peaks.with_logits - peaks.metered
-        transient["wgrad_pending"] = peaks.real - peaks.with_logits
+        transient["backward_working"] = peaks.working - peaks.with_logits
+        transient["wgrad_pending"] = peaks.real - peaks.working
         transient["zero_buffers"] = peaks.live - peaks.real  # gathered parameters, reduce-scatter outputs
         twice = 0 if layout.cpu_checkpointing else pool  # the device buffer is in two categories
         st = StageMemory(s, breakdown, host, transient, 0, twice)
