@@ -1,5 +1,5 @@
-"""What megazero's layers keep for backward, per micro-batch and model chunk, and its peak over a pipeline
-program (pure: no torch).
+"""What megazero's layers keep for backward, per micro-batch and model chunk (pure: no torch); program_peaks.py
+walks the chunks through a pipeline program.
 
 A chunk's *ledger* lists every storage autograd keeps in a forward, in the order of its first save, each
 once (`SavedActivationMeter` counts unique storages: the norm output that q, k and v all save is one),
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megazero.core.instructions import Backward, BackwardInput, BackwardWeight, Forward
 from megazero.core.partition import segment_sizes
 from megazero.planner.moe_ledger import intermediates, moe_saves
 from megazero.planner.moe_plan import MoEShape, moe_shape
@@ -431,62 +430,3 @@ def layer_bytes(spec, layout, device: str = "cuda") -> dict[str, int]:
     _embedding(emb, c)
     _head(head, c, "u0.out")
     return {"block": blk.saved, "embedding": emb.saved, "head": head.saved, "shared": sum(blk.shared.values())}
-
-
-@dataclass(frozen=True)
-class Peaks:
-    """Peaks over one step: `metered` what SavedActivationMeter reports (kept + rebuilt), `with_logits`
-    adding the loss's logits, `working` adding the backward's working set (`Chunk.working`), `real`
-    adding zero bubble's pending W data too, `live` adding ZeRO's momentary buffers (see `walk_program`)."""
-
-    metered: int
-    with_logits: int
-    real: int
-    host: int = 0
-    live: int = 0
-    working: int = 0
-
-
-def walk_program(program, chunks: list[Chunk], pool: int = 0, pool_host: bool = False, gathered: int = 0,
-                 reduced: int = 0, reduced_at_end: int = 0) -> Peaks:
-    """Walk one stage's program: F adds its chunk's bytes, B (or zero-bubble B) rebuilds and releases
-    them, W releases what B left for it. `pool`: the stage's contiguous checkpoint buffer, whole while any
-    checkpoint is in it (in host memory when `pool_host`); `host`: the peak of host checkpoints.
-    ZeRO's buffers alive at given moments (`live`): `gathered` (ZeRO-3: the parameters gathered when a
-    chunk's backward starts, its activations all alive), `reduced` (the
-    reduce-scatter outputs and copies at the end of each micro-batch's backward, stages 2-3, on top of what
-    is still alive then) and `reduced_at_end` (stages 0-1: after the last backward)."""
-    shared = sum({k: v for ch in chunks for k, v in ch.shared.items()}.values())  # once per stage
-    shared += 0 if pool_host else pool
-    alive = pending = metered = with_logits = working = real = host = peak_host = live = 0
-    for ins in program:
-        if isinstance(ins, Forward):
-            ch = chunks[ins.chunk]
-            host += ch.saved_host
-            peak_host = max(peak_host, host + (pool if pool_host else 0))
-            alive += ch.saved
-            now = alive + shared
-            metered, with_logits = max(metered, now), max(with_logits, now + ch.logits)
-            working = max(working, with_logits)
-            real = max(real, now + ch.logits + pending)
-            live = max(live, real)
-        elif isinstance(ins, (Backward, BackwardInput)):
-            ch = chunks[ins.chunk]
-            during = alive - ch.saved + ch.backward_peak + shared
-            work = ch.working - (ch.working_wgrad if isinstance(ins, BackwardInput) else 0)
-            metered, with_logits = max(metered, during), max(with_logits, during)
-            working = max(working, with_logits, during + work)
-            real = max(real, working, during + work + pending)
-            # ZeRO-3: the last unit gathered as the backward starts, then at the first GEMM the working set
-            # beside the gathered weight of the output projection (the size of its weight gradient)
-            live = max(live, during + pending + max(gathered, work + (ch.working_wgrad if gathered else 0)))
-            alive -= ch.saved
-            host -= ch.saved_host
-            if isinstance(ins, BackwardInput):
-                pending += ch.wgrad
-                real = max(real, alive + shared + pending)
-            live = max(live, real, alive + shared + pending + reduced)
-        elif isinstance(ins, BackwardWeight):
-            pending -= chunks[ins.chunk].wgrad
-    live = max(live, real, shared + reduced_at_end)
-    return Peaks(metered, with_logits, real, peak_host, live, working)

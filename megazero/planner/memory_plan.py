@@ -31,7 +31,7 @@ same), the bytes megazero holds by the categories `megazero.run.memory.memory_re
   `largest_slot`), and MAX_INFLIGHT more of the largest on an accelerator with overlap_comm.
 
 Beyond what memory_report can see, `transient` names what adds to the stage's peak during a step, each at the
-moment it is alive in the walked program (`activation_ledger.walk_program`): ``logits`` (the head's logits
+moment it is alive in the walked program (`program_peaks.walk_program`): ``logits`` (the head's logits
 and their fp32 shifted copy while the loss runs), ``backward_working`` (at a chunk's first block backward: the
 incoming gradient, its SP all-gather, the MLP output projection's input and weight gradients,
 `activation_ledger.backward_working`), ``wgrad_pending`` (zero bubble: the inputs and output
@@ -57,7 +57,8 @@ from dataclasses import dataclass
 from megazero.core.flat_buffer import FlatLayout, build_layout
 from megazero.planner.programs import schedule_programs
 from megazero.core.simulate import peaks as in_flight_peaks
-from megazero.planner.activation_ledger import activation_chunks, checkpoint_pool, walk_program
+from megazero.planner.activation_ledger import activation_chunks, checkpoint_pool
+from megazero.planner.program_peaks import walk_program
 from megazero.planner.comm_memory import option_memory
 from megazero.planner.layout import PlanError
 from megazero.planner.layer_params import layer_params
