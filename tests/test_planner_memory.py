@@ -302,17 +302,21 @@ def test_a_cpu_reduce_scatter_holds_a_copy_of_its_input_and_the_planner_counts_i
     assert reduce_outputs(group, False, accelerator=False) == big // 2 * 4 + big * 4
 
 
-STEP_PEAK_CASES = [  # (model, world, tp, sequence parallel, zero, recompute)
-    ("gpt", 1, 1, False, 0, "none"), ("gpt", 1, 1, False, 2, "selective"), ("gpt", 1, 1, False, 1, "full"),
-    ("llama", 1, 1, False, 0, "none"), ("llama", 1, 1, False, 2, "selective"), ("llama", 1, 1, False, 1, "full"),
-    ("gpt", 2, 2, True, 0, "none"), ("llama", 2, 2, True, 2, "none")]
+STEP_PEAK_CASES = [  # (model, world, tp, pp, sequence parallel, zero, recompute, hidden dropout)
+    ("gpt", 1, 1, 1, False, 0, "none", 0.0), ("gpt", 1, 1, 1, False, 2, "selective", 0.0),
+    ("gpt", 1, 1, 1, False, 1, "full", 0.0), ("gpt", 1, 1, 1, False, 0, "none", 0.1),
+    ("llama", 1, 1, 1, False, 0, "none", 0.0), ("llama", 1, 1, 1, False, 2, "selective", 0.0),
+    ("llama", 1, 1, 1, False, 1, "full", 0.0),
+    ("gpt", 2, 2, 1, True, 0, "none", 0.0), ("llama", 2, 2, 1, True, 2, "none", 0.0),
+    ("gpt", 2, 1, 1, False, 3, "none", 0.0), ("llama", 2, 1, 1, False, 3, "selective", 0.0),
+    ("gpt", 2, 1, 2, False, 3, "none", 0.0), ("llama", 2, 1, 2, False, 1, "none", 0.0)]
 
 
-def step_peak_config(model: str, tp: int, sp: bool, zero: int, policy: str) -> dict:
-    dims = {"gpt": dict(GPT, layers=2, hidden=128, vocab=256, seq_len=64),
-            "llama": dict(LLAMA, layers=2, hidden=128, ffn_hidden=256, vocab=256, seq_len=64)}[model]
-    return {"model": dims, "precision": "fp32", "parallel": {"tp": tp, "sequence_parallel": sp},
-            "train": {"micro_batch_size": 2, "global_batch_size": 4, "seed": 1},
+def step_peak_config(model: str, tp: int, pp: int, sp: bool, zero: int, policy: str, dropout: float) -> dict:
+    dims = {"gpt": dict(GPT, layers=2, hidden=128, vocab=256, seq_len=64, dropout=dropout),
+            "llama": dict(LLAMA, layers=2, hidden=128, ffn_hidden=256, vocab=256, seq_len=64, dropout=dropout)}[model]
+    return {"model": dims, "precision": "fp32", "parallel": {"tp": tp, "pp": pp, "sequence_parallel": sp},
+            "train": {"micro_batch_size": 2, "global_batch_size": 4 * (2 if pp > 1 else 1), "seed": 1},
             "zero": {"stage": zero}, "activation_checkpointing": {"policy": policy},
             "optimizer": {"type": "adamw", "lr": 1e-4}}
 
@@ -327,24 +331,27 @@ def step_peak_worker(config: dict) -> int:
     engine.train_batch(data)
     with LiveTensorBytes() as live:
         engine.train_batch(data)
-    return live.peak
+    return engine.pctx.pp_rank, live.peak
 
 
 @pytest.mark.parametrize("case", STEP_PEAK_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_a_steps_peak_of_live_bytes_is_the_planners_total(case):
     """The planner's whole stage (breakdown plus transients: the backward's working set at the first block's
-    backward, `activation_ledger.backward_working`, included) against every storage alive during a real step,
-    within 3% (measured -1.5% to +1.5% here; without the working set Llama with full recompute is -4.5%)."""
+    backward, `activation_ledger.backward_working`, and ZeRO-3's gathered and prefetched buckets included)
+    against every storage alive during a real step on every stage, within 3% (measured -1.5% to +0.8%; without the
+    working set Llama with full recompute is -4.5%; without the prefetched buckets ZeRO-3 is 6-11% low)."""
     from megazero.engine import load_run_config
     from megazero.planner.from_config import layout_of, spec_of as spec_of_config
 
-    model, world, tp, sp, zero, policy = case
-    config = step_peak_config(model, tp, sp, zero, policy)
-    measured = max(run_ranks(step_peak_worker, world, config, timeout=180))
+    model, world, tp, pp, sp, zero, policy, dropout = case
+    config = step_peak_config(model, tp, pp, sp, zero, policy, dropout)
+    measured = run_ranks(step_peak_worker, world, config, timeout=180)
     cfg = load_run_config(config, world_size=world)
     layout, _ = layout_of(cfg)
-    st = predict_memory(spec_of_config(cfg), layout, device="cpu",
-                        param_persistence_threshold=cfg.zero.param_persistence_threshold).stages[0]
-    assert st.transient["backward_working"] > 0
-    predicted = sum(st.breakdown.values()) + sum(st.transient.values()) - st.counted_twice
-    assert abs(predicted / measured - 1) < 0.03, (predicted, measured, st.transient)
+    plan = predict_memory(spec_of_config(cfg), layout, device="cpu",
+                          param_persistence_threshold=cfg.zero.param_persistence_threshold)
+    for stage, peak in measured:
+        st = plan.stages[stage]
+        predicted = sum(st.breakdown.values()) + sum(st.transient.values()) - st.counted_twice
+        print(case, stage, f"{predicted / peak - 1:+.4f}", st.transient)
+        assert abs(predicted / peak - 1) < 0.03, (stage, predicted, peak, st.transient)

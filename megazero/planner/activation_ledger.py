@@ -60,9 +60,9 @@ class Chunk:
     """One micro-batch of one model chunk: `saved` bytes kept after its forward, `backward_peak` the most
     alive during its backward (kept + rebuilt, >= saved), `shared` per-stage storages {name: bytes}
     (RoPE tables), `logits` bytes alive beyond the kept ones while the loss runs (head chunk), `wgrad`
-    bytes zero bubble's B leaves for W, `working` what its backward holds beyond the kept and rebuilt
-    tensors at `backward_peak` (`backward_working`; `working_wgrad` of it the weight gradient, which zero
-    bubble's B leaves to W)."""
+    bytes zero bubble's B leaves for W, `working` what its backward holds at its last block's first GEMM
+    beyond the chunk's `first_backward` bytes then alive (`backward_working`; `working_wgrad` of it the
+    weight gradient, which zero bubble's B leaves to W)."""
 
     saved: int
     backward_peak: int
@@ -72,6 +72,7 @@ class Chunk:
     saved_host: int = 0
     working: int = 0
     working_wgrad: int = 0
+    first_backward: int = 0
 
 
 class _Ledger:
@@ -100,6 +101,10 @@ class _Ledger:
     def region(self, rebuilt: int) -> None:
         self.items.append(("region", rebuilt))
 
+    def mark(self) -> None:
+        """The end of the chunk's last block (the head's tensors follow)."""
+        self.items.append(("mark", 0))
+
     @property
     def saved(self) -> int:
         return sum(n for kind, n in self.items if kind == "save")
@@ -109,9 +114,22 @@ class _Ledger:
         for kind, n in reversed(self.items):
             if kind == "save":
                 alive -= n
-            else:
+            elif kind == "region":
                 peak = max(peak, alive + n)
         return peak
+
+    def first_block_backward(self) -> int:
+        """Bytes of the chunk alive when its last block's backward starts: the head's tensors already released,
+        the last full-recompute segment rebuilt (the region right before the `mark`); all of them without one."""
+        alive = self.saved
+        items = self.items
+        for i in range(len(items) - 1, -1, -1):
+            kind, n = items[i]
+            if kind == "mark":
+                return alive + (items[i - 1][1] if i and items[i - 1][0] == "region" else 0)
+            if kind == "save":
+                alive -= n
+        return self.saved
 
 
 @dataclass(frozen=True)
@@ -362,16 +380,17 @@ def _head(L: _Ledger, c: _Dims, x: str) -> int:
 
 def backward_working(c: _Dims) -> tuple[int, int]:
     """(bytes, of them the weight gradient's) a block's backward holds beyond the tensors kept for it, at its
-    first GEMM, the MLP's output projection (every kept tensor of the chunk still alive: the moment of the
-    chunk's backward peak): the incoming gradient of the stream (w·sbh/r), under SP its all-gather (w·sbh,
-    RowParallelLinear's backward), the projection's input gradient (w·sb·f_t) and its weight gradient (w·h·f_t,
+    first GEMM, the MLP's output projection (every tensor its blocks kept still alive; the head's are gone):
+    the incoming gradient of the stream (w·sbh/r), under SP its all-gather (w·sbh, RowParallelLinear's
+    backward), without SP the hidden dropout's new gradient (w·sbh), the projection's input gradient (w·sb·f_t) and its weight gradient (w·h·f_t,
     a new tensor until autograd accumulates it; zero bubble defers it to W). An MoE MLP's expert backward is
     not counted (0)."""
     if c.moe is not None:
         return 0, 0
     gathered = c.s * c.b * c.h * c.w if c.r > 1 else 0
+    dropped = c.stream if c.hidden_dropout and c.r == 1 else 0  # the dropout's backward: a new gradient
     weight = c.h * c.f_t * c.w
-    return c.stream + gathered + c.s * c.b * c.f_t * c.w + weight, weight
+    return c.stream + gathered + dropped + c.s * c.b * c.f_t * c.w + weight, weight
 
 
 def _wgrad(c: _Dims, kind: str, other_params: int, all_params: int) -> int:
@@ -414,9 +433,12 @@ def activation_chunks(spec, layout, chunks, device: str, param_counts: dict) -> 
             elif kind == "block":
                 x = block(L, c, f"u{unit}", x, policy)
             else:
+                if blocks:
+                    L.mark()
                 logits = _head(L, c, x)
         working = backward_working(c) if blocks else (0, 0)
-        out.append(Chunk(L.saved, L.backward_peak(), dict(L.shared), logits, wgrad, L.host, *working))
+        out.append(Chunk(L.saved, L.backward_peak(), dict(L.shared), logits, wgrad, L.host, *working,
+                         L.first_block_backward()))
     return out
 
 

@@ -32,13 +32,15 @@ same), the bytes megazero holds by the categories `megazero.run.memory.memory_re
 
 Beyond what memory_report can see, `transient` names what adds to the stage's peak during a step, each at the
 moment it is alive in the walked program (`program_peaks.walk_program`): ``logits`` (the head's logits
-and their fp32 shifted copy while the loss runs), ``backward_working`` (at a chunk's first block backward: the
-incoming gradient, its SP all-gather, the MLP output projection's input and weight gradients,
+and their fp32 shifted copy while the loss runs), ``backward_working`` (at a chunk's last block's first GEMM in
+backward: the incoming gradient, its SP all-gather or the hidden dropout's gradient, the MLP output
+projection's input and weight gradients,
 `activation_ledger.backward_working`), ``wgrad_pending`` (zero bubble: the inputs and output
 gradients kept between B and W, and the small weight gradients B computed and holds) and ``zero_buffers``
 (ZeRO's gradient reduce-scatter outputs after each backward, MAX_INFLIGHT of them with overlap_comm, on a
-CPU with gloo's copy of each reduce-scatter's input, and
-ZeRO-3's gathered last unit when a backward starts): each is the rise of the walked peak it causes. The
+CPU with gloo's copy of each reduce-scatter's input, and ZeRO-3's gathered last unit and the units its
+backward prefetches when a backward starts, `gathered_edge`, and the head's again while the loss's logits
+are alive, `gathered_head`): each is the rise of the walked peak it causes. The
 stage's peak of live bytes (the breakdown plus the transients, host and device alike on a CPU) is measured
 against `megazero.run.memory.LiveTensorBytes` on generated CPU layouts (benchmarks/planner_cpu.py). The
 communication options add 1-bit Adam's error buffers to ``optimizer_states`` and the transients
@@ -86,6 +88,7 @@ class _Group:
     shard_params: bool
     offload: bool
     shared_bucket: int | None = None  # stage 3, pp = 1: the bucket of the tied embedding, used by two units
+    bucket_units: tuple[int, ...] = ()  # stage 3's sharded groups: the unit (layer) of each bucket
 
 
 def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group]:
@@ -135,7 +138,8 @@ def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group
         if sharded:
             lay = build_layout([x[0].numel for x in sharded], dp, bucket, cuts)
             shared = next((lay.bucket_of(i) for i, x in enumerate(sharded) if x[0].tied), None)
-            groups.append(_Group("sharded", lay, 3, True, layout.offload_param or opt, shared))
+            units = tuple(sharded[bk.params[0]][1] for bk in lay.buckets)
+            groups.append(_Group("sharded", lay, 3, True, layout.offload_param or opt, shared, units))
         if persistent:
             groups.append(_Group("persistent", build_layout([x[0].numel for x in backward_order(persistent)], dp,
                                                             bucket), 2, False, opt))
@@ -208,11 +212,32 @@ def reduce_outputs(g: _Group, overlap: bool, accelerator: bool) -> int:
     return each * (min(MAX_INFLIGHT, len(g.layout.buckets)) if overlap else 1)
 
 
-def gathered_edge(g: _Group, w: int) -> int:
-    """ZeRO-3: bytes gathered when a chunk's backward starts, with its activations all alive: the last
-    unit's bucket (the first in backward order; a unit releases its parameters after its forward, so
-    none are gathered while the loss runs)."""
-    return (g.layout.buckets[0].numel if g.layout.buckets else 0) * w
+def gathered_edge(g: _Group, w: int, prefetch: int) -> int:
+    """ZeRO-3: bytes gathered when a chunk's backward starts, its activations all alive
+    (`megazero.zero.stage3`): the last unit's buckets (the first in backward order) and the previous units'
+    ones its backward pre-hook prefetches, in backward order while they fit in `prefetch` elements
+    (``zero.prefetch_bucket_size``; it stops at the first that does not). A unit releases its parameters after
+    its forward, so none are gathered while the loss runs."""
+    buckets = g.layout.buckets
+    if not buckets:
+        return 0
+    units = g.bucket_units or (0,) * len(buckets)
+    last = [b for b in buckets if units[b.index] == units[0]]
+    gathered = sum(b.numel for b in last)
+    for b in buckets[len(last):]:
+        if prefetch < b.numel:
+            break
+        prefetch -= b.numel
+        gathered += b.numel
+    return gathered * w
+
+
+def gathered_head(g: _Group, w: int, holds_head: bool) -> int:
+    """ZeRO-3: bytes of the head's buckets (the last unit's, on the stage that holds the head), gathered again
+    while the loss's logits are alive."""
+    if not holds_head or not g.layout.buckets or not g.bucket_units:
+        return 0
+    return sum(b.numel for b in g.layout.buckets if g.bucket_units[b.index] == g.bucket_units[0]) * w
 
 
 @dataclass(frozen=True)
@@ -335,7 +360,8 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
         breakdown = dict.fromkeys(CATEGORIES, 0)
         host: dict[str, int] = {}
         transient = {}
-        gathered = reduced = reduced_at_end = 0
+        gathered = reduced = reduced_at_end = head = 0
+        holds_head = any(kind == "head" for chunk in chunks for kind, _ in chunk)
         for g in groups:
             mem, off = group_memory(g, w, accelerator)
             for k, v in mem.items():
@@ -348,13 +374,15 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
             else:
                 reduced_at_end += reduce_outputs(g, layout.overlaps, accelerator)
             if g.shard_params:
-                gathered += gathered_edge(g, w)
+                gathered += gathered_edge(g, w, layout.prefetch_bucket_size)
+                head += gathered_head(g, w, holds_head)
         states, more = option_memory(groups, layout, w)  # 1-bit Adam, ZeRO++ (comm_memory.py)
         breakdown["optimizer_states"] += states
         transient.update(more)
         ledger = activation_chunks(spec, layout, chunks, device, counts)
         pool = checkpoint_pool(spec, layout, chunks, in_flight_peaks(programs[s])[0])
-        peaks = walk_program(programs[s], ledger, pool, layout.cpu_checkpointing, gathered, reduced, reduced_at_end)
+        peaks = walk_program(programs[s], ledger, pool, layout.cpu_checkpointing, gathered, reduced, reduced_at_end,
+                             head)
         breakdown["activations"] = peaks.metered
         breakdown["activations_host"] = peaks.host
         breakdown["checkpoint_buffer"] = pool  # also inside activations (or activations_host), as measured

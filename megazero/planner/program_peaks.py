@@ -25,12 +25,14 @@ class Peaks:
 
 
 def walk_program(program, chunks: list[Chunk], pool: int = 0, pool_host: bool = False, gathered: int = 0,
-                 reduced: int = 0, reduced_at_end: int = 0) -> Peaks:
+                 reduced: int = 0, reduced_at_end: int = 0, gathered_head: int = 0) -> Peaks:
     """Walk one stage's program: F adds its chunk's bytes, B (or zero-bubble B) rebuilds and releases
     them, W releases what B left for it. `pool`: the stage's contiguous checkpoint buffer, whole while any
     checkpoint is in it (in host memory when `pool_host`); `host`: the peak of host checkpoints.
     ZeRO's buffers alive at given moments (`live`): `gathered` (ZeRO-3: the parameters gathered when a
-    chunk's backward starts, its activations all alive), `reduced` (the
+    chunk's backward starts, its activations and the first block's backward working set all alive),
+    `gathered_head` (ZeRO-3: the head's parameters, gathered again as the loss's gradient reaches the head, the
+    logits still alive), `reduced` (the
     reduce-scatter outputs and copies at the end of each micro-batch's backward, stages 2-3, on top of what
     is still alive then) and `reduced_at_end` (stages 0-1: after the last backward)."""
     shared = sum({k: v for ch in chunks for k, v in ch.shared.items()}.values())  # once per stage
@@ -46,17 +48,16 @@ def walk_program(program, chunks: list[Chunk], pool: int = 0, pool_host: bool = 
             metered, with_logits = max(metered, now), max(with_logits, now + ch.logits)
             working = max(working, with_logits)
             real = max(real, now + ch.logits + pending)
-            live = max(live, real)
+            live = max(live, real, now + ch.logits + pending + (gathered_head if ch.logits else 0))
         elif isinstance(ins, (Backward, BackwardInput)):
             ch = chunks[ins.chunk]
             during = alive - ch.saved + ch.backward_peak + shared
             work = ch.working - (ch.working_wgrad if isinstance(ins, BackwardInput) else 0)
+            first = alive - ch.saved + ch.first_backward + shared + work  # at the last block's first GEMM
             metered, with_logits = max(metered, during), max(with_logits, during)
-            working = max(working, with_logits, during + work)
-            real = max(real, working, during + work + pending)
-            # ZeRO-3: the last unit gathered as the backward starts, then at the first GEMM the working set
-            # beside the gathered weight of the output projection (the size of its weight gradient)
-            live = max(live, during + pending + max(gathered, work + (ch.working_wgrad if gathered else 0)))
+            working = max(working, with_logits, first)
+            real = max(real, working, during + pending, first + pending)
+            live = max(live, max(during, first) + pending + gathered)  # ZeRO-3: the gathered units beside them
             alive -= ch.saved
             host -= ch.saved_host
             if isinstance(ins, BackwardInput):

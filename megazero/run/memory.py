@@ -239,7 +239,8 @@ class LiveTensorBytes(TorchDispatchMode):
     and its ``.grad``: parameters, gradients, optimizer states, flat buffers, kept activations); while
     active it adds every storage an operator creates (forward, backward and the optimizer alike: CPU
     backward runs on the calling thread), each once (views share it), until the last tensor on it is gone
-    (`StorageWeakRef`). Not counted: memory outside torch tensors (gloo's own buffers, the allocator's
+    (`StorageWeakRef`); a storage resized in place (ZeRO-3's gathered buckets) at its new size from the next
+    operator that outputs it or the next sweep. Not counted: memory outside torch tensors (gloo's own buffers, the allocator's
     rounding). `peak` is the most alive at once, `current()` what is alive now."""
 
     def __init__(self, seed: bool = True):
@@ -272,23 +273,34 @@ class LiveTensorBytes(TorchDispatchMode):
         storage = t.untyped_storage()
         key = storage._cdata
         held = self.live.get(key)
-        if held is not None and not held[0].expired():
-            return
-        if held is not None:  # a freed storage's address reused
-            self.total -= held[1]
         nbytes = storage.nbytes()
-        self.live[key] = (StorageWeakRef(storage), nbytes)
-        self.total += nbytes
+        if held is not None and not held[0].expired():
+            if nbytes == held[1]:
+                return
+            self.live[key] = (held[0], nbytes)  # resized in place (ZeRO-3's gathered buckets grow back)
+            self.total += nbytes - held[1]
+        else:
+            if held is not None:  # a freed storage's address reused
+                self.total -= held[1]
+            self.live[key] = (StorageWeakRef(storage), nbytes)
+            self.total += nbytes
         self._since_sweep += 1
         if self.total > self.peak or self._since_sweep > 2000:
             self.sweep()
             self.peak = max(self.peak, self.total)
 
     def sweep(self) -> None:
-        """Forget storages whose last tensor is gone."""
-        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
-        for k in dead:
-            self.total -= self.live.pop(k)[1]
+        """Forget storages whose last tensor is gone; take the size of every other one again (a storage can be
+        resized in place, ``untyped_storage().resize_``, with no operator: ZeRO-3 frees a gathered bucket's
+        bytes that way and grows them back)."""
+        for k, (ref, held) in list(self.live.items()):
+            if ref.expired():
+                self.total -= self.live.pop(k)[1]
+                continue
+            nbytes = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+            if nbytes != held:
+                self.live[k] = (ref, nbytes)
+                self.total += nbytes - held
         self._since_sweep = 0
 
     def current(self) -> int:
