@@ -382,9 +382,9 @@ def backward_working(c: _Dims) -> tuple[int, int]:
     """(bytes, of them the weight gradient's) a block's backward holds beyond the tensors kept for it, at its
     first GEMM, the MLP's output projection (every tensor its blocks kept still alive; the head's are gone):
     the incoming gradient of the stream (w·sbh/r), under SP its all-gather (w·sbh, RowParallelLinear's
-    backward), without SP the hidden dropout's new gradient (w·sbh), the projection's input gradient (w·sb·f_t) and its weight gradient (w·h·f_t,
-    a new tensor until autograd accumulates it; zero bubble defers it to W). An MoE MLP's expert backward is
-    not counted (0)."""
+    backward), without SP the hidden dropout's new gradient (w·sbh), the projection's input gradient
+    (w·sb·f_t) and its weight gradient (w·h·f_t, a new tensor until autograd accumulates it; zero bubble
+    defers it to W). An MoE MLP's expert backward is not counted (0)."""
     if c.moe is not None:
         return 0, 0
     gathered = c.s * c.b * c.h * c.w if c.r > 1 else 0

@@ -127,8 +127,8 @@ def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group
     groups = []
     if experts and layout.zero == 3:
         experts, cuts = _by_unit(experts)
-        groups.append(_Group("experts", build_layout([x[0].numel for x in experts], layout.edp, bucket, cuts), 3,
-                             True, layout.offload_param or opt))
+        lay = build_layout([x[0].numel for x in experts], layout.edp, bucket, cuts)
+        groups.append(_Group("experts", lay, 3, True, layout.offload_param or opt, None, _units(experts, lay)))
     elif experts:
         groups.append(_Group("experts", build_layout([x[0].numel for x in backward_order(experts)], layout.edp,
                                                      bucket), min(layout.zero, 2), False, opt))
@@ -138,8 +138,7 @@ def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group
         if sharded:
             lay = build_layout([x[0].numel for x in sharded], dp, bucket, cuts)
             shared = next((lay.bucket_of(i) for i, x in enumerate(sharded) if x[0].tied), None)
-            units = tuple(sharded[bk.params[0]][1] for bk in lay.buckets)
-            groups.append(_Group("sharded", lay, 3, True, layout.offload_param or opt, shared, units))
+            groups.append(_Group("sharded", lay, 3, True, layout.offload_param or opt, shared, _units(sharded, lay)))
         if persistent:
             groups.append(_Group("persistent", build_layout([x[0].numel for x in backward_order(persistent)], dp,
                                                             bucket), 2, False, opt))
@@ -148,9 +147,15 @@ def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group
                              layout.zero, False, opt))
     if tied:
         shard = layout.zero == 3
-        groups.append(_Group("tied", build_layout([x[0].numel for x in tied], dp, bucket), layout.zero, shard,
-                             opt or (shard and layout.offload_param)))
+        lay = build_layout([x[0].numel for x in tied], dp, bucket)
+        groups.append(_Group("tied", lay, layout.zero, shard, opt or (shard and layout.offload_param), None,
+                             _units(tied, lay)))
     return groups
+
+
+def _units(pairs: list, lay: FlatLayout) -> tuple[int, ...]:
+    """The unit of each bucket of `lay`, laid out from the (Param, unit) `pairs` (a bucket holds one unit's)."""
+    return tuple(pairs[bk.params[0]][1] for bk in lay.buckets)
 
 
 def _by_unit(params: list) -> tuple[list, list[int]]:
@@ -212,19 +217,21 @@ def reduce_outputs(g: _Group, overlap: bool, accelerator: bool) -> int:
     return each * (min(MAX_INFLIGHT, len(g.layout.buckets)) if overlap else 1)
 
 
+def _last_unit(g: _Group) -> list:
+    """The buckets of the group's last unit (backward order puts them first); a group that records no units
+    (`_Group.bucket_units`) as one bucket per unit."""
+    units = g.bucket_units or tuple(range(len(g.layout.buckets)))
+    return [b for b in g.layout.buckets if units[b.index] == units[0]]
+
+
 def gathered_edge(g: _Group, w: int, prefetch: int) -> int:
     """ZeRO-3: bytes gathered when a chunk's backward starts, its activations all alive
-    (`megazero.zero.stage3`): the last unit's buckets (the first in backward order) and the previous units'
-    ones its backward pre-hook prefetches, in backward order while they fit in `prefetch` elements
-    (``zero.prefetch_bucket_size``; it stops at the first that does not). A unit releases its parameters after
-    its forward, so none are gathered while the loss runs."""
-    buckets = g.layout.buckets
-    if not buckets:
-        return 0
-    units = g.bucket_units or (0,) * len(buckets)
-    last = [b for b in buckets if units[b.index] == units[0]]
+    (`megazero.zero.stage3`): the last unit's buckets and the previous units' ones its backward pre-hook
+    prefetches, in backward order while they fit in `prefetch` elements (``zero.prefetch_bucket_size``; it
+    stops at the first that does not)."""
+    last = _last_unit(g)
     gathered = sum(b.numel for b in last)
-    for b in buckets[len(last):]:
+    for b in g.layout.buckets[len(last):]:
         if prefetch < b.numel:
             break
         prefetch -= b.numel
@@ -232,12 +239,12 @@ def gathered_edge(g: _Group, w: int, prefetch: int) -> int:
     return gathered * w
 
 
-def gathered_head(g: _Group, w: int, holds_head: bool) -> int:
-    """ZeRO-3: bytes of the head's buckets (the last unit's, on the stage that holds the head), gathered again
-    while the loss's logits are alive."""
-    if not holds_head or not g.layout.buckets or not g.bucket_units:
+def gathered_head(g: _Group, w: int, head_unit: int | None) -> int:
+    """ZeRO-3: bytes of the head's buckets (unit `head_unit`, None on a stage without the head), gathered again
+    as the loss's gradient reaches the head, its logits still alive."""
+    if head_unit is None:
         return 0
-    return sum(b.numel for b in g.layout.buckets if g.bucket_units[b.index] == g.bucket_units[0]) * w
+    return sum(b.numel for b, u in zip(g.layout.buckets, g.bucket_units) if u == head_unit) * w
 
 
 @dataclass(frozen=True)
@@ -361,7 +368,7 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
         host: dict[str, int] = {}
         transient = {}
         gathered = reduced = reduced_at_end = head = 0
-        holds_head = any(kind == "head" for chunk in chunks for kind, _ in chunk)
+        head_unit = next((unit for chunk in chunks for kind, unit in chunk if kind == "head"), None)
         for g in groups:
             mem, off = group_memory(g, w, accelerator)
             for k, v in mem.items():
@@ -375,7 +382,7 @@ def predict_memory(spec, layout, facts=None, hardware=None, *, device: str = "cu
                 reduced_at_end += reduce_outputs(g, layout.overlaps, accelerator)
             if g.shard_params:
                 gathered += gathered_edge(g, w, layout.prefetch_bucket_size)
-                head += gathered_head(g, w, holds_head)
+                head += gathered_head(g, w, head_unit)
         states, more = option_memory(groups, layout, w)  # 1-bit Adam, ZeRO++ (comm_memory.py)
         breakdown["optimizer_states"] += states
         transient.update(more)
