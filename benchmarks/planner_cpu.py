@@ -145,12 +145,13 @@ def layout_worker(config: dict, warmup: int, steps: int) -> dict:
             "end_bytes": end, "report": report}
 
 
-def calibrate(world: int, out_dir: Path) -> Path:
-    """Run the probe on `world` ranks; the hardware file's path."""
+def calibrate(world: int, out_dir: Path, alone: dict | None = None) -> Path:
+    """Run the probe on `world` ranks (`alone`: the one-rank figures, `calibrate.probe_alone`, when already
+    measured this round); the hardware file's path."""
     from megazero.run import calibrate as cal
 
     path = out_dir / f"cpu-{world}-ranks.yaml"
-    cal.write(str(path), cal.probe(world, name=f"this CPU, {world} ranks (gloo)"), world)
+    cal.write(str(path), cal.probe(world, name=f"this CPU, {world} ranks (gloo)", alone=alone), world)
     return path
 
 
@@ -214,9 +215,12 @@ def main(argv=None) -> dict:
         if args.hardware_dir or args.predict_only:
             return {w: hw_dir / f"cpu-{w}-ranks.yaml" if (hw_dir / f"cpu-{w}-ranks.yaml").exists()
                     else calibrate(w, hw_dir) for w in worlds}
+        from megazero.run.calibrate import probe_alone
+
         here = hw_dir / f"round{round_ + 1}"
         here.mkdir(parents=True, exist_ok=True)
-        return {w: calibrate(w, here) for w in worlds}
+        alone = probe_alone()  # host time per operator and the step's compute over its kernels': one per round
+        return {w: calibrate(w, here, alone) for w in worlds}
 
     before = json.loads(Path(args.predict_only).read_text()) if args.predict_only else {}
     earlier = {r["name"]: r for r in before.get("layouts", [])}

@@ -40,6 +40,7 @@ class Efficiency:
     gemm_mn_half: float = 0.0  # measured by --calibrate on a CPU: small outputs (m·n) run below the curve
     host_op_us: float = 0.0  # a CPU (--calibrate): host time per dispatched operator, paid in series with compute
     comm_cpu: float = 0.0  # a CPU (--calibrate): CPU seconds a rank spends per second of collective or transfer
+    in_step: float = 1.0  # a CPU (--calibrate): a step's compute seconds over its kernels' timed alone (`Machine`)
     hbm: float = 0.8
     nvlink: float = 0.8
     internode: float = 0.9
@@ -109,6 +110,10 @@ class Machine:
         cores = getattr(hw, "cores_per_node", 0)
         self.ranks_here = min(layout.gpus, self.node)  # ranks on one node
         self.shared_cores = cores if self.ranks_here > cores else 0
+        # a CPU's kernels run slower inside a training step than timed alone (each finds the caches full of
+        # the previous one's data; the allocator, autograd's bookkeeping): ``in_step``, measured by --calibrate
+        # on a probe model's step (`megazero.run.calibrate.probe_in_step`), scales every compute second below
+        self.in_step = eff.in_step
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
         """One (m x k)·(k x n) GEMM (`batch` of them in one batched kernel)."""
@@ -117,20 +122,21 @@ class Machine:
             e *= m * n / (m * n + self.eff.gemm_mn_half)
         compute = 2.0 * m * n * k * batch / (e * self.peak)
         memory = self.act * (m * k + k * n + m * n) * batch / self.hbm
-        return max(compute, memory) + self.eff.kernel_us * 1e-6
+        return (max(compute, memory) + self.eff.kernel_us * 1e-6) * self.in_step
 
     def flops(self, flops: float, fraction: float) -> float:
         """Seconds of `flops` at `fraction` of the peak (a fused kernel's measured rate, e.g. flash attention)."""
-        return flops / (fraction * self.peak)
+        return flops / (fraction * self.peak) * self.in_step
 
     def mem(self, nbytes: float, kernels: int = 1) -> float:
-        return nbytes / self.hbm + kernels * self.eff.kernel_us * 1e-6
+        """Seconds of `kernels` memory-bound kernels moving `nbytes` in all."""
+        return (nbytes / self.hbm + kernels * self.eff.kernel_us * 1e-6) * self.in_step
 
     def host(self, ops: float) -> float:
         """Seconds the host spends dispatching `ops` operators (Python, the dispatcher, autograd) where it runs
         them in series with the compute: a CPU measured by --calibrate (`host_op_us`); 0 on accelerators,
         whose host runs ahead of the device."""
-        return ops * self.eff.host_op_us * 1e-6
+        return ops * self.eff.host_op_us * 1e-6 * self.in_step
 
     def link(self, stride: int, size: int) -> float:
         """Bus bandwidth (bytes/s) of a ring over `size` ranks `stride` apart (see the module docstring)."""

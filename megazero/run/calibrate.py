@@ -33,7 +33,6 @@ measured, not datasheet values). On a GPU node the same command measures the GPU
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import os
@@ -89,61 +88,87 @@ ELEMENTWISE_ROWS = (256, 1024)
 """Rows of the (rows, 1024) activations the memory-bound probe runs its kernels on (1-4 MiB in fp32)."""
 
 
+def _interleaved(samples: list, repeats: int, sync, barrier, clock) -> list[float]:
+    """The median over `repeats` rounds of one call's seconds on `clock`, for each (fn, calls) of `samples`: every
+    round times each in turn (`calls` calls after a `barrier`), so that a machine whose speed drifts over seconds
+    (a shared host's) slows all of them alike, and the shapes a curve is fitted to are timed at one speed."""
+    for fn, _ in samples:  # warm-up
+        fn()
+    sync()
+    times = [[] for _ in samples]
+    for _ in range(repeats):
+        for (fn, calls), t in zip(samples, times):
+            barrier()
+            begun = clock()
+            for _ in range(calls):
+                fn()
+            sync()
+            t.append((clock() - begun) / calls)
+    return [statistics.median(t) for t in times]
+
+
 def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, barrier=lambda: None,
                   clock=time.perf_counter) -> dict:
     """{"gemm": [(m, n, k, FLOP/s)], "attention": [(bh, s, d, fwd FLOP/s, bwd FLOP/s)],
     "elementwise_bytes_per_s", "copy_bytes_per_s", "kernel_s"} measured on this rank, on `clock` (ranks
     sharing cores time their CPU time: what a core of its own would take, with the caches and switches that
-    sharing costs). `barrier` runs before each measurement, so that ranks sharing a machine measure at the
-    same time (as a run's ranks compute)."""
+    sharing costs), every kernel timed in turn each round (`_interleaved`). `barrier` runs before each
+    measurement, so that ranks sharing a machine measure at the same time (as a run's ranks compute)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    _median = functools.partial(_median_seconds, clock=clock)
     flops_s, bytes_s = (1e14, 1e12) if device.type == "cuda" else (1e11, 1e10)  # only sizes the samples
-    gemm = []
+    samples, work = [], []  # (fn, calls) and what one call does (FLOPs or bytes as the planner counts them)
     for m, n, k in GEMM_SHAPES:
         # operands cycled through 64 MiB, as a model's weights and activations stream through the caches
         count = max(1, min(64, (64 << 20) // ((m * k + k * n) * torch.finfo(dtype).bits // 8)))
         operands = itertools.cycle([(torch.randn(m, k, device=device, dtype=dtype),
                                      torch.randn(k, n, device=device, dtype=dtype)) for _ in range(count)])
-        barrier()
-        seconds = _median(lambda: torch.mm(*next(operands)), repeats, sync, calls=_calls(2.0 * m * n * k, flops_s))
-        gemm.append((m, n, k, 2.0 * m * n * k / seconds))
-    attention = []
+        samples.append((lambda ops=operands: torch.mm(*next(ops)), _calls(2.0 * m * n * k, flops_s)))
+        work.append(2.0 * m * n * k)
     for bh, s, d in ATTENTION_SHAPES:  # causal: half the square, as the planner counts it
         q, k, v = (torch.randn(1, bh, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         flops = 2.0 * bh * s * s * d
-        barrier()
-        fwd = _median(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                      repeats, sync, calls=_calls(flops, flops_s / 4))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        grad = torch.ones_like(out)
-        barrier()
-        bwd = _median(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats, sync,
-                      calls=_calls(2.5 * flops, flops_s / 4))
-        attention.append((bh, s, d, flops / fwd, 2.5 * flops / bwd))
-    elementwise = []
+        samples += [(lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                     _calls(flops, flops_s / 4)),
+                    (lambda out=out, qkv=(q, k, v), grad=torch.ones_like(out):
+                     torch.autograd.grad(out, qkv, grad, retain_graph=True), _calls(2.5 * flops, flops_s / 4))]
+        work += [flops, 2.5 * flops]
     for rows in ELEMENTWISE_ROWS:  # a norm, an activation and a residual add, forward and backward
         x = torch.randn(rows, 1024, device=device, dtype=dtype, requires_grad=True)
         r = torch.randn(rows, 1024, device=device, dtype=dtype)
         norm = torch.nn.LayerNorm(1024, device=device, dtype=dtype)
 
-        def kernels():
+        def kernels(x=x, r=r, norm=norm):
             y = torch.nn.functional.gelu(norm(x)) + r
             y.backward(r)
-        barrier()
-        seconds = _median(kernels, repeats, sync, calls=_calls(21 * x.numel() * x.element_size(), bytes_s))
         # bytes as the planner counts them (block_cost._elementwise): a norm 2, a residual add 3 and an
         # activation 2 elements' worth per element forward, twice that backward
-        elementwise.append(21 * x.numel() * x.element_size() / seconds)
+        nbytes = 21 * x.numel() * x.element_size()
+        samples.append((kernels, _calls(nbytes, bytes_s)))
+        work.append(nbytes)
     x = torch.empty(16 << 20, device=device, dtype=torch.float32)  # 64 MiB
     y = torch.empty_like(x)
-    barrier()
-    copy = _median(lambda: y.copy_(x), repeats, sync, calls=_calls(2 * x.numel() * 4, bytes_s))
+    samples.append((lambda: y.copy_(x), _calls(2 * x.numel() * 4, bytes_s)))
+    work.append(2 * x.numel() * 4)
+    rates = [w / seconds for w, seconds in zip(work, _interleaved(samples, repeats, sync, barrier, clock))]
+    g, a = len(GEMM_SHAPES), 2 * len(ATTENTION_SHAPES)
+    gemm = [(m, n, k, rate) for (m, n, k), rate in zip(GEMM_SHAPES, rates)]
+    attention = [(bh, s, d, rates[g + 2 * i], rates[g + 2 * i + 1]) for i, (bh, s, d) in enumerate(ATTENTION_SHAPES)]
     tiny = torch.zeros(1, device=device)
     barrier()
-    kernel = _median(lambda: tiny.add_(1.0), repeats * 20, sync, calls=1000)
-    return {"gemm": gemm, "attention": attention, "elementwise_bytes_per_s": statistics.median(elementwise),
-            "copy_bytes_per_s": 2 * x.numel() * 4 / copy, "kernel_s": kernel}
+    kernel = _median_seconds(lambda: tiny.add_(1.0), repeats * 20, sync, calls=1000, clock=clock)
+    return {"gemm": gemm, "attention": attention, "elementwise_bytes_per_s": statistics.median(rates[g + a:-1]),
+            "copy_bytes_per_s": rates[-1], "kernel_s": kernel}
+
+
+def _debug_spec(name: str) -> str | None:
+    """The path of the repository's model_specs/`name`:debug, None where model_specs/ is not at hand."""
+    from pathlib import Path
+
+    import megazero
+
+    spec = Path(megazero.__file__).resolve().parents[1] / "model_specs" / name
+    return f"{spec}:debug" if spec.is_file() else None
 
 
 def probe_host(repeats: int = 5) -> float:
@@ -152,16 +177,12 @@ def probe_host(repeats: int = 5) -> float:
     its operators counted with a dispatch mode; the difference of the step times over the difference of the
     counts. Run before the process group exists (a single-process engine). 0.0 where the repository's
     model_specs/ is not at hand."""
-    from pathlib import Path
-
-    import megazero
-
-    spec = Path(megazero.__file__).resolve().parents[1] / "model_specs" / "gpt.py"
-    if not spec.is_file():
+    spec = _debug_spec("gpt.py")
+    if spec is None:
         return 0.0
 
     def step(layers: int) -> tuple[int, float]:
-        engine, data = tiny_engine(f"{spec}:debug", layers)
+        engine, data = tiny_engine(spec, layers)
         engine.train_batch(data)
         with OpCount() as count:
             engine.train_batch(data)
@@ -169,6 +190,36 @@ def probe_host(repeats: int = 5) -> float:
 
     (n_small, t_small), (n_big, t_big) = step(2), step(6)
     return max(0.0, (t_big - t_small) / max(1, n_big - n_small))
+
+
+PROBE_MODEL = {"layers": 4, "hidden": 192, "heads": 6, "vocab": 256, "seq_len": 96}
+"""The debug GPT whose training step `probe_in_step` times (4 micro-batches of 2 sequences, ZeRO-1, fp32): a
+shape of its own, none of the benchmark's (benchmarks/planner_cpu.py: h 256, s 128)."""
+
+
+def probe_in_step(hardware: dict, repeats: int = 5) -> float:
+    """On a CPU, a training step's time over the time the planner gives it from `hardware` (a hardware file's
+    content, measured alone on this machine by one rank, ``in_step`` 1): `PROBE_MODEL`'s step, one rank, the
+    median of `repeats` samples. A CPU's kernels run slower inside a step than one by one (each finds the
+    caches full of the previous one's data; the allocator, autograd's and the engine's bookkeeping); the
+    planner scales every compute second by this (`Efficiency.in_step`). 1.0 where model_specs/ is not at hand.
+    Run before the process group exists (a single-process engine)."""
+    from megazero.engine import load_run_config
+    from megazero.planner.from_config import layout_of, spec_of
+    from megazero.planner.hardware import FIELDS, Hardware
+    from megazero.planner.speed import predict_step
+
+    spec = _debug_spec("gpt.py")
+    if spec is None:
+        return 1.0
+    config = _tiny_config(spec, micro_batch=2, micro_batches=4, zero=1, **PROBE_MODEL)
+    engine, data = tiny_engine(config=config)
+    engine.train_batch(data)
+    measured = _median_seconds(lambda: engine.train_batch(data), repeats, lambda: None, sample_s=0.3)
+    run = load_run_config(config, world_size=1)
+    machine = Hardware(**{k: hardware[k] for k in FIELDS}, efficiency=tuple(sorted(hardware["efficiency"].items())))
+    predicted = predict_step(spec_of(run), layout_of(run)[0], machine).step_time_s
+    return measured / predicted
 
 
 class OpCount(TorchDispatchMode):
@@ -183,15 +234,23 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tiny_engine(spec: str, layers: int, policy: str = "none", **model):
-    """(engine, data) of a single-process tiny model (h 32, s 8, one micro-batch of one sequence, ZeRO-0)."""
+def _tiny_config(spec: str, layers: int, policy: str = "none", micro_batch: int = 1, micro_batches: int = 1,
+                 zero: int = 0, **model) -> dict:
+    """A single-process fp32 run config of the model `spec` (default h 32, s 8; `model` overrides)."""
+    return {"model": {"spec": spec, "layers": layers, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8, **model},
+            "precision": "fp32",
+            "train": {"micro_batch_size": micro_batch, "global_batch_size": micro_batch * micro_batches, "seed": 1,
+                      "steps": 100},
+            "zero": {"stage": zero}, "activation_checkpointing": {"policy": policy},
+            "optimizer": {"type": "adamw", "lr": 1e-4}}
+
+
+def tiny_engine(spec: str | None = None, layers: int = 2, policy: str = "none", config: dict | None = None, **model):
+    """(engine, data) of a single-process run: `config`, default a tiny model (h 32, s 8, one micro-batch of one
+    sequence, ZeRO-0) of `spec`."""
     import megazero
 
-    cfg = {"model": {"spec": spec, "layers": layers, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8, **model},
-           "precision": "fp32", "train": {"micro_batch_size": 1, "global_batch_size": 1, "seed": 1, "steps": 100},
-           "zero": {"stage": 0}, "activation_checkpointing": {"policy": policy},
-           "optimizer": {"type": "adamw", "lr": 1e-4}}
-    engine, _, data, _ = megazero.initialize(config=cfg)
+    engine, _, data, _ = megazero.initialize(config=config or _tiny_config(spec, layers, policy, **model))
     return engine, data
 
 
@@ -286,7 +345,7 @@ def _rank_probe(rank: int, world: int, port: int, queue, repeats: int, parts: tu
                                  clock=time.process_time if shared else time.perf_counter)
                    if "compute" in parts else None)
         if "host" in parts:  # measured alone (`probe`); the host runs ahead of a GPU
-            compute = {"host_op_s": 0.0 if gpu else probe_host(repeats)}
+            compute = {"host_op_s": 0.0, "in_step": 1.0} if gpu else _alone(device, repeats)
         comm, p2p = {}, None
         if "comm" in parts:
             m, n, k = PACE
@@ -323,6 +382,18 @@ def _rank_probe(rank: int, world: int, port: int, queue, repeats: int, parts: tu
         dist.destroy_process_group()
 
 
+def _alone(device: torch.device, repeats: int, pairs: int = 3) -> dict:
+    """{"host_op_s", "in_step"}: a CPU's host time per operator (`probe_host`) and its step's compute over its
+    kernels' (`probe_in_step`, against this rank's compute measured alone in wall seconds just before: the
+    median of `pairs` such pairs, the machine's speed drifting between them)."""
+    host = probe_host(repeats)
+    ratios = []
+    for _ in range(pairs):
+        compute = dict(probe_compute(device, torch.float32, repeats), host_op_s=host, in_step=1.0)
+        ratios.append(probe_in_step(hardware_file([(0, compute, {}, None, False)], "alone"), repeats))
+    return {"host_op_s": host, "in_step": statistics.median(ratios)}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -347,14 +418,24 @@ def measure(world: int, repeats: int = 5, timeout: float = 600.0, parts: tuple =
     return sorted(results, key=lambda r: r[0])
 
 
-def probe(world: int, repeats: int = 5, name: str | None = None, share_cores: bool = True) -> dict:
+def probe_alone(repeats: int = 5) -> dict:
+    """{"host_op_s", "in_step"} of this machine, measured by one rank alone (`_alone`; a GPU: 0 and 1, its host
+    runs ahead of it): what `probe` adds to every rank count's file."""
+    if torch.cuda.is_available():
+        return {"host_op_s": 0.0, "in_step": 1.0}
+    return measure(1, repeats, parts=("host",))[0][1]
+
+
+def probe(world: int, repeats: int = 5, name: str | None = None, share_cores: bool = True,
+          alone: dict | None = None) -> dict:
     """The hardware file's content for runs of `world` ranks on this machine, every rank measuring at once. On a
     CPU with fewer cores than `world` each rank times its compute in CPU seconds (what it would take on a core
     of its own, the cost of sharing included) and the file records ``cores_per_node``: the planner shares the
-    cores among the ranks (`speed.shared_cores_bound`). `share_cores=False`: wall time throughout, no ``cores_per_node``."""
+    cores among the ranks (`speed.shared_cores_bound`). `share_cores=False`: wall time throughout, no ``cores_per_node``.
+    `alone`: `probe_alone`'s figures when already measured (one per machine serves every rank count)."""
     results = measure(world, repeats, share_cores=share_cores)
-    host = 0.0 if torch.cuda.is_available() else measure(1, repeats, parts=("host",))[0][1]["host_op_s"]
-    compute = [(r[0], dict(r[1], host_op_s=host), *r[2:]) for r in results]
+    alone = alone or probe_alone(repeats)
+    compute = [(r[0], dict(r[1], **alone), *r[2:]) for r in results]
     content = hardware_file(results, name or f"this machine, {world} ranks", compute)
     if not share_cores or world <= (os.cpu_count() or 1):  # no sharing left to model
         content.pop("cores_per_node", None)
@@ -381,6 +462,7 @@ def hardware_file(results: list, name: str, compute: list | None = None) -> dict
     flash_bwd = statistics.median(b for _, b in flash) / peak
     kernel = statistics.median(r[1]["kernel_s"] for r in results)
     host = statistics.median(r[1]["host_op_s"] for r in results)
+    in_step = statistics.median(r[1].get("in_step", 1.0) for r in results)
     big = max(COLLECTIVE_BYTES)
     busbw, latency = [], []
     comm_cpu = 0.0 if gpu or not spent else statistics.median(spent)
@@ -404,7 +486,7 @@ def hardware_file(results: list, name: str, compute: list | None = None) -> dict
             "nvlink_gbs": bus / 1e9, "internode_gbs": bus / 1e9,
             "efficiency": {"gemm_max": round(gemm_max, 4), "gemm_k_half": round(k_half, 1),
                            "gemm_mn_half": round(mn_half, 1), "host_op_us": round(host * 1e6, 3),
-                           "comm_cpu": round(comm_cpu, 4),
+                           "in_step": round(in_step, 4), "comm_cpu": round(comm_cpu, 4),
                            "hbm": round(min(1.0, elementwise / copy), 4), "flash_fwd": round(flash_fwd, 4),
                            "flash_bwd": round(flash_bwd, 4),
                            "nvlink": 1.0, "internode": 1.0, "kernel_us": kernel * 1e6,
