@@ -50,10 +50,60 @@ def test_calibrate_runs_on_two_ranks_and_plans_with_its_file(tmp_path, capsys):
     assert 0 < eff["gemm_max"] <= 1.5 and eff["nvlink_hop_us"] >= 0
     # gloo's collectives cost CPU (copies, reductions, wake-ups), less than a core per rank while they last
     assert 0 < eff["comm_cpu"] <= 2.0 and eff["collective_us"] >= 0
+    # a step's compute over its kernels' timed alone: near 1 (a step neither free nor several times its kernels)
+    assert 0.5 < eff["in_step"] < 2.5
     capsys.readouterr()
     assert plan.main(["gpt:debug", "--hardware", out, "--gpus", "2", "--global-batch", "4", "--pp", "2",
                       "--precision", "fp32"], hardware_dir="configs/hardware", spec_dir="model_specs") in (0, 1)
     assert "step" in capsys.readouterr().out
+
+
+def test_in_step_scales_every_compute_second_and_nothing_else():
+    from megazero.planner.speed import COMPUTE, predict_step
+    from megazero.core.spec import ModelSpec
+
+    hw = load_hardware("a100-80gb", "configs/hardware")
+    layout = Layout(tp=2, global_batch=4, micro_batch=1)
+    plain = Machine(hw, DEFAULT_EFFICIENCY, layout)
+    slow = Machine(hw, DEFAULT_EFFICIENCY.replace(in_step=1.25, host_op_us=3.0), layout)
+    hosted = Machine(hw, DEFAULT_EFFICIENCY.replace(host_op_us=3.0), layout)
+    assert slow.gemm(512, 1024, 256) == pytest.approx(1.25 * plain.gemm(512, 1024, 256))
+    assert slow.flops(1e12, 0.5) == pytest.approx(1.25 * plain.flops(1e12, 0.5))
+    assert slow.mem(1e8, 3) == pytest.approx(1.25 * plain.mem(1e8, 3))
+    assert slow.host(100) == pytest.approx(1.25 * hosted.host(100))
+    nbytes = 1e8
+    assert slow.ring("all_reduce", nbytes, 2, slow.link(1, 2)) == plain.ring("all_reduce", nbytes, 2, plain.link(1, 2))
+    spec = ModelSpec(name="t", layers=2, hidden=512, heads=8, seq_len=256, vocab=1024)
+    base = predict_step(spec, layout, hw).breakdown
+    scaled = predict_step(spec, layout, hw, efficiency=DEFAULT_EFFICIENCY.replace(in_step=1.25)).breakdown
+    for part in COMPUTE:
+        assert scaled[part] == pytest.approx(1.25 * base[part]), part
+    # the collectives keep their time; slower weight GEMMs hide more of backward's all-reduce
+    assert 0 < scaled["tp_comm"] <= base["tp_comm"]
+
+
+def test_in_step_is_the_probe_models_step_over_its_prediction(monkeypatch):
+    """`probe_in_step` divides the probe model's measured step (here: a stand-in 0.5 s) by the planner's step for
+    that model on the given hardware; the probe model is none of the CPU benchmark's."""
+    import benchmarks.planner_cpu as bench
+    from megazero.engine import load_run_config
+    from megazero.planner.from_config import layout_of, spec_of
+    from megazero.planner.hardware import FIELDS, Hardware
+    from megazero.planner.speed import predict_step
+
+    content = {"name": "probe", "peak_tflops": 0.2, "hbm_gib": 10.0, "hbm_bandwidth_tbs": 0.02, "gpus_per_node": 1,
+               "nvlink_gbs": 0.5, "internode_gbs": 0.5,
+               "efficiency": {"gemm_max": 0.8, "gemm_k_half": 40.0, "hbm": 0.6, "host_op_us": 5.0, "kernel_us": 3.0}}
+    monkeypatch.setattr(calibrate, "_median_seconds", lambda *a, **k: 0.5)
+    got = calibrate.probe_in_step(content, repeats=1)
+    config = calibrate._tiny_config(calibrate._debug_spec("gpt.py"), micro_batch=2, micro_batches=4, zero=1,
+                                    **calibrate.PROBE_MODEL)
+    run = load_run_config(config, world_size=1)
+    hw = Hardware(**{k: content[k] for k in FIELDS}, efficiency=tuple(sorted(content["efficiency"].items())))
+    assert got == pytest.approx(0.5 / predict_step(spec_of(run), layout_of(run)[0], hw).step_time_s)
+    shape = ("hidden", "seq_len")
+    assert all(tuple(calibrate.PROBE_MODEL[k] for k in shape) != tuple(m[k] for k in shape)
+               for m in (bench.GPT, bench.LLAMA))
 
 
 @pytest.mark.parametrize("flavor,extra", [("gpt", {}), ("llama", {"kv_heads": 2, "ffn_hidden": 48})])

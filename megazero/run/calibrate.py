@@ -16,6 +16,8 @@ models them:
 * GEMMs with small outputs over k (`gemm_mn_half`: the curve times mn / (mn + gemm_mn_half));
 * on a CPU, the host time per dispatched operator in megazero's own step (`host_op_us`, `probe_host`), which
   a CPU pays in series with its compute (a GPU's host runs ahead: 0 there);
+* on a CPU, a probe model's training step against the planner's prediction of it from the kernels measured
+  alone (`in_step`, `probe_in_step`): the planner scales every compute second by it (1 on a GPU);
 * all_reduce, reduce_scatter and all_gather over the N ranks at several sizes, and in groups of N / 2 and
   N / 4 ranks (every group at once): the bus bandwidth (`nvlink_gbs`: all ranks of this machine are one node)
   and the latency model `ring_base_us + steps · nvlink_hop_us` fitted over the group sizes; a send/receive
@@ -24,7 +26,9 @@ models them:
   what it costs called back to back); on a CPU also the CPU time it adds per second (`comm_cpu`: gloo's
   copies, reductions and wake-ups).
 
-Every rank takes each measurement at the same time (a barrier before each), as a run's ranks compute. On a
+Every rank takes each measurement at the same time (a barrier before each), as a run's ranks compute, and the
+compute probe times its kernels in turn, round after round (`_interleaved`): a shared host's speed drifts over
+seconds, and kernels timed one after the other would see different speeds. On a
 CPU with fewer cores than N (`probe`) each rank times its compute in CPU seconds (what a core of its own would
 take, with the caches and switches that sharing costs) and the file records ``cores_per_node``: the planner
 shares the cores among the N ranks itself (`speed.shared_cores_bound`). The file holds the `Hardware` fields
