@@ -63,7 +63,7 @@ def test_in_step_scales_every_compute_second_and_nothing_else():
     from megazero.core.spec import ModelSpec
 
     hw = load_hardware("a100-80gb", "configs/hardware")
-    layout = Layout(tp=2, global_batch=4, micro_batch=1)
+    layout = Layout(tp=2, global_batch=4, micro_batch=1, recompute="selective")
     plain = Machine(hw, DEFAULT_EFFICIENCY, layout)
     slow = Machine(hw, DEFAULT_EFFICIENCY.replace(in_step=1.25, host_op_us=3.0), layout)
     hosted = Machine(hw, DEFAULT_EFFICIENCY.replace(host_op_us=3.0), layout)
@@ -73,13 +73,36 @@ def test_in_step_scales_every_compute_second_and_nothing_else():
     assert slow.host(100) == pytest.approx(1.25 * hosted.host(100))
     nbytes = 1e8
     assert slow.ring("all_reduce", nbytes, 2, slow.link(1, 2)) == plain.ring("all_reduce", nbytes, 2, plain.link(1, 2))
+    assert slow.latency("all_gather", 2) == plain.latency("all_gather", 2)
+    assert slow.all_to_all(nbytes, 2, 1) == plain.all_to_all(nbytes, 2, 1)
+    assert slow.dp_collective("reduce_scatter", nbytes, 2, 1) == plain.dp_collective("reduce_scatter", nbytes, 2, 1)
     spec = ModelSpec(name="t", layers=2, hidden=512, heads=8, seq_len=256, vocab=1024)
     base = predict_step(spec, layout, hw).breakdown
     scaled = predict_step(spec, layout, hw, efficiency=DEFAULT_EFFICIENCY.replace(in_step=1.25)).breakdown
     for part in COMPUTE:
         assert scaled[part] == pytest.approx(1.25 * base[part]), part
+    assert base["recompute"] > 0 and base["optimizer"] > 0
     # the collectives keep their time; slower weight GEMMs hide more of backward's all-reduce
     assert 0 < scaled["tp_comm"] <= base["tp_comm"]
+
+
+def test_interleaved_times_every_kernel_once_per_round():
+    """`_interleaved`: each round runs every sample's calls in turn, after a barrier; each median is per call."""
+    order, clock = [], iter(range(1000))
+    samples = [(lambda: order.append("a"), 2), (lambda: order.append("b"), 1)]
+    barriers = []
+    got = calibrate._interleaved(samples, 3, lambda: None, lambda: barriers.append(1), lambda: next(clock))
+    assert order == ["a", "b"] + ["a", "a", "b"] * 3 and len(barriers) == 6
+    assert got == [0.5, 1.0]  # the fake clock ticks once per read: 1 tick over 2 calls, 1 over 1
+
+
+def test_a_hardware_file_refuses_in_step_zero(tmp_path):
+    path = tmp_path / "cpu.yaml"
+    calibrate.write(str(path), {"name": "x", "peak_tflops": 0.2, "hbm_gib": 10.0, "hbm_bandwidth_tbs": 0.02,
+                                "gpus_per_node": 1, "nvlink_gbs": 0.5, "internode_gbs": 0.5,
+                                "efficiency": {"in_step": 0.0}}, 1)
+    with pytest.raises(PlanError, match="efficiency.in_step=0 must be > 0"):
+        load_hardware(str(path), "configs/hardware")
 
 
 def test_in_step_is_the_probe_models_step_over_its_prediction(monkeypatch):

@@ -96,6 +96,9 @@ def load_hardware(name: str, directory: str) -> Hardware:
                             f"fields: {', '.join(EFFICIENCY_FIELDS)}")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise PlanError(f"--hardware {path}: efficiency.{k}={v!r} must be a number >= 0")
+        if k == "in_step" and v <= 0:
+            raise PlanError(f"--hardware {path}: efficiency.in_step={v!r} must be > 0 (a step's compute over its "
+                            f"kernels'; 1: as timed alone)")
     cores = raw.get("cores_per_node", 0)
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
         raise PlanError(f"--hardware {path}: cores_per_node={cores!r} must be an integer >= 0")

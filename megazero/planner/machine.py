@@ -110,9 +110,11 @@ class Machine:
         cores = getattr(hw, "cores_per_node", 0)
         self.ranks_here = min(layout.gpus, self.node)  # ranks on one node
         self.shared_cores = cores if self.ranks_here > cores else 0
-        # a CPU's kernels run slower inside a training step than timed alone (each finds the caches full of
-        # the previous one's data; the allocator, autograd's bookkeeping): ``in_step``, measured by --calibrate
-        # on a probe model's step (`megazero.run.calibrate.probe_in_step`), scales every compute second below
+        # a CPU's step takes longer than the planner's sum of its kernels timed alone (a profile of a debug GPT:
+        # its GEMMs as predicted, attention, the elementwise kernels, the head, loss and optimizer slower):
+        # ``in_step``, measured by --calibrate as one probe model's whole step over its prediction, host time
+        # included (`megazero.run.calibrate.probe_in_step`), scales every compute second below, GEMMs and host
+        # time too: an empirical correction from one model, not a per-kernel rate (1 on a GPU and the presets)
         self.in_step = eff.in_step
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:

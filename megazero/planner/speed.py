@@ -17,9 +17,10 @@
   file's CPU-second rates, and ``comm_cpu`` of each second of communication); a waiting rank lends its core,
   so the simulator's bubbles and latencies cost less than its makespan says. The file's collective and
   transfer times are what one adds after compute among the sharing ranks (the probe times them so).
-* A calibrated CPU (``in_step`` in the file): every compute second above and below is scaled by the ratio
-  --calibrate measured between a probe model's training step and this model's prediction of it from the
-  kernels timed alone (inside a step each kernel finds the caches full of the previous one's data).
+* A calibrated CPU (``in_step`` in the file): every compute second above and below (GEMMs and host time
+  included) is scaled by the ratio --calibrate measured between one probe model's training step and the
+  planner's prediction of it from the kernels timed alone: an empirical correction from one model (a profile
+  finds the excess outside the GEMMs: attention, elementwise kernels, the head, loss and optimizer).
 * Attention core: with attention dropout off megazero runs flash attention (SDPA): causal FLOPs at
   `flash_fwd` / `flash_bwd` of peak (backward 2.5x the forward's FLOPs). With dropout on (megazero's
   reference core, and Megatron-LM in 2021) the scores are materialised: two batched GEMMs forward, four

@@ -168,7 +168,8 @@ def _reduce_and_step(layout, mc: Machine, impl, shards, tied: float, last_backwa
         reduce += mc.ring("all_reduce", tied_bytes, 2, mc.link((layout.pp - 1) * dp * layout.tp, 2))
     shard = sum(p / n for p, n, _, _ in shards) if z >= 1 else psi
     if layout.offload_optimizer:
-        adam = shard * 28 / (mc.eff.host_gbs * 1e9) + shard * 6 / (mc.eff.pcie_gbs * 1e9)
+        # the host's Adam is compute (`Machine.in_step`); the PCIe copies are transfers
+        adam = shard * 28 / (mc.eff.host_gbs * 1e9) * mc.in_step + shard * 6 / (mc.eff.pcie_gbs * 1e9)
     else:
         adam = mc.mem(shard * (34 if mc.act == 2 else 32), kernels=4)
     gather = sum(mc.dp_collective("all_gather", p * mc.act, n, st, math.ceil(p / layout.allgather_bucket_size))

@@ -16,8 +16,9 @@ models them:
 * GEMMs with small outputs over k (`gemm_mn_half`: the curve times mn / (mn + gemm_mn_half));
 * on a CPU, the host time per dispatched operator in megazero's own step (`host_op_us`, `probe_host`), which
   a CPU pays in series with its compute (a GPU's host runs ahead: 0 there);
-* on a CPU, a probe model's training step against the planner's prediction of it from the kernels measured
-  alone (`in_step`, `probe_in_step`): the planner scales every compute second by it (1 on a GPU);
+* on a CPU, one rank alone (all the cores): a probe model's training step against the planner's prediction of
+  it from the kernels that rank measures just before (`in_step`, `probe_in_step`): the planner scales every
+  compute second by it (1 on a GPU);
 * all_reduce, reduce_scatter and all_gather over the N ranks at several sizes, and in groups of N / 2 and
   N / 4 ranks (every group at once): the bus bandwidth (`nvlink_gbs`: all ranks of this machine are one node)
   and the latency model `ring_base_us + steps · nvlink_hop_us` fitted over the group sizes; a send/receive
@@ -27,8 +28,9 @@ models them:
   copies, reductions and wake-ups).
 
 Every rank takes each measurement at the same time (a barrier before each), as a run's ranks compute, and the
-compute probe times its kernels in turn, round after round (`_interleaved`): a shared host's speed drifts over
-seconds, and kernels timed one after the other would see different speeds. On a
+compute probe times its kernels in turn, round after round (`_interleaved`; the launch cost `kernel_us` on its
+own): a shared host's speed drifts over seconds, and kernels timed one after the other would see different
+speeds. Its GEMM operands (cycled through 64 MiB per shape) are all alive at once: about 1 GiB per rank. On a
 CPU with fewer cores than N (`probe`) each rank times its compute in CPU seconds (what a core of its own would
 take, with the caches and switches that sharing costs) and the file records ``cores_per_node``: the planner
 shares the cores among the N ranks itself (`speed.shared_cores_bound`). The file holds the `Hardware` fields
@@ -179,7 +181,7 @@ def probe_host(repeats: int = 5) -> float:
     """Seconds of host time per dispatched operator in megazero's own training step on this machine (Python,
     the dispatcher, autograd, the engine): a tiny debug GPT (h 32, s 8) of 2 and of 6 blocks, one step each,
     its operators counted with a dispatch mode; the difference of the step times over the difference of the
-    counts. Run before the process group exists (a single-process engine). 0.0 where the repository's
+    counts. A single-process engine (run by one rank alone, `_alone`). 0.0 where the repository's
     model_specs/ is not at hand."""
     spec = _debug_spec("gpt.py")
     if spec is None:
@@ -206,8 +208,9 @@ def probe_in_step(hardware: dict, repeats: int = 5) -> float:
     content, measured alone on this machine by one rank, ``in_step`` 1): `PROBE_MODEL`'s step, one rank, the
     median of `repeats` samples. A CPU's kernels run slower inside a step than one by one (each finds the
     caches full of the previous one's data; the allocator, autograd's and the engine's bookkeeping); the
-    planner scales every compute second by this (`Efficiency.in_step`). 1.0 where model_specs/ is not at hand.
-    Run before the process group exists (a single-process engine)."""
+    planner scales every compute second by this, host time included (`Efficiency.in_step`): an empirical
+    correction from one model. 1.0 where model_specs/ is not at hand. A single-process engine (run by one rank
+    alone, with all the cores: `_alone`)."""
     from megazero.engine import load_run_config
     from megazero.planner.from_config import layout_of, spec_of
     from megazero.planner.hardware import FIELDS, Hardware
@@ -438,7 +441,7 @@ def probe(world: int, repeats: int = 5, name: str | None = None, share_cores: bo
     cores among the ranks (`speed.shared_cores_bound`). `share_cores=False`: wall time throughout, no ``cores_per_node``.
     `alone`: `probe_alone`'s figures when already measured (one per machine serves every rank count)."""
     results = measure(world, repeats, share_cores=share_cores)
-    alone = alone or probe_alone(repeats)
+    alone = probe_alone(repeats) if alone is None else alone
     compute = [(r[0], dict(r[1], **alone), *r[2:]) for r in results]
     content = hardware_file(results, name or f"this machine, {world} ranks", compute)
     if not share_cores or world <= (os.cpu_count() or 1):  # no sharing left to model

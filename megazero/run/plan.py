@@ -292,7 +292,8 @@ def calibrate_main(argv) -> int:
     print(f"wrote {args.calibrate}: peak_tflops {content['peak_tflops']:.3f} (16-bit; fp32 at half), gemm_max "
           f"{eff['gemm_max']}, gemm_k_half {eff['gemm_k_half']}; memory {content['hbm_bandwidth_tbs'] * 1e3:.1f} GB/s; "
           f"collectives {content['nvlink_gbs']:.2f} GB/s bus, {eff['ring_base_us']:.0f} us + {eff['nvlink_hop_us']:.0f} us "
-          f"per step; p2p {eff['collective_us']:.0f} us")
+          f"per step; p2p {eff['collective_us']:.0f} us; host {eff['host_op_us']} us per operator, in-step "
+          f"{eff['in_step']}")
     return 0
 
 
