@@ -7,7 +7,7 @@ import pytest
 from megazero.planner.hardware import load_hardware
 from megazero.planner.layout import Layout, PlanError
 from megazero.planner.machine import DEFAULT_EFFICIENCY, Machine
-from megazero.run import calibrate, plan
+from megazero.run import calibrate, plan, probe_timing, step_probe
 
 
 def test_gemm_fit_recovers_the_curve():
@@ -91,7 +91,7 @@ def test_interleaved_times_every_kernel_once_per_round():
     order, clock = [], iter(range(1000))
     samples = [(lambda: order.append("a"), 2), (lambda: order.append("b"), 1)]
     barriers = []
-    got = calibrate._interleaved(samples, 3, lambda: None, lambda: barriers.append(1), lambda: next(clock))
+    got = probe_timing.interleaved(samples, 3, lambda: None, lambda: barriers.append(1), lambda: next(clock))
     assert order == ["a", "b"] + ["a", "a", "b"] * 3 and len(barriers) == 6
     assert got == [0.5, 1.0]  # the fake clock ticks once per read: 1 tick over 2 calls, 1 over 1
 
@@ -117,15 +117,15 @@ def test_in_step_is_the_probe_models_step_over_its_prediction(monkeypatch):
     content = {"name": "probe", "peak_tflops": 0.2, "hbm_gib": 10.0, "hbm_bandwidth_tbs": 0.02, "gpus_per_node": 1,
                "nvlink_gbs": 0.5, "internode_gbs": 0.5,
                "efficiency": {"gemm_max": 0.8, "gemm_k_half": 40.0, "hbm": 0.6, "host_op_us": 5.0, "kernel_us": 3.0}}
-    monkeypatch.setattr(calibrate, "_median_seconds", lambda *a, **k: 0.5)
-    got = calibrate.probe_in_step(content, repeats=1)
-    config = calibrate._tiny_config(calibrate._debug_spec("gpt.py"), micro_batch=2, micro_batches=4, zero=1,
-                                    **calibrate.PROBE_MODEL)
+    monkeypatch.setattr(step_probe, "median_seconds", lambda *a, **k: 0.5)
+    got = step_probe.probe_in_step(content, repeats=1)
+    config = step_probe.tiny_config(step_probe._debug_spec("gpt.py"), micro_batch=2, micro_batches=4, zero=1,
+                                     **step_probe.PROBE_MODEL)
     run = load_run_config(config, world_size=1)
     hw = Hardware(**{k: content[k] for k in FIELDS}, efficiency=tuple(sorted(content["efficiency"].items())))
     assert got == pytest.approx(0.5 / predict_step(spec_of(run), layout_of(run)[0], hw).step_time_s)
     shape = ("hidden", "seq_len")
-    assert all(tuple(calibrate.PROBE_MODEL[k] for k in shape) != tuple(m[k] for k in shape)
+    assert all(tuple(step_probe.PROBE_MODEL[k] for k in shape) != tuple(m[k] for k in shape)
                for m in (bench.GPT, bench.LLAMA))
 
 
@@ -140,9 +140,9 @@ def test_the_planners_operator_counts_are_megazeros(flavor, extra):
     def per_block(policy):
         counts = []
         for layers in (2, 4):
-            engine, data = calibrate.tiny_engine(f"model_specs/{flavor}.py:debug", layers, policy, **extra)
+            engine, data = step_probe.tiny_engine(f"model_specs/{flavor}.py:debug", layers, policy, **extra)
             engine.train_batch(data)
-            with calibrate.OpCount() as count:
+            with step_probe.OpCount() as count:
                 engine.train_batch(data)
             counts.append(count.n)
         return (counts[1] - counts[0]) / 2

@@ -28,7 +28,7 @@ models them:
   copies, reductions and wake-ups).
 
 Every rank takes each measurement at the same time (a barrier before each), as a run's ranks compute, and the
-compute probe times its kernels in turn, round after round (`_interleaved`; the launch cost `kernel_us` on its
+compute probe times its kernels in turn, round after round (`probe_timing.interleaved`; the launch cost `kernel_us` on its
 own): a shared host's speed drifts over seconds, and kernels timed one after the other would see different
 speeds. Its GEMM operands (cycled through 64 MiB per shape) are all alive at once: about 1 GiB per rank. On a
 CPU with fewer cores than N (`probe`) each rank times its compute in CPU seconds (what a core of its own would
@@ -48,7 +48,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from megazero.run.probe_timing import calls_for, interleaved, median_seconds, medians
+from megazero.run.step_probe import probe_host, probe_in_step
 
 GEMM_SHAPES = ([(1024, 1024, k) for k in (32, 64, 128, 256, 512, 1024, 2048)] + [(n, n, n) for n in (256, 512)]
                + [(m, n, k) for m, n in ((256, 256), (256, 1024), (128, 512)) for k in (64, 256, 1024)])
@@ -57,60 +59,10 @@ COLLECTIVE_BYTES = (16 << 10, 1 << 20, 8 << 20)
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-def _median_seconds(fn, repeats: int, sync, sample_s: float = 0.05, calls: int | None = None,
-                    clock=time.perf_counter) -> float:
-    """The median over `repeats` samples of one call's seconds on `clock` (wall time; `time.process_time`: the
-    CPU time this rank used); each sample times `calls` calls (default: enough to last about `sample_s` here).
-    Ranks sharing cores pass the same `calls` (sized by the work, not by a timing), so that they compute
-    together for the whole measurement."""
-    return _medians(fn, repeats, sync, sample_s, calls, (clock,))[0]
-
-
-def _medians(fn, repeats: int, sync, sample_s: float, calls: int | None, clocks: tuple) -> list[float]:
-    """`_median_seconds` on every clock of `clocks` at once (the same samples)."""
-    start = clocks[0]()
-    fn()
-    sync()
-    inner = calls or max(1, int(sample_s / max(clocks[0]() - start, 1e-7)))
-    times = [[] for _ in clocks]
-    for _ in range(repeats):
-        starts = [clock() for clock in clocks]
-        for _ in range(inner):
-            fn()
-        sync()
-        for t, clock, begun in zip(times, clocks, starts):
-            t.append((clock() - begun) / inner)
-    return [statistics.median(t) for t in times]
-
-
-def _calls(work: float, per_second: float, sample_s: float = 0.05) -> int:
-    """Calls of `work` (FLOPs or bytes) that take about `sample_s` at `per_second`: the same on every rank."""
-    return max(1, int(sample_s * per_second / max(work, 1.0)))
-
-
 ATTENTION_SHAPES = [(16, 128, 32), (16, 256, 32), (8, 256, 64)]
 """(batch x heads, sequence, head dim) of the causal attention probe."""
 ELEMENTWISE_ROWS = (256, 1024)
 """Rows of the (rows, 1024) activations the memory-bound probe runs its kernels on (1-4 MiB in fp32)."""
-
-
-def _interleaved(samples: list, repeats: int, sync, barrier, clock) -> list[float]:
-    """The median over `repeats` rounds of one call's seconds on `clock`, for each (fn, calls) of `samples`: every
-    round times each in turn (`calls` calls after a `barrier`), so that a machine whose speed drifts over seconds
-    (a shared host's) slows all of them alike, and the shapes a curve is fitted to are timed at one speed."""
-    for fn, _ in samples:  # warm-up
-        fn()
-    sync()
-    times = [[] for _ in samples]
-    for _ in range(repeats):
-        for (fn, calls), t in zip(samples, times):
-            barrier()
-            begun = clock()
-            for _ in range(calls):
-                fn()
-            sync()
-            t.append((clock() - begun) / calls)
-    return [statistics.median(t) for t in times]
 
 
 def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, barrier=lambda: None,
@@ -118,7 +70,7 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
     """{"gemm": [(m, n, k, FLOP/s)], "attention": [(bh, s, d, fwd FLOP/s, bwd FLOP/s)],
     "elementwise_bytes_per_s", "copy_bytes_per_s", "kernel_s"} measured on this rank, on `clock` (ranks
     sharing cores time their CPU time: what a core of its own would take, with the caches and switches that
-    sharing costs), every kernel timed in turn each round (`_interleaved`). `barrier` runs before each
+    sharing costs), every kernel timed in turn each round (`probe_timing.interleaved`). `barrier` runs before each
     measurement, so that ranks sharing a machine measure at the same time (as a run's ranks compute)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     flops_s, bytes_s = (1e14, 1e12) if device.type == "cuda" else (1e11, 1e10)  # only sizes the samples
@@ -128,16 +80,16 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
         count = max(1, min(64, (64 << 20) // ((m * k + k * n) * torch.finfo(dtype).bits // 8)))
         operands = itertools.cycle([(torch.randn(m, k, device=device, dtype=dtype),
                                      torch.randn(k, n, device=device, dtype=dtype)) for _ in range(count)])
-        samples.append((lambda ops=operands: torch.mm(*next(ops)), _calls(2.0 * m * n * k, flops_s)))
+        samples.append((lambda ops=operands: torch.mm(*next(ops)), calls_for(2.0 * m * n * k, flops_s)))
         work.append(2.0 * m * n * k)
     for bh, s, d in ATTENTION_SHAPES:  # causal: half the square, as the planner counts it
         q, k, v = (torch.randn(1, bh, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         flops = 2.0 * bh * s * s * d
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         samples += [(lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                     _calls(flops, flops_s / 4)),
+                     calls_for(flops, flops_s / 4)),
                     (lambda out=out, qkv=(q, k, v), grad=torch.ones_like(out):
-                     torch.autograd.grad(out, qkv, grad, retain_graph=True), _calls(2.5 * flops, flops_s / 4))]
+                     torch.autograd.grad(out, qkv, grad, retain_graph=True), calls_for(2.5 * flops, flops_s / 4))]
         work += [flops, 2.5 * flops]
     for rows in ELEMENTWISE_ROWS:  # a norm, an activation and a residual add, forward and backward
         x = torch.randn(rows, 1024, device=device, dtype=dtype, requires_grad=True)
@@ -150,115 +102,21 @@ def probe_compute(device: torch.device, dtype: torch.dtype, repeats: int = 5, ba
         # bytes as the planner counts them (block_cost._elementwise): a norm 2, a residual add 3 and an
         # activation 2 elements' worth per element forward, twice that backward
         nbytes = 21 * x.numel() * x.element_size()
-        samples.append((kernels, _calls(nbytes, bytes_s)))
+        samples.append((kernels, calls_for(nbytes, bytes_s)))
         work.append(nbytes)
     x = torch.empty(16 << 20, device=device, dtype=torch.float32)  # 64 MiB
     y = torch.empty_like(x)
-    samples.append((lambda: y.copy_(x), _calls(2 * x.numel() * 4, bytes_s)))
+    samples.append((lambda: y.copy_(x), calls_for(2 * x.numel() * 4, bytes_s)))
     work.append(2 * x.numel() * 4)
-    rates = [w / seconds for w, seconds in zip(work, _interleaved(samples, repeats, sync, barrier, clock))]
+    rates = [w / seconds for w, seconds in zip(work, interleaved(samples, repeats, sync, barrier, clock))]
     g, a = len(GEMM_SHAPES), 2 * len(ATTENTION_SHAPES)
     gemm = [(m, n, k, rate) for (m, n, k), rate in zip(GEMM_SHAPES, rates)]
     attention = [(bh, s, d, rates[g + 2 * i], rates[g + 2 * i + 1]) for i, (bh, s, d) in enumerate(ATTENTION_SHAPES)]
     tiny = torch.zeros(1, device=device)
     barrier()
-    kernel = _median_seconds(lambda: tiny.add_(1.0), repeats * 20, sync, calls=1000, clock=clock)
+    kernel = median_seconds(lambda: tiny.add_(1.0), repeats * 20, sync, calls=1000, clock=clock)
     return {"gemm": gemm, "attention": attention, "elementwise_bytes_per_s": statistics.median(rates[g + a:-1]),
             "copy_bytes_per_s": rates[-1], "kernel_s": kernel}
-
-
-def _debug_spec(name: str) -> str | None:
-    """The path of the repository's model_specs/`name`:debug, None where model_specs/ is not at hand."""
-    from pathlib import Path
-
-    import megazero
-
-    spec = Path(megazero.__file__).resolve().parents[1] / "model_specs" / name
-    return f"{spec}:debug" if spec.is_file() else None
-
-
-def probe_host(repeats: int = 5) -> float:
-    """Seconds of host time per dispatched operator in megazero's own training step on this machine (Python,
-    the dispatcher, autograd, the engine): a tiny debug GPT (h 32, s 8) of 2 and of 6 blocks, one step each,
-    its operators counted with a dispatch mode; the difference of the step times over the difference of the
-    counts. A single-process engine (run by one rank alone, `_alone`). 0.0 where the repository's
-    model_specs/ is not at hand."""
-    spec = _debug_spec("gpt.py")
-    if spec is None:
-        return 0.0
-
-    def step(layers: int) -> tuple[int, float]:
-        engine, data = tiny_engine(spec, layers)
-        engine.train_batch(data)
-        with OpCount() as count:
-            engine.train_batch(data)
-        return count.n, _median_seconds(lambda: engine.train_batch(data), repeats, lambda: None, sample_s=0.1)
-
-    (n_small, t_small), (n_big, t_big) = step(2), step(6)
-    return max(0.0, (t_big - t_small) / max(1, n_big - n_small))
-
-
-PROBE_MODEL = {"layers": 4, "hidden": 192, "heads": 6, "vocab": 256, "seq_len": 96}
-"""The debug GPT whose training step `probe_in_step` times (4 micro-batches of 2 sequences, ZeRO-1, fp32): a
-shape of its own, none of the benchmark's (benchmarks/planner_cpu.py: h 256, s 128)."""
-
-
-def probe_in_step(hardware: dict, repeats: int = 5) -> float:
-    """On a CPU, a training step's time over the time the planner gives it from `hardware` (a hardware file's
-    content, measured alone on this machine by one rank, ``in_step`` 1): `PROBE_MODEL`'s step, one rank, the
-    median of `repeats` samples. A CPU's kernels run slower inside a step than one by one (each finds the
-    caches full of the previous one's data; the allocator, autograd's and the engine's bookkeeping); the
-    planner scales every compute second by this, host time included (`Efficiency.in_step`): an empirical
-    correction from one model. 1.0 where model_specs/ is not at hand. A single-process engine (run by one rank
-    alone, with all the cores: `_alone`)."""
-    from megazero.engine import load_run_config
-    from megazero.planner.from_config import layout_of, spec_of
-    from megazero.planner.hardware import FIELDS, Hardware
-    from megazero.planner.speed import predict_step
-
-    spec = _debug_spec("gpt.py")
-    if spec is None:
-        return 1.0
-    config = _tiny_config(spec, micro_batch=2, micro_batches=4, zero=1, **PROBE_MODEL)
-    engine, data = tiny_engine(config=config)
-    engine.train_batch(data)
-    measured = _median_seconds(lambda: engine.train_batch(data), repeats, lambda: None, sample_s=0.3)
-    run = load_run_config(config, world_size=1)
-    machine = Hardware(**{k: hardware[k] for k in FIELDS}, efficiency=tuple(sorted(hardware["efficiency"].items())))
-    predicted = predict_step(spec_of(run), layout_of(run)[0], machine).step_time_s
-    return measured / predicted
-
-
-class OpCount(TorchDispatchMode):
-    """Counts the operators dispatched while active (`n`)."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _tiny_config(spec: str, layers: int, policy: str = "none", micro_batch: int = 1, micro_batches: int = 1,
-                 zero: int = 0, **model) -> dict:
-    """A single-process fp32 run config of the model `spec` (default h 32, s 8; `model` overrides)."""
-    return {"model": {"spec": spec, "layers": layers, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8, **model},
-            "precision": "fp32",
-            "train": {"micro_batch_size": micro_batch, "global_batch_size": micro_batch * micro_batches, "seed": 1,
-                      "steps": 100},
-            "zero": {"stage": zero}, "activation_checkpointing": {"policy": policy},
-            "optimizer": {"type": "adamw", "lr": 1e-4}}
-
-
-def tiny_engine(spec: str | None = None, layers: int = 2, policy: str = "none", config: dict | None = None, **model):
-    """(engine, data) of a single-process run: `config`, default a tiny model (h 32, s 8, one micro-batch of one
-    sequence, ZeRO-0) of `spec`."""
-    import megazero
-
-    engine, _, data, _ = megazero.initialize(config=config or _tiny_config(spec, layers, policy, **model))
-    return engine, data
 
 
 def fit_gemm(rates: list[tuple[int, int, int, float]]) -> tuple[float, float, float, float]:
@@ -322,7 +180,7 @@ def _paced_seconds(fn, baseline: tuple, repeats: int, sync, pace) -> tuple[float
 def _wall_and_cpu(fn, repeats: int, sync) -> tuple[float, float]:
     """(wall, CPU seconds of this process: every thread, gloo's too) per call of `fn`, medians of `repeats`
     samples of `PACE_CALLS` calls."""
-    wall, cpu = _medians(fn, repeats, sync, 0.0, PACE_CALLS, (time.perf_counter, time.process_time))
+    wall, cpu = medians(fn, repeats, sync, 0.0, PACE_CALLS, (time.perf_counter, time.process_time))
     return wall, cpu
 
 
