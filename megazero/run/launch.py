@@ -20,10 +20,23 @@ On NCCL (`nccl_environment`, before the CUDA context exists) it sets, unless the
 
 The default group is initialised without ``device_id``: NCCL then builds each group's communicator
 at its first collective instead of every group's at once.
+
+Restarted by torchrun (``--max-restarts``, or an elastic ``--nnodes=MIN:MAX`` group re-formed), the
+workers of the new attempt get the same MASTER_ADDR:MASTER_PORT: a store the agent keeps across
+attempts (TORCHELASTIC_USE_AGENT_STORE=True), still holding the dead attempt's keys. The default
+group's rendezvous over it would read those keys and connect to the dead ranks' addresses (gloo:
+"connectFullMesh failed ... Connection refused"; NCCL: a stale unique id; pytorch#135712). So under
+the agent's store (`attempt_store`) rank 0 starts a store of its own on a free port and posts its
+address and a fresh token on the agent's; the other ranks take the posted address only once a store
+answers there with that token: the dead attempt's store went with its processes, so whatever answers is
+this attempt's.
 """
 from __future__ import annotations
 
 import os
+import socket
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -102,6 +115,44 @@ def init_distributed(timeout_s: float = 300, backend: str = "auto") -> DistInfo:
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun, "
                                "or export them in your Slurm script (see the README)")
+        store = attempt_store(rank, world, timeout_s) if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+            else None
         # no device_id: with it NCCL would build every new_group's communicator at once (eager init)
-        dist.init_process_group(chosen, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(chosen, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                                store=store)
     return DistInfo(rank, world, local, local_world, device, chosen)
+
+
+ATTEMPT_KEY = "megazero/attempt_store"
+"""The agent's store key under which rank 0 posts "host:port:token" of this attempt's store."""
+
+
+def attempt_store(rank: int, world: int, timeout_s: float, probe_s: float = 2.0) -> dist.TCPStore:
+    """This attempt's own store for the default group under torchrun's agent store (module docstring):
+    rank 0 serves it on a free port of MASTER_ADDR and posts "host:port:token" under `ATTEMPT_KEY` on the
+    agent's store; every other rank reads the post and connects (each try `probe_s` long), until a store
+    there holds the same token under `ATTEMPT_KEY` (a post left by a dead attempt names a store that is gone).
+    Raises TimeoutError after `timeout_s`. Talks only to the stores, before any process group exists."""
+    host, timeout = os.environ["MASTER_ADDR"], timedelta(seconds=timeout_s)
+    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if rank == 0:
+        token = uuid.uuid4().hex
+        own = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        own.set(ATTEMPT_KEY, token)
+        agent.set(ATTEMPT_KEY, f"{host}:{own.port}:{token}")
+        return own
+    deadline = time.monotonic() + timeout_s
+    while True:
+        addr, port, token = agent.get(ATTEMPT_KEY).decode().rsplit(":", 2)
+        try:
+            socket.create_connection((addr, int(port)), timeout=probe_s).close()  # refused at once: a dead store
+            own = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=probe_s))
+            if own.get(ATTEMPT_KEY).decode() == token:
+                own.set_timeout(timeout)
+                return own
+        except (RuntimeError, OSError, ValueError):  # a dead attempt's store (refused), or not ours
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no store of this attempt answered at the address rank 0 posts on "
+                               f"the agent's store ({ATTEMPT_KEY!r}) within {timeout_s:.0f} s")
+        time.sleep(0.2)

@@ -281,7 +281,13 @@ def _finish(pctx) -> None:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except BaseException:  # noqa: BLE001  (a failed step, e.g. a peer died: say why and end now, so that a
+        import traceback   # thread still blocked in a collective cannot hold the exit and torchrun restarts at once)
+
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # torch 2.13 + gloo can abort in interpreter teardown after a clean run

@@ -1,0 +1,102 @@
+"""Real failures for the resilience tests: torchrun jobs started in the background, their rank processes
+found by the environment torchrun gives them, and killed with SIGKILL at a chosen training step.
+
+`Job(args)` starts ``python -m torch.distributed.run ARGS`` (its output in a file); `job.ranks()` maps
+each global rank to the pid of its live process (children of that agent whose environment carries
+TORCHELASTIC_RUN_ID and RANK); `job.wait_for_step(metrics, k)` waits until the metrics file has step k;
+`job.kill_rank(r)` SIGKILLs rank r's process; `job.wait()` returns the agent's exit code (killing the
+whole process tree on timeout: no test can hang the suite).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def last_step(metrics: str) -> int:
+    """The highest step in a metrics file (0 when it has none yet)."""
+    if not os.path.exists(metrics):
+        return 0
+    with open(metrics) as f:
+        steps = [json.loads(line)["step"] for line in f if line.strip().endswith("}")]
+    return max(steps, default=0)
+
+
+class Job:
+    """A torchrun agent in the background (see the module docstring)."""
+
+    def __init__(self, args: list[str], log: str, env: dict | None = None):
+        self.log = log
+        self._out = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT,
+                                     stdout=self._out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
+
+    def ranks(self) -> dict[int, int]:
+        """{global rank: pid} of this agent's live rank processes."""
+        found = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                if _parent(int(name)) != self.proc.pid:
+                    continue
+                env = _environ(int(name))
+            except (OSError, ValueError, IndexError):
+                continue
+            if b"TORCHELASTIC_RUN_ID" in env and b"RANK" in env:
+                found[int(env[b"RANK"])] = int(name)
+        return found
+
+    def wait_for_step(self, metrics: str, step: int, timeout: float = 300.0) -> int:
+        """Wait until `metrics` has reached `step`; the step it shows then."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the job ended (code {self.proc.returncode}) before step {step}:\n{self.output()[-3000:]}")
+            seen = last_step(metrics)
+            if seen >= step:
+                return seen
+            time.sleep(0.05)
+        raise TimeoutError(f"step {step} not reached in {timeout} s:\n{self.output()[-3000:]}")
+
+    def kill_rank(self, rank: int) -> int:
+        """SIGKILL global rank `rank`'s process; its pid."""
+        pid = self.ranks()[rank]
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def kill_agent(self) -> None:
+        """SIGKILL the agent itself (a node lost: its ranks lose their parent; they end at their next collective)."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float = 600.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
+        finally:
+            self._out.flush()
+
+    def output(self) -> str:
+        self._out.flush()
+        with open(self.log, errors="replace") as f:
+            return f.read()
