@@ -4,7 +4,7 @@ found by the environment torchrun gives them, and killed with SIGKILL at a chose
 `Job(args)` starts ``python -m torch.distributed.run ARGS`` (its output in a file); `job.ranks()` maps
 each global rank to the pid of its live process (children of that agent whose environment carries
 TORCHELASTIC_RUN_ID and RANK); `job.wait_for_step(metrics, k)` waits until the metrics file has step k;
-`job.kill_rank(r)` SIGKILLs rank r's process; `job.wait()` returns the agent's exit code (killing the
+`job.kill_rank(r)` SIGKILLs rank r's process, `job.kill_node()` the agent and all its ranks; `job.wait()` returns the agent's exit code (killing the
 whole process tree on timeout: no test can hang the suite).
 """
 from __future__ import annotations
@@ -82,9 +82,13 @@ class Job:
         os.kill(pid, signal.SIGKILL)
         return pid
 
-    def kill_agent(self) -> None:
-        """SIGKILL the agent itself (a node lost: its ranks lose their parent; they end at their next collective)."""
+    def kill_node(self) -> list[int]:
+        """SIGKILL the agent and every rank process it started, as a node that goes down; their global ranks."""
+        ranks = self.ranks()
         os.kill(self.proc.pid, signal.SIGKILL)
+        for pid in ranks.values():
+            os.kill(pid, signal.SIGKILL)
+        return sorted(ranks)
 
     def wait(self, timeout: float = 600.0) -> int:
         try:

@@ -4,14 +4,19 @@ under torchrun, whose agent restarts the job by itself.
 Covers: a 2x2x2 run with asynchronous saves every 5 steps under ``torchrun --max-restarts=2`` loses a
 random rank at a random step and finishes by itself, its per-step metrics bit-identical to an uninterrupted
 run's (the restart resumes from the newest complete checkpoint); the new attempt's process group does not
-read the dead attempt's keys from the agent's store (`megazero.run.launch.attempt_store`).
+read the dead attempt's keys from the agent's store (`megazero.run.launch.attempt_store`); two torchrun
+agents as two nodes of an elastic job (``--nnodes=1:2``, c10d rendezvous), one node SIGKILLed: the other
+re-forms the group at half the ranks and finishes the run (dp re-derived, the global batch and the data
+order kept), or, when the layout cannot fit, every rank ends with the trainer's reason.
 """
 import json
-import os
 import random
 import re
+import time
 
+from megazero.run.parity import TOLERANCES
 from tests.faults import Job
+from tests.harness import free_port
 
 TIMING = {"tokens_per_s", "step_time_s", "mfu", "time_ms"}
 
@@ -52,3 +57,57 @@ def test_a_killed_rank_restarts_the_job_and_resumes_exactly(corpus, tmp_path):
     got, want = _metrics(metrics), _metrics(tmp_path / "whole" / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     assert got == want
+
+
+def _elastic_agents(tmp_path, run_dir, args, nproc=4):
+    """Two torchrun agents on this machine as two nodes of an elastic job (``--nnodes=1:2``, c10d rendezvous
+    hosted by the first)."""
+    port = free_port()
+    launch = ["--nnodes=1:2", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+              f"--rdzv-id={run_dir.name}", "--max-restarts=3",
+              "--rdzv-conf=join_timeout=120,last_call_timeout=2,close_timeout=10", *args]
+    host = Job(launch, str(tmp_path / f"{run_dir.name}-a.log"))
+    time.sleep(1.0)  # the first agent hosts the rendezvous: started first
+    return host, Job(launch, str(tmp_path / f"{run_dir.name}-b.log"))
+
+
+def test_elastic_job_continues_on_the_remaining_node(corpus, tmp_path):
+    """A node (agent and its 4 ranks) SIGKILLed mid-run: the other agent re-forms the group at 4 ranks, which
+    resume from the newest complete checkpoint with pp and tp kept, dp 2 -> 1 and accumulation 4 -> 8 (the
+    global batch kept), on the same samples in the same order: the losses and gradient norms of every step
+    equal an uninterrupted 8-rank run's within the fp32 parity tolerance."""
+    steps = 14
+    args = _train_args(corpus, tmp_path / "run", steps)
+    whole = Job(["--standalone", "--nproc_per_node=8", *_train_args(corpus, tmp_path / "whole", steps)],
+                str(tmp_path / "whole.log"))
+    assert whole.wait(600) == 0, whole.output()[-3000:]
+
+    host, other = _elastic_agents(tmp_path, tmp_path / "run", args)
+    host.wait_for_step(str(tmp_path / "run" / "metrics.jsonl"), 7)
+    assert other.kill_node() == [4, 5, 6, 7]
+    assert host.wait(600) == 0, host.output()[-4000:]
+    out = host.output()
+    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", out)]
+    assert len(resumed) == 1 and resumed[0] in (5, 10), out[-3000:]
+    assert "layout   pp=2 x tp=2 x dp=1 = 4 ranks" in out
+    assert "batch    global 16 = micro 2 x accumulation 8 x dp 1" in out
+    got, want = _metrics(tmp_path / "run" / "metrics.jsonl"), _metrics(tmp_path / "whole" / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    loss_rtol, norm_rtol = TOLERANCES["fp32"][:2]
+    for g, w in zip(got, want):
+        assert abs(g["loss"] - w["loss"]) <= loss_rtol * abs(w["loss"]), (g, w)
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= norm_rtol * abs(w["grad_norm"]), (g, w)
+    same = [{k: v for k, v in r.items() if k != "comm"} for r in got[:resumed[0]]]  # comm: two nodes here, one there
+    assert same == [{k: v for k, v in r.items() if k != "comm"} for r in want[:resumed[0]]]  # the same 8 ranks
+
+
+def test_elastic_job_refuses_clearly_when_no_layout_fits(corpus, tmp_path):
+    """pp2 x tp2 on two nodes of 2 ranks: with one node lost, 2 ranks cannot hold the layout; every new attempt
+    ends at once with the trainer's one-line reason and the job ends failed (no hang)."""
+    args = [*_train_args(corpus, tmp_path / "small", 40), "parallel.pp=2", "parallel.tp=2"]
+    host, other = _elastic_agents(tmp_path, tmp_path / "small", args, nproc=2)
+    host.wait_for_step(str(tmp_path / "small" / "metrics.jsonl"), 2)
+    other.kill_node()
+    assert host.wait(600) != 0
+    out = host.output()
+    assert "megazero.run.train: error:" in out and "world size 2" in out, out[-3000:]
