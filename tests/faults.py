@@ -4,7 +4,8 @@ found by the environment torchrun gives them, and killed with SIGKILL at a chose
 `Job(args)` starts ``python -m torch.distributed.run ARGS`` (its output in a file); `job.ranks()` maps
 each global rank to the pid of its live process (children of that agent whose environment carries
 TORCHELASTIC_RUN_ID and RANK); `job.wait_for_step(metrics, k)` waits until the metrics file has step k;
-`job.kill_rank(r)` SIGKILLs rank r's process, `job.kill_node()` the agent and all its ranks; `job.wait()` returns the agent's exit code (killing the
+`job.kill_rank(r)` SIGKILLs rank r's process, `job.kill_node()` the agent and all its ranks; `slow_rank_env` makes one rank slow (a sleep in its compute);
+`job.wait()` returns the agent's exit code (killing the
 whole process tree on timeout: no test can hang the suite).
 """
 from __future__ import annotations
@@ -27,6 +28,27 @@ def _environ(pid: int) -> dict[bytes, bytes]:
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+SLOW_SITE = """import os
+if os.environ.get("RANK") == "{rank}":  # a slow device: every LayerNorm of this rank sleeps first
+    import time
+    import torch.nn.functional as F
+    _layer_norm = F.layer_norm
+    def layer_norm(*args, **kwargs):
+        time.sleep({seconds})
+        return _layer_norm(*args, **kwargs)
+    F.layer_norm = layer_norm
+"""
+
+
+def slow_rank_env(folder, rank: int, seconds: float) -> dict:
+    """The environment that makes global rank `rank` of a torchrun job slow: a ``sitecustomize`` in `folder`
+    (imported by every Python process at start) that makes each of that rank's LayerNorms sleep `seconds`."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(SLOW_SITE.format(rank=rank, seconds=seconds))
+    return {"PYTHONPATH": os.pathsep.join([str(folder), ROOT, os.environ.get("PYTHONPATH", "")])}
 
 
 def last_step(metrics: str) -> int:

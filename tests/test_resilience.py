@@ -15,7 +15,8 @@ import re
 import time
 
 from megazero.run.parity import TOLERANCES
-from tests.faults import Job
+from megazero.run.stragglers import find_stragglers
+from tests.faults import Job, slow_rank_env
 from tests.harness import free_port
 
 TIMING = {"tokens_per_s", "step_time_s", "mfu", "time_ms"}
@@ -111,3 +112,47 @@ def test_elastic_job_refuses_clearly_when_no_layout_fits(corpus, tmp_path):
     assert host.wait(600) != 0
     out = host.output()
     assert "megazero.run.train: error:" in out and "world size 2" in out, out[-3000:]
+
+
+def test_find_stragglers_compares_each_rank_with_its_stage():
+    """Stage 1 does twice stage 0's work: nobody is named for it; rank 5, three times its stage's peers in 7 of 8
+    steps, is; a rank alone in its stage is never; one slow step in eight is noise."""
+    base = [[0.1] * 8 for _ in range(4)] + [[0.2] * 8 for _ in range(4)]
+    assert find_stragglers(base, [0, 0, 0, 0, 1, 1, 1, 1]) == []
+    slow = [row[:] for row in base]
+    slow[5] = [0.6] * 7 + [0.2]
+    slow[2][3] = 0.9  # one slow step
+    found = find_stragglers(slow, [0, 0, 0, 0, 1, 1, 1, 1])
+    assert [(f["rank"], f["stage"], f["slow_steps"], f["steps"]) for f in found] == [(5, 1, 7, 8)]
+    assert found[0]["ratio"] == 3.0 and found[0]["peers_s"] == 0.2
+    assert find_stragglers([[0.1] * 4, [0.9] * 4], [0, 1]) == []
+
+
+def _straggler_args(corpus, run_dir):
+    return ["--standalone", "--nproc_per_node=8", "-m", "megazero.run.train", "configs/debug_gpt.yaml",
+            f"data.path={corpus}", f"run_dir={run_dir}", "train.steps=8", "log.interval=4", "model.seq_len=32",
+            "resilience.straggler_interval=4"]
+
+
+def test_a_slow_rank_is_named_and_no_healthy_rank_is(corpus, tmp_path):
+    """pp2 x tp2 x dp2: global rank 6 sleeps 30 ms in each of its LayerNorms. Within the first window of 4 steps
+    it is named as the straggler (in the log and the metrics), and only it, although its TP, DP and pipeline
+    peers wait for it; the same run without the sleep names nobody."""
+    job = Job(_straggler_args(corpus, tmp_path / "slow"), str(tmp_path / "slow.log"),
+              env=slow_rank_env(tmp_path / "site", 6, 0.03))
+    assert job.wait(600) == 0, job.output()[-3000:]
+    out = job.output()
+    rows = [json.loads(line) for line in open(tmp_path / "slow" / "metrics.jsonl")]
+    windows = [r["step_times"] for r in rows if "step_times" in r]
+    assert [r["step"] for r in rows if "step_times" in r] == [4, 8]
+    for found in windows:
+        assert [s["rank"] for s in found["stragglers"]] == [6], found
+        assert found["stragglers"][0]["ratio"] > 1.5 and found["compute_s"]["max_rank"] == 6
+        assert {"tp", "pp", "dp"} <= set(found["wait_s"])  # every rank's waits, by axis
+    assert "straggler: rank 6 (pipeline stage 1)" in out and "slow in 4 of 4 steps (1-4)" in out
+
+    healthy = Job(_straggler_args(corpus, tmp_path / "healthy"), str(tmp_path / "healthy.log"))
+    assert healthy.wait(600) == 0, healthy.output()[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "healthy" / "metrics.jsonl")]
+    assert [r["step_times"]["stragglers"] for r in rows if "step_times" in r] == [[], []]
+    assert "stragglers: none in steps 1-4" in healthy.output()

@@ -36,6 +36,7 @@ from megazero.run import checkpoint
 from megazero.run.memory import SavedActivationMeter, memory_report
 from megazero.run.metrics import (MetricsWriter, PendingSteps, Timers, comm_delta, format_bytes,
                                   mlp_forward_flops, model_flops_per_step)
+from megazero.run.stragglers import StragglerWatch, describe
 from megazero.run.trace import Tracer
 from megazero.runtime import comm
 from megazero.viz.compare import compare
@@ -119,16 +120,22 @@ def run(cfg: Config, rank: int) -> int:
     checkpointer = engine.module.activation_checkpointer
     meter = SavedActivationMeter(engine.module, checkpointer=checkpointer) if cfg.log.memory_breakdown else None
     moved = pctx.stats.snapshot()
+    r = cfg.resilience
+    watch = StragglerWatch(pctx.stats, pctx.world_group, pctx.pp_rank, r.straggler_interval, r.straggler_ratio) \
+        if r.straggler_interval else None
     for step in range(start_step + 1, cfg.train.steps + 1):
         if tracer is not None:
             tracer.begin_step(step)
         first = step == start_step + 1  # measured always: the summary shows it next to the planner's
         step_meter = meter or (SavedActivationMeter(engine.module, checkpointer=checkpointer) if first else None)
+        if watch is not None:
+            watch.begin()
         if step_meter is not None:  # saved-activation bytes of this step (peak in flight on this stage)
             with step_meter.measure():
                 loss = engine.train_step(data)
         else:
             loss = engine.train_step(data)  # on the device: read when the pending steps are flushed
+        slow = watch.end() if watch is not None else None  # every straggler_interval steps: over the world group
         if first:
             report = memory_report(optimizer, step_meter, checkpointer)
             if tracer is not None and "activations" in report:
@@ -143,6 +150,11 @@ def run(cfg: Config, rank: int) -> int:
             record["moe"] = info["moe"]
         if cfg.log.wall_clock_breakdown:
             record["time_ms"] = timers.pop()
+        if slow is not None:  # every rank's step times over the window, and the ranks named slow
+            record["step_times"] = slow
+            if rank == 0:
+                for line in describe(slow, step - r.straggler_interval + 1, step):
+                    _say(bar, line)
         pending.add(record, {"loss": loss, "grad_norm": info.get("grad_norm")})
         saving = cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps)
         if step % max(1, cfg.log.interval) == 0 or saving or step == cfg.train.steps:

@@ -29,6 +29,10 @@ A group with an `order` check (`megazero.runtime.order_check`, `comm.verify_orde
 operation to it before issuing it, so members that would issue different collectives, or the same
 ones in another order, stop with one error instead of hanging or summing the wrong buffers on NCCL.
 
+The handle's `CommStats` also keeps, per axis, the host seconds this rank spent inside synchronous calls
+(`CommStats.waits`): what the trainer's straggler watch subtracts from a step to get the rank's own
+compute (`megazero.run.stragglers`).
+
 Point-to-point uses blocking `send`/`recv` (or single `isend`/`irecv`) on gloo, never
 `batch_isend_irecv`, which can hang there (pytorch#132644). `batch_isend_irecv` is for NCCL
 (`backend` tells a group's backend): it counts each of its sends and receives as `send` and `recv`
@@ -37,6 +41,7 @@ do, so the volumes are the same whichever path moved them.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -69,7 +74,18 @@ class CommStats:
 
     counts: dict = field(default_factory=dict)
     inter_node: dict = field(default_factory=dict)
+    waits: dict = field(default_factory=dict)  # axis -> host seconds blocked in synchronous calls (`blocked`)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_wait(self, axis: str, seconds: float) -> None:
+        """`seconds` this rank's host spent inside a synchronous call on `axis` (transfer and waiting for peers)."""
+        with self._lock:
+            self.waits[axis] = self.waits.get(axis, 0.0) + seconds
+
+    def wait_seconds(self) -> dict[str, float]:
+        """A copy of the blocked seconds by axis, since the start."""
+        with self._lock:
+            return dict(self.waits)
 
     def record(self, axis: str, op: str, elements: float, element_size: int, inter_elements: float = 0.0) -> None:
         """One call moving `elements` of `element_size` bytes, `inter_elements` of them to other nodes."""
@@ -97,6 +113,7 @@ class CommStats:
         with self._lock:
             self.counts.clear()
             self.inter_node.clear()
+            self.waits.clear()
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """A JSON-ready copy: {"axis/op": {"calls", "elements", "bytes", "inter_node_bytes"}}."""
@@ -225,6 +242,19 @@ def _record(group: GroupHandle, op: str, elements: float, t: torch.Tensor, peer:
     group.stats.record(group.axis, op, elements, t.element_size(), elements if group.crosses(peer) else 0.0)
 
 
+def _blocked(group: GroupHandle, async_op: bool, call):
+    """Run `call` (the torch.distributed op); a synchronous one's host seconds go to the group's
+    `CommStats.waits` (on gloo the transfer and the wait for the slowest peer; on NCCL only the launch: the
+    device waits instead). An asynchronous one returns its handle untimed."""
+    if async_op:
+        return call()
+    start = time.perf_counter()
+    try:
+        return call()
+    finally:
+        group.stats.add_wait(group.axis, time.perf_counter() - start)
+
+
 def all_reduce(tensor: torch.Tensor, group: GroupHandle, op: str = "sum", async_op: bool = False,
                tag: str | None = None):
     """All-reduce `tensor` in place over `group` (in two levels when the group has a hierarchy).
@@ -236,7 +266,7 @@ def all_reduce(tensor: torch.Tensor, group: GroupHandle, op: str = "sum", async_
     if group.hierarchy is not None and op == "sum":
         return group.hierarchy.all_reduce(tensor, async_op)
     _record(group, "all_reduce", 2 * (n - 1) / n * tensor.numel(), tensor)
-    return dist.all_reduce(tensor, op=_op(op), group=group.pg, async_op=async_op)
+    return _blocked(group, async_op, lambda: dist.all_reduce(tensor, op=_op(op), group=group.pg, async_op=async_op))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, op: str = "sum",
@@ -254,7 +284,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: GroupHandle
         return group.hierarchy.reduce_scatter(output, input, async_op)
     _record(group, "reduce_scatter", (n - 1) * output.numel(), output)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=_op(op), group=group.pg, async_op=async_op)
+    return _blocked(group, async_op, lambda: fn(output, input, op=_op(op), group=group.pg, async_op=async_op))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, async_op: bool = False,
@@ -272,7 +302,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, as
         return group.hierarchy.all_gather(output, input, async_op)
     _record(group, "all_gather", (n - 1) * input.numel(), input)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group.pg, async_op=async_op)
+    return _blocked(group, async_op, lambda: fn(output, input, group=group.pg, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: GroupHandle, async_op: bool = False, tag: str | None = None):
@@ -282,7 +312,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: GroupHandle, async_op: bool
         return None
     _verify(group, "broadcast", tensor, extra=f"from {src}", tag=tag)
     _record(group, "broadcast", (n - 1) / n * tensor.numel(), tensor)
-    return dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=async_op)
+    return _blocked(group, async_op,
+                    lambda: dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=async_op))
 
 
 def reduce(tensor: torch.Tensor, dst: int, group: GroupHandle, op: str = "sum", async_op: bool = False):
@@ -292,7 +323,8 @@ def reduce(tensor: torch.Tensor, dst: int, group: GroupHandle, op: str = "sum", 
         return None
     _verify(group, "reduce", tensor, extra=f"{op} to {dst}")
     _record(group, "reduce", (n - 1) / n * tensor.numel(), tensor)
-    return dist.reduce(tensor, dst=group.global_rank(dst), op=_op(op), group=group.pg, async_op=async_op)
+    return _blocked(group, async_op, lambda: dist.reduce(tensor, dst=group.global_rank(dst), op=_op(op),
+                                                         group=group.pg, async_op=async_op))
 
 
 def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, group: GroupHandle):
@@ -303,8 +335,8 @@ def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, g
         return None
     _verify(group, "scatter", output, extra=f"from {src}")
     _record(group, "scatter", (n - 1) * output.numel(), output)
-    return dist.scatter(output, inputs if group.rank == src else None, src=group.global_rank(src),
-                        group=group.pg)
+    return _blocked(group, False, lambda: dist.scatter(output, inputs if group.rank == src else None,
+                                                       src=group.global_rank(src), group=group.pg))
 
 
 def gather(input: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, group: GroupHandle):
@@ -315,8 +347,8 @@ def gather(input: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, gr
         return None
     _verify(group, "gather", input, extra=f"to {dst}")
     _record(group, "gather", (n - 1) * input.numel(), input)
-    return dist.gather(input, outputs if group.rank == dst else None, dst=group.global_rank(dst),
-                       group=group.pg)
+    return _blocked(group, False, lambda: dist.gather(input, outputs if group.rank == dst else None,
+                                                      dst=group.global_rank(dst), group=group.pg))
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: GroupHandle,
@@ -335,22 +367,23 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: GroupHan
     away = sum(splits[j] for j in range(n) if group.crosses(j))  # rows for other nodes' ranks
     group.stats.record(group.axis, "all_to_all", (rows - splits[group.rank]) * width, input.element_size(),
                        away * width)
-    return dist.all_to_all_single(output, input, None if output_splits is None else list(output_splits),
-                                  None if input_splits is None else list(input_splits), group=group.pg)
+    return _blocked(group, False, lambda: dist.all_to_all_single(
+        output, input, None if output_splits is None else list(output_splits),
+        None if input_splits is None else list(input_splits), group=group.pg))
 
 
 def send(tensor: torch.Tensor, dst: int, group: GroupHandle) -> None:
     """Blocking send of `tensor` to group rank `dst`."""
     _verify_p2p(group, "send", tensor, dst)
     _record(group, "send", tensor.numel(), tensor, peer=dst)
-    dist.send(tensor.contiguous(), dst=group.global_rank(dst), group=group.pg)
+    _blocked(group, False, lambda: dist.send(tensor.contiguous(), dst=group.global_rank(dst), group=group.pg))
 
 
 def recv(tensor: torch.Tensor, src: int, group: GroupHandle) -> None:
     """Blocking receive into `tensor` from group rank `src`."""
     _verify_p2p(group, "recv", tensor, src)
     _record(group, "recv", tensor.numel(), tensor, peer=src)
-    dist.recv(tensor, src=group.global_rank(src), group=group.pg)
+    _blocked(group, False, lambda: dist.recv(tensor, src=group.global_rank(src), group=group.pg))
 
 
 def isend(tensor: torch.Tensor, dst: int, group: GroupHandle):

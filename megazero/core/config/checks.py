@@ -14,7 +14,7 @@ from ..spec_partition import partition_problems
 from ..instructions import ScheduleError
 from ..schedules import SCHEDULES, check_sizes
 from ..suggest import did_you_mean
-from .schema import (AXIS_CHOICES, BACKEND_CHOICES, NONFINITE_CHOICES, OFFLOAD_DEVICE_CHOICES,
+from .schema import (AXIS_CHOICES, BACKEND_CHOICES, NONFINITE_CHOICES, OFFLOAD_DEVICE_CHOICES, SILENT_ERROR_ACTIONS,
                      OPTIMIZER_CHOICES, PRECISION_CHOICES,
                      SCHEDULER_CHOICES, TOKENIZER_CHOICES, WARMUP_TYPE_CHOICES, Config)
 
@@ -279,5 +279,23 @@ def check_misc(cfg: Config) -> list[str]:
     return errs
 
 
+def check_resilience(cfg: Config) -> list[str]:
+    r = cfg.resilience
+    errs = at_least("resilience.straggler_interval", r.straggler_interval, 0, " (0 = off)")
+    if r.straggler_ratio <= 1:
+        errs.append(f"resilience.straggler_ratio: must be > 1 (compute over the median of its peers), got {r.straggler_ratio}")
+    errs += at_least("resilience.silent_error_interval", r.silent_error_interval, 0, " (0 = off)")
+    if r.silent_error_spike != 0 and r.silent_error_spike <= 1:
+        errs.append(f"resilience.silent_error_spike: must be > 1 (loss over the median of the last 20 steps) or 0 "
+                    f"(off), got {r.silent_error_spike}")
+    errs += choice("resilience.silent_error_action", r.silent_error_action, SILENT_ERROR_ACTIONS)
+    errs += at_least("resilience.silent_error_rtol", r.silent_error_rtol, 0, " (0 = bitwise)")
+    if (r.silent_error_interval or r.silent_error_spike) and cfg.zero.stage > 1:
+        errs.append(f"resilience.silent_error_interval: the check compares each rank's own gradients, which ZeRO "
+                    f"stage {cfg.zero.stage} reduce-scatters during the backward; use zero.stage 0 or 1, or turn the "
+                    f"check off (0)")
+    return errs
+
+
 ALL_CHECKS = (check_parallel, check_train, check_model, check_zero, check_precision, check_optimizer,
-              check_scheduler, check_activation_checkpointing, check_pipeline, check_misc)
+              check_scheduler, check_activation_checkpointing, check_pipeline, check_misc, check_resilience)

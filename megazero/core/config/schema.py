@@ -38,6 +38,7 @@ CHECKPOINT_POLICY_CHOICES = POLICIES  # megazero/core/checkpoint_rules.py
 TOKENIZER_CHOICES = ("byte", "bpe")
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
 NONFINITE_CHOICES = ("skip", "error", "ignore")
+SILENT_ERROR_ACTIONS = ("stop", "skip", "warn")
 
 
 @dataclass(frozen=True)
@@ -358,6 +359,19 @@ class CommConfig:
 
 
 @dataclass(frozen=True)
+class ResilienceConfig:
+    """Weeks-long runs (README "Running for weeks"): slow ranks named (`megazero.run.stragglers`), silent
+    errors caught (`megazero.pipeline.silent_check`). Both off by default; off, they cost nothing."""
+
+    straggler_interval: int = 0  # every N steps gather each rank's step times over the world group and name consistently slow ranks; 0 = off
+    straggler_ratio: float = 1.5  # slow at a step: compute above this factor times the median of the other ranks of its pipeline stage
+    silent_error_interval: int = 0  # every N steps compute the step's gradients twice on the same data and compare; 0 = off
+    silent_error_spike: float = 0.0  # also check a step whose loss exceeds this factor times the median of the last 20 steps; 0 = off
+    silent_error_action: str = "stop"  # on a mismatch: stop (every rank, naming the ranks) | skip (no update, counted) | warn
+    silent_error_rtol: float = 0.0  # 0 = bitwise; else the largest difference allowed, relative to the largest gradient
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run. `load_config` builds it; `resolve` fills every derived field."""
 
@@ -381,6 +395,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
 
 @functools.cache  # a pure function of a class: resolving string annotations is most of a config load
