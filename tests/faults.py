@@ -4,7 +4,7 @@ found by the environment torchrun gives them, and killed with SIGKILL at a chose
 `Job(args)` starts ``python -m torch.distributed.run ARGS`` (its output in a file); `job.ranks()` maps
 each global rank to the pid of its live process (children of that agent whose environment carries
 TORCHELASTIC_RUN_ID and RANK); `job.wait_for_step(metrics, k)` waits until the metrics file has step k;
-`job.kill_rank(r)` SIGKILLs rank r's process, `job.kill_node()` the agent and all its ranks; `slow_rank_env` makes one rank slow (a sleep in its compute);
+`job.kill_rank(r)` SIGKILLs rank r's process, `job.kill_node()` the agent and all its ranks; `slow_rank_env` makes one rank slow (a sleep in its compute), `bit_flip_env` flips one bit of one of its results;
 `job.wait()` returns the agent's exit code (killing the
 whole process tree on timeout: no test can hang the suite).
 """
@@ -42,13 +42,40 @@ if os.environ.get("RANK") == "{rank}":  # a slow device: every LayerNorm of this
 """
 
 
+FLIP_SITE = """import os
+if os.environ.get("RANK") == "{rank}":  # a silent hardware error: one bit of one LayerNorm output, once
+    import torch
+    import torch.nn.functional as F
+    _layer_norm, _calls = F.layer_norm, [0]
+    def layer_norm(*args, **kwargs):
+        y = _layer_norm(*args, **kwargs)
+        _calls[0] += 1
+        if _calls[0] == {call}:
+            wrong = y.detach().clone()
+            wrong.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << {bit})
+            y = y + (wrong - y.detach())  # the wrong value forward, the gradient as before
+        return y
+    F.layer_norm = layer_norm
+"""
+
+
+def _site_env(folder, text: str) -> dict:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(text)
+    return {"PYTHONPATH": os.pathsep.join([str(folder), ROOT, os.environ.get("PYTHONPATH", "")])}
+
+
 def slow_rank_env(folder, rank: int, seconds: float) -> dict:
     """The environment that makes global rank `rank` of a torchrun job slow: a ``sitecustomize`` in `folder`
     (imported by every Python process at start) that makes each of that rank's LayerNorms sleep `seconds`."""
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
-        f.write(SLOW_SITE.format(rank=rank, seconds=seconds))
-    return {"PYTHONPATH": os.pathsep.join([str(folder), ROOT, os.environ.get("PYTHONPATH", "")])}
+    return _site_env(folder, SLOW_SITE.format(rank=rank, seconds=seconds))
+
+
+def bit_flip_env(folder, rank: int, call: int, bit: int = 22) -> dict:
+    """The environment that flips bit `bit` of the first element of global rank `rank`'s `call`-th LayerNorm
+    output (once), as a silently failing device would."""
+    return _site_env(folder, FLIP_SITE.format(rank=rank, call=call, bit=bit))
 
 
 def last_step(metrics: str) -> int:

@@ -16,7 +16,7 @@ import time
 
 from megazero.run.parity import TOLERANCES
 from megazero.run.stragglers import find_stragglers
-from tests.faults import Job, slow_rank_env
+from tests.faults import Job, bit_flip_env, slow_rank_env
 from tests.harness import free_port
 
 TIMING = {"tokens_per_s", "step_time_s", "mfu", "time_ms"}
@@ -156,3 +156,54 @@ def test_a_slow_rank_is_named_and_no_healthy_rank_is(corpus, tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "healthy" / "metrics.jsonl")]
     assert [r["step_times"]["stragglers"] for r in rows if "step_times" in r] == [[], []]
     assert "stragglers: none in steps 1-4" in healthy.output()
+
+
+def _flip_args(corpus, run_dir, action):
+    return ["--standalone", "--nproc_per_node=8", "-m", "megazero.run.train", "configs/debug_gpt.yaml",
+            f"data.path={corpus}", f"run_dir={run_dir}", "train.steps=5", "log.interval=1", "model.seq_len=32",
+            "resilience.silent_error_interval=1", f"resilience.silent_error_action={action}"]
+
+
+def test_a_planted_bit_flip_is_caught_and_names_its_rank(corpus, tmp_path):
+    """pp2 x tp2 x dp2, every step checked: one bit of one LayerNorm output of global rank 5 (stage 1) flips once,
+    at step 3. Its TP peer and the first stage's ranks receive the wrong numbers too, but only rank 5 sent or
+    computed them first: it alone is named. With action skip the run goes on without that step's update; with
+    stop every rank ends with the message."""
+    victim, call = 5, 2 * 40 + 10  # stage 1: 5 LayerNorms per micro-batch, 4 micro-batches, 2 passes: step 3
+    job = Job(_flip_args(corpus, tmp_path / "skip", "skip"), str(tmp_path / "skip.log"),
+              env=bit_flip_env(tmp_path / "site", victim, call))
+    assert job.wait(600) == 0, job.output()[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "skip" / "metrics.jsonl")]
+    flagged = [(r["step"], r["silent_error"]["ranks"], r["skipped"]) for r in rows if "silent_error" in r]
+    assert flagged == [(3, [victim], True)], rows
+    assert set(rows[2]["silent_error"]["differ"]) > {victim}  # the wrong numbers reached others, who are not named
+    assert "silent error at step 3: rank(s) [5]" in job.output()
+
+    stop = Job(_flip_args(corpus, tmp_path / "stop", "stop"), str(tmp_path / "stop.log"),
+               env=bit_flip_env(tmp_path / "site", victim, call))
+    assert stop.wait(600) != 0
+    # every rank raises it; torchrun ends the others once the first has exited, so not all may have printed it
+    assert "SilentError: silent error at step 3: rank(s) [5]" in stop.output()
+    assert "step 3: loss" not in stop.output()  # the wrong step was never applied nor logged
+
+
+def test_the_check_runs_twice_only_when_due_and_trains_the_same():
+    """One process: a step checked every 2 steps gives the losses of an unchecked run, bit for bit; an unchecked
+    engine runs its program once per step and records no fingerprint."""
+    import megazero
+
+    cfg = {"model": {"spec": "model_specs/gpt.py:debug", "layers": 2}, "precision": "fp32",
+           "train": {"micro_batch_size": 2, "global_batch_size": 4, "seed": 1, "steps": 10},
+           "optimizer": {"type": "adamw", "lr": 1e-3}}
+    losses, runs = {}, {}
+    for every in (0, 2):
+        engine, _, data, _ = megazero.initialize(config={**cfg, "resilience": {"silent_error_interval": every}})
+        calls, run = [], engine.executor.run
+        engine.executor.run = lambda *a, **k: calls.append(len(a[0])) or run(*a, **k)
+        losses[every] = [engine.train_batch(data) for _ in range(4)]
+        runs[every] = calls
+        assert engine.pctx.stats.fingerprints is None
+    assert losses[0] == losses[2]
+    full = runs[0][0]
+    assert runs[0] == [full] * 4
+    assert runs[2] == [full, full - 2, full - 2, 2] * 2  # a checked step: two passes, then reduce + step

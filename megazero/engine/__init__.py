@@ -30,6 +30,7 @@ from megazero.engine.factories import (build_model, build_optimizer, build_sched
 from megazero.engine.kernel_plan import load_kernels
 from megazero.engine.module_engine import ModuleEngine
 from megazero.engine.pipeline_engine import PipelineEngine
+from megazero.engine.silent_check import SilentCheck
 from megazero.moe.user_layer import MoE
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.run.launch import detect, init_distributed, local_device, nccl_environment
@@ -208,12 +209,20 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     if cfg.log.comms_logger.enabled:  # DeepSpeed's comms logger: megazero.comm's calls, the engine's counters
         configure_comms_logger(cfg)
         comms_logger().engine_stats.append(pctx.stats)
+    r = cfg.resilience
+    checking = r.silent_error_interval or r.silent_error_spike
     if isinstance(module, PipelineModule):
+        check = SilentCheck(pctx.world_group, r.silent_error_interval, r.silent_error_spike, r.silent_error_action,
+                            r.silent_error_rtol) if checking else None
         engine = PipelineEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps,
                                 cfg.pipeline.schedule, cfg.pipeline.chunks, t.micro_batch_size, compute_dtype(cfg),
                                 on_instruction=on_instruction, device=info.device, local_rank=info.local_rank,
-                                training_data=loader, monitor=monitor)
+                                training_data=loader, monitor=monitor, silent_check=check)
     else:
+        if checking:
+            raise ConfigError("resilience.silent_error_interval / silent_error_spike: the check reruns a pipeline "
+                              "program (megazero's models, a PipelineModule); a plain nn.Module's engine runs the "
+                              "user's own forward and backward, which it cannot replay")
         engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps, t.micro_batch_size,
                               info.local_rank, info.device, training_data=loader, monitor=monitor,
                               flops_profiler=cfg.log.flops_profiler)

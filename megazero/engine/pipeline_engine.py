@@ -17,12 +17,14 @@ from megazero.core.schedules import forward_only, get_schedule, splits_backward
 from megazero.core.simulate import peaks
 from megazero.engine.checkpointing import CheckpointMethods
 from megazero.data.repeating import RepeatingLoader
+from megazero.engine.silent_check import SilentCheck, SilentError
 from megazero.engine.surface import EngineSurface
 from megazero.moe.layer import set_aux_loss_scale
 from megazero.moe.stats import step_stats
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipeP2P
 from megazero.pipeline.pipeline_module import PipelineModule
+from megazero.run.checkpoint import rng_states, set_rng_states
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.runtime.stall_watch import StallWatch, limit_for
@@ -48,9 +50,10 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
     def __init__(self, module: PipelineModule, pctx: ParallelContext, optimizer, lr_scheduler,
                  num_microbatches: int, schedule: str = "1f1b", chunks: int = 1, micro_batch_size: int = 1,
                  dtype=torch.float32, on_instruction=None, device="cpu", local_rank: int = 0, training_data=None,
-                 monitor=None):
+                 monitor=None, silent_check: SilentCheck | None = None):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
         self.monitor = monitor  # DeepSpeed's engine.monitor (megazero.compat.monitor.MonitorMaster), or None
+        self.silent_check = silent_check  # checked steps run twice (megazero.engine.silent_check), or None
         self.num_microbatches, self.chunks = num_microbatches, chunks
         self.micro_batch_size, self.local_rank = micro_batch_size, local_rank
         # DeepSpeed's train_batch() without an iterator reads initialize(training_data=...)'s loader, endlessly
@@ -93,7 +96,11 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         self.module.train()
         # MoE aux losses are scaled as the LM loss is: loss scale / micro-batches (every MoE layer, a user's too)
         set_aux_loss_scale(self.module, self.optimizer.scaler.scale / self.num_microbatches)
-        st = self.executor.run(self.program, data_iter, self.num_microbatches)
+        check = self.silent_check
+        if check is not None and (check.due(self.global_steps + 1) or check.spike):
+            st = self._checked_step(data_iter, check)
+        else:
+            st = self.executor.run(self.program, data_iter, self.num_microbatches)
         self.last_info = dict(st.info)
         spec = getattr(self.module, "model_spec", None)
         if spec is not None and spec.moe is not None:  # load balance, agreed over the world (read when logged)
@@ -104,7 +111,56 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         self.global_steps += 1
         loss = self._agree_loss(st.losses)
         self._monitor_step(loss, self.global_samples)  # only with a monitor on (it reads the loss)
+        if check is not None and check.spike:
+            check.record_loss(float(loss))  # one host read per step, only with the spike check on
         return loss
+
+    def _checked_step(self, data_iter, check: SilentCheck):
+        """A step checked for silent errors (`megazero.engine.silent_check`): the program's forwards and
+        backwards run twice on the same micro-batches and random states with no reduction launched, each rank's
+        communication and gradients fingerprinted; every rank's verdict is gathered over the world group; then
+        the program's reduction and update run once (or, on a mismatch, every rank stops, skips or warns alike).
+        With only the spike check due, the second pass runs when the first pass's loss (agreed over dp and pp)
+        spiked."""
+        opt, stats, step = self.optimizer, self.pctx.stats, self.global_steps + 1
+        loads = sum(isinstance(i, I.LoadMicroBatch) for i in self.program)
+        batches = [next(data_iter) for _ in range(loads)]  # the step's micro-batches, replayed by each pass
+        passes = [i for i in self.program if not isinstance(i, (I.ReduceGrads, I.OptimizerStep))]
+        update = [i for i in self.program if isinstance(i, (I.ReduceGrads, I.OptimizerStep))]
+        grads = [g.grad_flat for g in opt.groups if g.full_grads]  # ZeRO 0-1: this rank's own gradients
+        rng = rng_states(self.module)
+        overlap, opt.overlap = opt.overlap, False  # no reduction during the passes: the gradients stay local
+        try:
+            stats.fingerprints = []
+            st = self.executor.run(passes, iter(batches), self.num_microbatches)
+            first, grads_a = check.fingerprints(stats, grads), [g.clone() for g in grads]
+            if check.due(step) or check.spiked(float(self._agree_loss(st.losses))):
+                opt.zero_grad()
+                set_rng_states(self.module, rng)
+                stats.fingerprints = []
+                st = self.executor.run(passes, iter(batches), self.num_microbatches)
+                found = check.verdict(step, first, check.fingerprints(stats, grads), grads_a, grads)
+                if found["ranks"]:
+                    st.info = self._silent_error(check, found)
+                    if st.info.get("skipped"):
+                        return st
+            stats.fingerprints = None
+            done = self.executor.run(update, iter(()), self.num_microbatches)
+        finally:
+            opt.overlap, stats.fingerprints = overlap, None
+        done.losses, done.info = st.losses, {**done.info, **st.info}
+        return done
+
+    def _silent_error(self, check: SilentCheck, found: dict) -> dict:
+        """What a checked step that found an error does, on every rank alike (`resilience.silent_error_action`):
+        stop (raise), skip (drop the gradients; the step is not applied and counted as skipped) or warn."""
+        if check.action == "stop":
+            raise SilentError(check.message(found))
+        if self.pctx.global_rank == 0:
+            print(check.message(found), flush=True)
+        if check.action == "skip":
+            return {**self.optimizer.skip_step(), "silent_error": found}
+        return {"silent_error": found}
 
     def gradient_accumulation_steps(self) -> int:
         return self.num_microbatches

@@ -435,7 +435,17 @@ def _restore_rank_state(path: str, optimizer, pctx) -> None:
 
 def _restore_rng(path: str, module, pctx) -> None:
     with safe_open(os.path.join(path, f"rank{pctx.global_rank}.safetensors"), framework="pt") as f:
-        states = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
+        set_rng_states(module, {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")})
+
+
+def rng_states(module) -> dict[str, torch.Tensor]:
+    """This process' random states that a step of `module` draws from (torch's CPU and CUDA generators, the
+    TP dropout trackers), as fresh copies keyed as in a checkpoint. Local."""
+    return _rng_tensors(module)
+
+
+def set_rng_states(module, states: dict[str, torch.Tensor]) -> None:
+    """Put back `rng_states`' states (from this process or a checkpoint). Local."""
     torch.set_rng_state(states["rng/cpu"])
     if "rng/cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["rng/cuda"])

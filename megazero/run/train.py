@@ -146,6 +146,8 @@ def run(cfg: Config, rank: int) -> int:
                   "skipped": info.get("skipped", False), "skipped_steps": info.get("skipped_steps", 0)}
         now = pctx.stats.snapshot()
         record["comm"], moved = comm_delta(moved, now), now  # this rank's bytes by axis/op, inter-node apart
+        if info.get("silent_error") is not None:  # a checked step's two passes differed (megazero.engine.silent_check)
+            record["silent_error"] = info["silent_error"]
         if info.get("moe") is not None:  # MoE load balance of the step (megazero.moe.stats)
             record["moe"] = info["moe"]
         if cfg.log.wall_clock_breakdown:

@@ -75,6 +75,7 @@ class CommStats:
     counts: dict = field(default_factory=dict)
     inter_node: dict = field(default_factory=dict)
     waits: dict = field(default_factory=dict)  # axis -> host seconds blocked in synchronous calls (`blocked`)
+    fingerprints: list | None = None  # while a list: (direction, axis, checksum) of every tensor sent and received
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_wait(self, axis: str, seconds: float) -> None:
@@ -242,10 +243,30 @@ def _record(group: GroupHandle, op: str, elements: float, t: torch.Tensor, peer:
     group.stats.record(group.axis, op, elements, t.element_size(), elements if group.crosses(peer) else 0.0)
 
 
-def _blocked(group: GroupHandle, async_op: bool, call):
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 on `t`'s device that changes with any single bit of `t`: the sum of its bytes read as int32
+    words (as bytes when their count is not a multiple of 4). No host synchronisation."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+    return words.to(torch.int64).sum()
+
+
+def note(group: GroupHandle, direction: str, t: torch.Tensor | None) -> None:
+    """While the group's stats record fingerprints (the silent-error check, `megazero.engine.silent_check`):
+    append (`direction` "out" or "in", axis, `checksum(t)`). Callers that wait for an asynchronous
+    collective note what it received ("in") when they wait."""
+    rec = group.stats.fingerprints
+    if rec is not None and t is not None:
+        rec.append((direction, group.axis, checksum(t)))
+
+
+def _blocked(group: GroupHandle, async_op: bool, call, sent: torch.Tensor | None = None,
+             received: torch.Tensor | None = None):
     """Run `call` (the torch.distributed op); a synchronous one's host seconds go to the group's
     `CommStats.waits` (on gloo the transfer and the wait for the slowest peer; on NCCL only the launch: the
-    device waits instead). An asynchronous one returns its handle untimed."""
+    device waits instead). An asynchronous one returns its handle untimed. `sent` (before the call) and, when
+    synchronous, `received` (after it) are `note`d."""
+    note(group, "out", sent)
     if async_op:
         return call()
     start = time.perf_counter()
@@ -253,6 +274,7 @@ def _blocked(group: GroupHandle, async_op: bool, call):
         return call()
     finally:
         group.stats.add_wait(group.axis, time.perf_counter() - start)
+        note(group, "in", received)
 
 
 def all_reduce(tensor: torch.Tensor, group: GroupHandle, op: str = "sum", async_op: bool = False,
@@ -266,7 +288,8 @@ def all_reduce(tensor: torch.Tensor, group: GroupHandle, op: str = "sum", async_
     if group.hierarchy is not None and op == "sum":
         return group.hierarchy.all_reduce(tensor, async_op)
     _record(group, "all_reduce", 2 * (n - 1) / n * tensor.numel(), tensor)
-    return _blocked(group, async_op, lambda: dist.all_reduce(tensor, op=_op(op), group=group.pg, async_op=async_op))
+    return _blocked(group, async_op, lambda: dist.all_reduce(tensor, op=_op(op), group=group.pg, async_op=async_op),
+                    tensor, tensor)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, op: str = "sum",
@@ -284,7 +307,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: GroupHandle
         return group.hierarchy.reduce_scatter(output, input, async_op)
     _record(group, "reduce_scatter", (n - 1) * output.numel(), output)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return _blocked(group, async_op, lambda: fn(output, input, op=_op(op), group=group.pg, async_op=async_op))
+    return _blocked(group, async_op, lambda: fn(output, input, op=_op(op), group=group.pg, async_op=async_op),
+                    input, output)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, async_op: bool = False,
@@ -302,7 +326,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: GroupHandle, as
         return group.hierarchy.all_gather(output, input, async_op)
     _record(group, "all_gather", (n - 1) * input.numel(), input)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _blocked(group, async_op, lambda: fn(output, input, group=group.pg, async_op=async_op))
+    return _blocked(group, async_op, lambda: fn(output, input, group=group.pg, async_op=async_op), input, output)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: GroupHandle, async_op: bool = False, tag: str | None = None):
@@ -313,7 +337,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: GroupHandle, async_op: bool
     _verify(group, "broadcast", tensor, extra=f"from {src}", tag=tag)
     _record(group, "broadcast", (n - 1) / n * tensor.numel(), tensor)
     return _blocked(group, async_op,
-                    lambda: dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=async_op))
+                    lambda: dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=async_op),
+                    tensor if group.rank == src else None, None if group.rank == src else tensor)
 
 
 def reduce(tensor: torch.Tensor, dst: int, group: GroupHandle, op: str = "sum", async_op: bool = False):
@@ -324,7 +349,8 @@ def reduce(tensor: torch.Tensor, dst: int, group: GroupHandle, op: str = "sum", 
     _verify(group, "reduce", tensor, extra=f"{op} to {dst}")
     _record(group, "reduce", (n - 1) / n * tensor.numel(), tensor)
     return _blocked(group, async_op, lambda: dist.reduce(tensor, dst=group.global_rank(dst), op=_op(op),
-                                                         group=group.pg, async_op=async_op))
+                                                         group=group.pg, async_op=async_op),
+                    tensor, tensor if group.rank == dst else None)
 
 
 def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, group: GroupHandle):
@@ -369,21 +395,23 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: GroupHan
                        away * width)
     return _blocked(group, False, lambda: dist.all_to_all_single(
         output, input, None if output_splits is None else list(output_splits),
-        None if input_splits is None else list(input_splits), group=group.pg))
+        None if input_splits is None else list(input_splits), group=group.pg), input, output)
 
 
 def send(tensor: torch.Tensor, dst: int, group: GroupHandle) -> None:
     """Blocking send of `tensor` to group rank `dst`."""
     _verify_p2p(group, "send", tensor, dst)
     _record(group, "send", tensor.numel(), tensor, peer=dst)
-    _blocked(group, False, lambda: dist.send(tensor.contiguous(), dst=group.global_rank(dst), group=group.pg))
+    _blocked(group, False, lambda: dist.send(tensor.contiguous(), dst=group.global_rank(dst), group=group.pg),
+             tensor)
 
 
 def recv(tensor: torch.Tensor, src: int, group: GroupHandle) -> None:
     """Blocking receive into `tensor` from group rank `src`."""
     _verify_p2p(group, "recv", tensor, src)
     _record(group, "recv", tensor.numel(), tensor, peer=src)
-    _blocked(group, False, lambda: dist.recv(tensor, src=group.global_rank(src), group=group.pg))
+    _blocked(group, False, lambda: dist.recv(tensor, src=group.global_rank(src), group=group.pg),
+             None, tensor)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: GroupHandle):

@@ -42,13 +42,16 @@ from megazero.tensor_parallel.weight_grad import WeightGradStore, autocast_dtype
 
 
 class _InFlight:
-    """A collective launched with ``async_op=True`` and the tensor it fills; `wait()` returns the tensor."""
+    """A collective launched with ``async_op=True`` over `group` and the tensor it fills; `wait()` returns the
+    tensor (noted as received: `comm.note`)."""
 
-    def __init__(self, out: torch.Tensor, work):
-        self.out, self.work = out, work
+    def __init__(self, out: torch.Tensor, work, group: GroupHandle):
+        self.out, self.work, self.group = out, work, group
 
     def wait(self) -> torch.Tensor:
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
+        comm.note(self.group, "in", self.out)
         return self.out
 
 
@@ -56,18 +59,18 @@ def _launch_all_gather(shard: torch.Tensor, group: GroupHandle) -> _InFlight:
     """All-gather `shard` (s/t, b, h) along dim 0 over `group` into (s, b, h), in rank order."""
     shard = shard.contiguous()
     out = shard.new_empty((group.size * shard.shape[0],) + tuple(shard.shape[1:]))  # (s, b, h)
-    return _InFlight(out, comm.all_gather(out, shard, group, async_op=True))
+    return _InFlight(out, comm.all_gather(out, shard, group, async_op=True), group)
 
 
 def _launch_reduce_scatter(full: torch.Tensor, group: GroupHandle) -> _InFlight:
     """Sum `full` (s, b, h) over `group`; this rank keeps its chunk (s/t, b, h) of dim 0."""
     out = full.new_empty((full.shape[0] // group.size,) + tuple(full.shape[1:]))  # (s/t, b, h)
-    return _InFlight(out, comm.reduce_scatter(out, full, group, async_op=True))
+    return _InFlight(out, comm.reduce_scatter(out, full, group, async_op=True), group)
 
 
 def _launch_all_reduce(x: torch.Tensor, group: GroupHandle) -> _InFlight:
     """Sum `x` over `group`, in place."""
-    return _InFlight(x, comm.all_reduce(x, group, async_op=True))
+    return _InFlight(x, comm.all_reduce(x, group, async_op=True), group)
 
 
 def _input_grad(gys, weights) -> torch.Tensor:

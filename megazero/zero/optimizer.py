@@ -420,6 +420,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._update_group(group, runs, coef, left)
             group.publish_master(self.allgather_bucket_size)
 
+    def skip_step(self) -> dict:
+        """Drop this step's gradients unapplied and count the step skipped, as a non-finite step is; for a
+        caller that decided on every rank alike (the silent-error check). `step`'s dict. Local."""
+        self.skipped_steps += 1
+        self.zero_grad()
+        return {"loss_scale": self.scaler.scale, "lr": self.param_groups[0]["lr"], "skipped": True,
+                "grad_norm": float("nan"), "skipped_steps": self.skipped_steps}
+
     def step(self) -> dict:
         """Reduce, unscale, agree on non-finite gradients, clip and update. Returns {"skipped",
         "grad_norm", "loss_scale", "lr", "skipped_steps"}; "grad_norm" is a float, or, when the step
