@@ -14,6 +14,9 @@ import random
 import re
 import time
 
+import pytest
+
+from megazero.engine.silent_check import first_difference, origins
 from megazero.run.parity import TOLERANCES
 from megazero.run.stragglers import find_stragglers
 from tests.faults import Job, bit_flip_env, slow_rank_env
@@ -33,17 +36,26 @@ def _train_args(corpus, run_dir, steps):
             "checkpoint.save_interval=5", "checkpoint.async_save=true"]
 
 
-def test_a_killed_rank_restarts_the_job_and_resumes_exactly(corpus, tmp_path):
+STEPS = 14
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    """The metrics of the run the failure tests are compared with: 8 ranks (pp2 x tp2 x dp2), `STEPS` steps."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    whole = Job(["--standalone", "--nproc_per_node=8", *_train_args(corpus, folder / "run", STEPS)],
+                str(folder / "run.log"))
+    assert whole.wait(600) == 0, whole.output()[-3000:]
+    return _metrics(folder / "run" / "metrics.jsonl")
+
+
+def test_a_killed_rank_restarts_the_job_and_resumes_exactly(corpus, tmp_path, uninterrupted):
     """One of 8 ranks (pp2 x tp2 x dp2) SIGKILLed at a random step: every rank stops, torchrun starts a new
     attempt, which resumes from the newest complete checkpoint; the finished run's metrics equal an
     uninterrupted run's, bit for bit (floats compared as written)."""
     rng = random.Random(34)
-    victim, at_step, steps = rng.randrange(8), rng.randint(6, 11), 14
-    launch = ["--standalone", "--nproc_per_node=8"]
-    whole = Job([*launch, *_train_args(corpus, tmp_path / "whole", steps)], str(tmp_path / "whole.log"))
-    assert whole.wait(600) == 0, whole.output()[-3000:]
-
-    job = Job([*launch, "--max-restarts=2", *_train_args(corpus, tmp_path / "run", steps)],
+    victim, at_step, steps = rng.randrange(8), rng.randint(6, 11), STEPS
+    job = Job(["--standalone", "--nproc_per_node=8", "--max-restarts=2", *_train_args(corpus, tmp_path / "run", steps)],
               str(tmp_path / "run.log"))
     metrics = str(tmp_path / "run" / "metrics.jsonl")
     seen = job.wait_for_step(metrics, at_step)
@@ -51,38 +63,34 @@ def test_a_killed_rank_restarts_the_job_and_resumes_exactly(corpus, tmp_path):
     code = job.wait(600)
     out = job.output()
     assert code == 0, out[-4000:]
-    assert f"failed (exitcode: -9) local_rank: {victim}" in out, out[-3000:]  # the kill, as torchrun saw it
+    assert "failed (exitcode: " in out, out[-3000:]  # the attempt failed (torchrun names the first exit it saw)
     resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", out)]
     assert len(resumed) == 1 and resumed[0] in (5, 10), out[-3000:]
     assert seen - resumed[0] <= 2 * 5  # the work lost: steps since the newest complete checkpoint
-    got, want = _metrics(metrics), _metrics(tmp_path / "whole" / "metrics.jsonl")
+    got = _metrics(metrics)
     assert [r["step"] for r in got] == list(range(1, steps + 1))
-    assert got == want
+    assert got == uninterrupted
 
 
-def _elastic_agents(tmp_path, run_dir, args, nproc=4):
+def _elastic_agents(tmp_path, run_dir, args, nproc=4, restarts=3):
     """Two torchrun agents on this machine as two nodes of an elastic job (``--nnodes=1:2``, c10d rendezvous
     hosted by the first)."""
     port = free_port()
     launch = ["--nnodes=1:2", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-              f"--rdzv-id={run_dir.name}", "--max-restarts=3",
+              f"--rdzv-id={run_dir.name}", f"--max-restarts={restarts}",
               "--rdzv-conf=join_timeout=120,last_call_timeout=2,close_timeout=10", *args]
     host = Job(launch, str(tmp_path / f"{run_dir.name}-a.log"))
     time.sleep(1.0)  # the first agent hosts the rendezvous: started first
     return host, Job(launch, str(tmp_path / f"{run_dir.name}-b.log"))
 
 
-def test_elastic_job_continues_on_the_remaining_node(corpus, tmp_path):
+def test_elastic_job_continues_on_the_remaining_node(corpus, tmp_path, uninterrupted):
     """A node (agent and its 4 ranks) SIGKILLed mid-run: the other agent re-forms the group at 4 ranks, which
     resume from the newest complete checkpoint with pp and tp kept, dp 2 -> 1 and accumulation 4 -> 8 (the
     global batch kept), on the same samples in the same order: the losses and gradient norms of every step
     equal an uninterrupted 8-rank run's within the fp32 parity tolerance."""
-    steps = 14
+    steps = STEPS
     args = _train_args(corpus, tmp_path / "run", steps)
-    whole = Job(["--standalone", "--nproc_per_node=8", *_train_args(corpus, tmp_path / "whole", steps)],
-                str(tmp_path / "whole.log"))
-    assert whole.wait(600) == 0, whole.output()[-3000:]
-
     host, other = _elastic_agents(tmp_path, tmp_path / "run", args)
     host.wait_for_step(str(tmp_path / "run" / "metrics.jsonl"), 7)
     assert other.kill_node() == [4, 5, 6, 7]
@@ -92,7 +100,7 @@ def test_elastic_job_continues_on_the_remaining_node(corpus, tmp_path):
     assert len(resumed) == 1 and resumed[0] in (5, 10), out[-3000:]
     assert "layout   pp=2 x tp=2 x dp=1 = 4 ranks" in out
     assert "batch    global 16 = micro 2 x accumulation 8 x dp 1" in out
-    got, want = _metrics(tmp_path / "run" / "metrics.jsonl"), _metrics(tmp_path / "whole" / "metrics.jsonl")
+    got, want = _metrics(tmp_path / "run" / "metrics.jsonl"), uninterrupted
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     loss_rtol, norm_rtol = TOLERANCES["fp32"][:2]
     for g, w in zip(got, want):
@@ -106,7 +114,7 @@ def test_elastic_job_refuses_clearly_when_no_layout_fits(corpus, tmp_path):
     """pp2 x tp2 on two nodes of 2 ranks: with one node lost, 2 ranks cannot hold the layout; every new attempt
     ends at once with the trainer's one-line reason and the job ends failed (no hang)."""
     args = [*_train_args(corpus, tmp_path / "small", 40), "parallel.pp=2", "parallel.tp=2"]
-    host, other = _elastic_agents(tmp_path, tmp_path / "small", args, nproc=2)
+    host, other = _elastic_agents(tmp_path, tmp_path / "small", args, nproc=2, restarts=1)
     host.wait_for_step(str(tmp_path / "small" / "metrics.jsonl"), 2)
     other.kill_node()
     assert host.wait(600) != 0
@@ -207,3 +215,39 @@ def test_the_check_runs_twice_only_when_due_and_trains_the_same():
     full = runs[0][0]
     assert runs[0] == [full] * 4
     assert runs[2] == [full, full - 2, full - 2, 2] * 2  # a checked step: two passes, then reduce + step
+
+
+def test_origins_are_where_the_first_difference_was_sent_or_computed():
+    a = [("out", "tp", 1), ("in", "tp", 2), ("grad", "local", 3)]
+    assert first_difference(a, a) is None
+    assert first_difference(a, [("out", "tp", 9)] + a[1:]) == (0, "out")
+    assert first_difference(a, a[:1] + [("in", "tp", 7), ("grad", "local", 4)]) == (1, "in")
+    assert first_difference(a, a[:2]) == (2, "out")
+    verdicts = [{"differs": False, "first": None}, {"differs": True, "first": "in"},
+                {"differs": True, "first": "out"}, {"differs": True, "first": "in"}]
+    assert origins(verdicts) == [2]
+    assert origins([{"differs": True, "first": "in"}, {"differs": False, "first": None}]) == [0]  # no better guess
+
+
+def test_attempt_store_skips_a_dead_attempts_post(monkeypatch):
+    """torchrun's store still holds the previous attempt's post (a port nobody listens on): rank 1 waits until
+    rank 0 of this attempt posts its own store, and both end up on it."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megazero.run.launch import ATTEMPT_KEY, attempt_store
+
+    agent = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    agent.set(ATTEMPT_KEY, f"127.0.0.1:{free_port()}:deadbeef")  # the dead attempt's store
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    got = {}
+    rank1 = threading.Thread(target=lambda: got.setdefault(1, attempt_store(1, 2, 30, probe_s=0.5)))
+    rank1.start()
+    time.sleep(1.0)  # rank 1 has been reading the stale post meanwhile
+    got[0] = attempt_store(0, 2, 30)
+    rank1.join(30)
+    got[0].set("hello", "from rank 0")
+    assert got[1].get("hello") == b"from rank 0"

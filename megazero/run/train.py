@@ -16,7 +16,10 @@ checkpoint.load names where to start. Per-rank Chrome traces go to <run_dir>/tra
 Communication beyond the engine's: the per-step metrics are already agreed on every rank by
 `train_batch` (loss) and the optimizer (grad norm, loss scale); after the first step every rank's
 measured memory is gathered to rank 0 over the world group, which prints it next to the planner's
-prediction for each pipeline stage.
+prediction for each pipeline stage; with resilience.straggler_interval, every that many steps each
+rank's step times are gathered over the world group (`megazero.run.stragglers`). A rank whose step
+fails prints why and ends at once (under torchrun --max-restarts the job restarts and resumes from
+the newest complete checkpoint).
 """
 from __future__ import annotations
 
