@@ -251,3 +251,48 @@ def test_attempt_store_skips_a_dead_attempts_post(monkeypatch):
     rank1.join(30)
     got[0].set("hello", "from rank 0")
     assert got[1].get("hello") == b"from rank 0"
+
+
+def test_the_ranks_left_alive_save_the_failed_step(corpus, tmp_path, uninterrupted):
+    """checkpoint.save_on_failure at ZeRO-0 (every rank's state also held by its dp replica): a rank SIGKILLed
+    mid-run; the others write their state at the last finished step, the next attempt makes a checkpoint of it
+    and resumes there (not at the last periodic save), and the metrics still equal an uninterrupted run's."""
+    job = Job(["--standalone", "--nproc_per_node=8", "--max-restarts=1",
+               *_train_args(corpus, tmp_path / "run", STEPS), "checkpoint.save_on_failure=true"],
+              str(tmp_path / "run.log"))
+    metrics = str(tmp_path / "run" / "metrics.jsonl")
+    seen = job.wait_for_step(metrics, 7)
+    job.kill_rank(3)
+    assert job.wait(600) == 0, job.output()[-4000:]
+    out = job.output()
+    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", out)]
+    assert "the ranks left alive by the last failure saved" in out, out[-3000:]
+    assert len(resumed) == 1 and resumed[0] >= seen and resumed[0] % 5 != 0, (seen, resumed)
+    assert _metrics(metrics) == uninterrupted
+
+
+def test_promote_makes_a_checkpoint_only_of_complete_parts(tmp_path):
+    """Two ranks each held half of every kind of a (4, 2) tensor (a ZeRO shard): with both parts the folder
+    becomes step7 and `latest`; with one rank's part missing it stays, reported."""
+    from megazero.run.checkpoint import FORMAT, KINDS
+    from megazero.run.failure_save import promote
+
+    meta = {"format": FORMAT, "step": 7, "layout": {"pp": 1, "tp": 1, "dp": 2, "order": ["pp", "dp", "tp"],
+                                                    "zero_stage": 1}, "kinds": list(KINDS), "rng": True}
+
+    def part(folder, rank):
+        entries = [("w", [4, 2], kind, f"rank{rank}.safetensors", f"{kind}/w/0", [2 * rank, 0], [2, 2])
+                   for kind in KINDS]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{rank}.json").write_text(json.dumps({"meta": meta, "entries": entries}))
+
+    for rank in (0, 1):
+        part(tmp_path / "full" / "failed7.parts", rank)
+    assert promote(str(tmp_path / "full")) == str(tmp_path / "full" / "step7")
+    manifest = json.loads((tmp_path / "full" / "step7" / "manifest.json").read_text())
+    assert manifest["step"] == 7 and manifest["rng"] is True and len(manifest["tensors"]["w"]["exp_avg"]) == 2
+    assert (tmp_path / "full" / "latest").read_text() == "step7"
+
+    part(tmp_path / "half" / "failed7.parts", 0)
+    assert promote(str(tmp_path / "half")) is None
+    assert (tmp_path / "half" / "failed7.parts").is_dir() and not (tmp_path / "half" / "latest").exists()

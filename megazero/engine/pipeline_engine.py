@@ -76,6 +76,7 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         if module.activation_checkpointer is not None:  # its contiguous buffer holds the forwards in flight
             module.activation_checkpointer.set_in_flight(peaks(self.program)[0])
         self.global_steps = 0
+        self.applied_steps = 0  # the optimizer's step_count + skipped_steps when the step being run began
         self.pending_save = None  # the asynchronous checkpoint save in flight (engine/checkpointing.py)
         self.last_info: dict = {}
 
@@ -93,6 +94,7 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         """`train_batch` with the mean loss left on the device (0-d fp64; the trainer reads it when it
         logs)."""
         data_iter = self._data(data_iter)
+        self.applied_steps = self.optimizer.step_count + self.optimizer.skipped_steps  # (failure_save)
         self.module.train()
         # MoE aux losses are scaled as the LM loss is: loss scale / micro-batches (every MoE layer, a user's too)
         set_aux_loss_scale(self.module, self.optimizer.scaler.scale / self.num_microbatches)

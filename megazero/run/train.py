@@ -24,6 +24,7 @@ the newest complete checkpoint).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import megazero
@@ -35,7 +36,7 @@ from megazero.engine import data_iterator, initialize_from_config, load_run_conf
 from megazero.models import count_params
 from megazero.planner.from_config import memory_lines, predicted_memory
 from megazero.planner.layout import PlanError
-from megazero.run import checkpoint
+from megazero.run import checkpoint, failure_save
 from megazero.run.memory import SavedActivationMeter, memory_report
 from megazero.run.metrics import (MetricsWriter, PendingSteps, Timers, comm_delta, format_bytes,
                                   mlp_forward_flops, model_flops_per_step)
@@ -103,6 +104,12 @@ def run(cfg: Config, rank: int) -> int:
     engine, optimizer, data, scheduler = initialize_from_config(cfg, on_instruction=timers if timed else None)
     pctx = engine.pctx
     start_step, resumed = 0, None
+    if cfg.checkpoint.save_on_failure:  # what the ranks left alive by a failure saved becomes the newest checkpoint
+        signal.signal(signal.SIGTERM, _terminated)  # torchrun stops the other ranks of a failed attempt with it
+        promoted = failure_save.promote(cfg.checkpoint.dir) if rank == 0 else None
+        if promoted:
+            print(f"the ranks left alive by the last failure saved {promoted}", flush=True)
+        comm.barrier(pctx.world_group)  # every rank looks for `latest` after the promotion
     source = cfg.checkpoint.dir if checkpoint.has_checkpoint(cfg.checkpoint.dir) else cfg.checkpoint.load
     if source:  # this run's own latest checkpoint (a restart), else checkpoint.load (any layout)
         path, _ = engine.load_checkpoint(source)
@@ -135,9 +142,9 @@ def run(cfg: Config, rank: int) -> int:
             watch.begin()
         if step_meter is not None:  # saved-activation bytes of this step (peak in flight on this stage)
             with step_meter.measure():
-                loss = engine.train_step(data)
+                loss = _train_step(cfg, engine, data, rank)
         else:
-            loss = engine.train_step(data)  # on the device: read when the pending steps are flushed
+            loss = _train_step(cfg, engine, data, rank)  # on the device: read when the pending steps are flushed
         slow = watch.end() if watch is not None else None  # every straggler_interval steps: over the world group
         if first:
             report = memory_report(optimizer, step_meter, checkpointer)
@@ -182,6 +189,29 @@ def run(cfg: Config, rank: int) -> int:
             _draw_schedule(cfg.run_dir)
         print(f"done: {cfg.train.steps} steps; metrics {cfg.log.metrics_file}", flush=True)
     return 0
+
+
+class Terminated(RuntimeError):
+    """SIGTERM arrived (with checkpoint.save_on_failure): torchrun stops the ranks of an attempt one of whose
+    ranks failed; a step it interrupts fails like one whose peer died, so that this rank saves first."""
+
+
+def _terminated(signum, frame):
+    raise Terminated("SIGTERM: the launcher stops this rank (another rank failed)")
+
+
+def _train_step(cfg: Config, engine, data, rank: int):
+    """`engine.train_step`; when it fails (a peer died) with checkpoint.save_on_failure, this rank first writes
+    its state on its own, if it is a step's end (`megazero.run.failure_save`), then re-raises."""
+    try:
+        return engine.train_step(data)
+    except Exception:
+        if cfg.checkpoint.save_on_failure:
+            folder = failure_save.save_parts(cfg.checkpoint.dir, engine, to_dict(cfg))
+            print(f"[rank {rank}] step {engine.global_steps + 1} failed; " +
+                  (f"state after step {engine.global_steps} saved to {folder}" if folder
+                   else "state not saved: the failure came during the update"), file=sys.stderr, flush=True)
+        raise
 
 
 def _report(cfg, rank, records, writer, bar, lead, optimizer, meter, checkpointer) -> None:

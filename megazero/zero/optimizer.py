@@ -108,6 +108,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite_gradients={nonfinite!r} is not one of {', '.join(NONFINITE)}")
         self.nonfinite, self.skipped_steps = nonfinite, 0
+        self.updating = False  # inside an update: the state is neither the last step's nor the next's
         if zeropp is not None and zeropp != ZeroPlusPlus() and stage != 3:
             raise ValueError(f"zero.quantized_weights / quantized_gradients / hpz_partition_size (ZeRO++) need "
                              f"zero.stage 3, got {stage}")
@@ -420,6 +421,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._update_group(group, runs, coef, left)
             group.publish_master(self.allgather_bucket_size)
 
+    def at_step_end(self, applied: int) -> bool:
+        """Whether this rank's parameters and optimizer states are exactly those after `applied` steps (counted as
+        `step_count + skipped_steps`): no update begun since, including an offloaded early update. Local."""
+        early = self._early is not None and self._early.pending()
+        return not self.updating and not early and self.step_count + self.skipped_steps == applied
+
     def skip_step(self) -> dict:
         """Drop this step's gradients unapplied and count the step skipped, as a non-finite step is; for a
         caller that decided on every rank alike (the silent-error check). `step`'s dict. Local."""
@@ -449,7 +456,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self._norm_on_host:  # no host synchronisation: the norm is read when someone reads it
             norm = self._squared_norm().sqrt()[0]  # 0-d; float(norm) synchronises
             self.step_count += 1
+            self.updating = True  # stays True if the update fails half way
             self._update_all(1.0)
+            self.updating = False
             self._zero_flat_grads()
             return info | {"skipped": False, "grad_norm": norm, "skipped_steps": self.skipped_steps}
         norm = self.global_grad_norm()
@@ -466,7 +475,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return info | {"skipped": True, "grad_norm": float("nan"), "skipped_steps": self.skipped_steps}
         coef = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
         self.step_count += 1
+        self.updating = True  # stays True if the update fails half way
         self._update_all(coef)
+        self.updating = False
         self._zero_flat_grads()
         self.scaler.update(False)
         return info | {"skipped": False, "grad_norm": norm, "skipped_steps": self.skipped_steps}

@@ -286,6 +286,7 @@ class CheckpointConfig:
     load: Optional[str] = None  # start from this checkpoint (any layout) unless dir already has one to resume
     keep_last: int = 0  # keep the newest N complete checkpoints in dir; 0 = keep all
     async_save: bool = False  # copy to host memory, write in a background thread while training goes on
+    save_on_failure: bool = False  # a failed step: each rank still alive writes its state, no collective (megazero.run.failure_save)
 
 
 @dataclass(frozen=True)
