@@ -22,7 +22,7 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS) tests
 
 $(DEMO_DATA).idx: $(STAMP)
 	$(PY) tools/preprocess_data.py --python-stdlib --max-bytes 3M --output-prefix $(DEMO_DATA)

@@ -4,7 +4,7 @@ found by the environment torchrun gives them, and killed with SIGKILL at a chose
 `Job(args)` starts ``python -m torch.distributed.run ARGS`` (its output in a file); `job.ranks()` maps
 each global rank to the pid of its live process (children of that agent whose environment carries
 TORCHELASTIC_RUN_ID and RANK); `job.wait_for_step(metrics, k)` waits until the metrics file has step k;
-`job.kill_rank(r)` SIGKILLs rank r's process, `job.kill_node()` the agent and all its ranks; `slow_rank_env` makes one rank slow (a sleep in its compute), `bit_flip_env` flips one bit of one of its results;
+`job.kill_rank(r)` SIGKILLs rank r's process, `job.kill_agent()` the agent, `job.kill_node()` the agent and all its ranks; `slow_rank_env` makes one rank slow (a sleep in its compute), `bit_flip_env` flips one bit of one of its results;
 `job.wait()` returns the agent's exit code (killing the
 whole process tree on timeout: no test can hang the suite).
 """
@@ -130,6 +130,12 @@ class Job:
         pid = self.ranks()[rank]
         os.kill(pid, signal.SIGKILL)
         return pid
+
+    def kill_agent(self) -> list[int]:
+        """SIGKILL the agent alone; its ranks follow it (`megazero.run.launch.follow_agent`). Their global ranks."""
+        ranks = self.ranks()
+        os.kill(self.proc.pid, signal.SIGKILL)
+        return sorted(ranks)
 
     def kill_node(self) -> list[int]:
         """SIGKILL the agent and every rank process it started, as a node that goes down; their global ranks."""

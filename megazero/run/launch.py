@@ -29,12 +29,13 @@ group's rendezvous over it would read those keys and connect to the dead ranks' 
 the agent's store (`attempt_store`) rank 0 starts a store of its own on a free port and posts its
 address and a fresh token on the agent's; the other ranks take the posted address only once a store
 answers there with that token: the dead attempt's store went with its processes, so whatever answers is
-this attempt's.
+this attempt's. Every rank under torchrun also ends when its agent does (`follow_agent`).
 """
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ def nccl_environment(backend: str = "auto") -> dict[str, str]:
 def init_distributed(timeout_s: float = 300, backend: str = "auto") -> DistInfo:
     """Initialise the default process group (if not already) and return this process' facts."""
     rank, world, local, local_world = detect()
+    follow_agent()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     nccl_environment(backend)
     device = local_device(backend)
@@ -121,6 +123,21 @@ def init_distributed(timeout_s: float = 300, backend: str = "auto") -> DistInfo:
         dist.init_process_group(chosen, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                 store=store)
     return DistInfo(rank, world, local, local_world, device, chosen)
+
+
+def follow_agent() -> None:
+    """Under torchrun (TORCHELASTIC_RUN_ID set), on Linux: have the kernel send this rank SIGTERM when its agent,
+    the parent process, dies, as when the node goes down; otherwise the agent's ranks would train on, orphaned,
+    while the other agents wait for it, and an elastic job could not re-form without them. A rank already
+    orphaned ends at once. Local."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the agent died before the call
+        os._exit(1)
 
 
 ATTEMPT_KEY = "megazero/attempt_store"
