@@ -271,6 +271,9 @@ def test_the_ranks_left_alive_save_the_failed_step(corpus, tmp_path, uninterrupt
     assert "the ranks left alive by the last failure saved" in out, out[-3000:]
     assert len(resumed) == 1 and resumed[0] >= seen and resumed[0] % 5 != 0, (seen, resumed)
     assert _metrics(metrics) == uninterrupted[0]
+    saved = tmp_path / "run" / "checkpoints" / f"step{resumed[0]}"
+    assert sorted(p.name for p in saved.glob("rank*.safetensors")) == [f"rank{r}.safetensors" for r in range(8) if r != 3]
+    assert json.loads((saved / "manifest.json").read_text())["rng"] is False  # rank 3's random states were lost
 
 
 def test_promote_makes_a_checkpoint_only_of_complete_parts(tmp_path):
@@ -298,3 +301,29 @@ def test_promote_makes_a_checkpoint_only_of_complete_parts(tmp_path):
     part(tmp_path / "half" / "failed7.parts", 0)
     assert promote(str(tmp_path / "half")) is None
     assert (tmp_path / "half" / "failed7.parts").is_dir() and not (tmp_path / "half" / "latest").exists()
+
+
+def test_the_spike_check_reruns_only_steps_whose_loss_rose_and_trains_the_same():
+    """silent_error_spike just above 1: every step (but a process's first) runs its first pass checked, the steps
+    whose loss (agreed over the world) rose above the median of the last ones run the second pass too; the
+    losses equal an unchecked run's bit for bit."""
+    import megazero
+
+    cfg = {"model": {"spec": "model_specs/gpt.py:debug", "layers": 2}, "precision": "fp32",
+           "train": {"micro_batch_size": 2, "global_batch_size": 4, "seed": 1, "steps": 20},
+           "optimizer": {"type": "adamw", "lr": 1e-3}}
+    losses, runs = {}, {}
+    for spike in (0.0, 1.0000001):
+        engine, _, data, _ = megazero.initialize(config={**cfg, "resilience": {"silent_error_spike": spike}})
+        calls, run = [], engine.executor.run
+        engine.executor.run = lambda *a, **k: calls.append(len(a[0])) or run(*a, **k)
+        losses[spike] = [engine.train_batch(data) for _ in range(12)]
+        runs[spike] = calls
+    assert losses[0.0] == losses[1.0000001]
+    full = runs[0.0][0]
+    steps, calls = [], runs[1.0000001][1:]  # the first step runs unchecked
+    while calls:
+        n = 3 if calls[1] == full - 2 else 2  # passes (, passes), reduce + step
+        steps.append(n)
+        calls = calls[n:]
+    assert len(steps) == 11 and 2 in steps and 3 in steps  # some steps spiked, some did not

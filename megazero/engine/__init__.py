@@ -217,7 +217,8 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
         engine = PipelineEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps,
                                 cfg.pipeline.schedule, cfg.pipeline.chunks, t.micro_batch_size, compute_dtype(cfg),
                                 on_instruction=on_instruction, device=info.device, local_rank=info.local_rank,
-                                training_data=loader, monitor=monitor, silent_check=check)
+                                training_data=loader, monitor=monitor, silent_check=check,
+                                keep_step_rng=cfg.checkpoint.save_on_failure)
     else:
         if checking:
             raise ConfigError("resilience.silent_error_interval / silent_error_spike: the check reruns a pipeline "

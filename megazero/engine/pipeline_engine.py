@@ -50,10 +50,12 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
     def __init__(self, module: PipelineModule, pctx: ParallelContext, optimizer, lr_scheduler,
                  num_microbatches: int, schedule: str = "1f1b", chunks: int = 1, micro_batch_size: int = 1,
                  dtype=torch.float32, on_instruction=None, device="cpu", local_rank: int = 0, training_data=None,
-                 monitor=None, silent_check: SilentCheck | None = None):
+                 monitor=None, silent_check: SilentCheck | None = None, keep_step_rng: bool = False):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
         self.monitor = monitor  # DeepSpeed's engine.monitor (megazero.compat.monitor.MonitorMaster), or None
         self.silent_check = silent_check  # checked steps run twice (megazero.engine.silent_check), or None
+        self.keep_step_rng, self.step_rng = keep_step_rng, None  # checkpoint.save_on_failure (run/failure_save.py)
+        self.p2p_ready = False  # a first step has run (its boundaries' shapes are known)
         self.num_microbatches, self.chunks = num_microbatches, chunks
         self.micro_batch_size, self.local_rank = micro_batch_size, local_rank
         # DeepSpeed's train_batch() without an iterator reads initialize(training_data=...)'s loader, endlessly
@@ -99,7 +101,10 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         # MoE aux losses are scaled as the LM loss is: loss scale / micro-batches (every MoE layer, a user's too)
         set_aux_loss_scale(self.module, self.optimizer.scaler.scale / self.num_microbatches)
         check = self.silent_check
-        if check is not None and (check.due(self.global_steps + 1) or check.spike):
+        if self.keep_step_rng:  # the random states at the step's start, what a failure save writes
+            self.step_rng = rng_states(self.module)
+        # not a process's first step: a boundary's shapes travel then, in the first pass only
+        if check is not None and self.p2p_ready and (check.due(self.global_steps + 1) or check.spike):
             st = self._checked_step(data_iter, check)
         else:
             st = self.executor.run(self.program, data_iter, self.num_microbatches)
@@ -113,8 +118,7 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         self.global_steps += 1
         loss = self._agree_loss(st.losses)
         self._monitor_step(loss, self.global_samples)  # only with a monitor on (it reads the loss)
-        if check is not None and check.spike:
-            check.record_loss(float(loss))  # one host read per step, only with the spike check on
+        self.p2p_ready = True
         return loss
 
     def _checked_step(self, data_iter, check: SilentCheck):
@@ -122,8 +126,9 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         backwards run twice on the same micro-batches and random states with no reduction launched, each rank's
         communication and gradients fingerprinted; every rank's verdict is gathered over the world group; then
         the program's reduction and update run once (or, on a mismatch, every rank stops, skips or warns alike).
-        With only the spike check due, the second pass runs when the first pass's loss (agreed over dp and pp)
-        spiked."""
+        With the spike check on, every step comes here: the first pass's loss, agreed as the largest over the world
+        group with whether it spiked (one all-reduce of two numbers), decides on every rank alike whether the second
+        pass runs."""
         opt, stats, step = self.optimizer, self.pctx.stats, self.global_steps + 1
         loads = sum(isinstance(i, I.LoadMicroBatch) for i in self.program)
         batches = [next(data_iter) for _ in range(loads)]  # the step's micro-batches, replayed by each pass
@@ -135,8 +140,9 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         try:
             stats.fingerprints = []
             st = self.executor.run(passes, iter(batches), self.num_microbatches)
-            first, grads_a = check.fingerprints(stats, grads), [g.clone() for g in grads]
-            if check.due(step) or check.spiked(float(self._agree_loss(st.losses))):
+            first = check.fingerprints(stats, grads)
+            grads_a = [g.clone() for g in grads] if check.rtol else None  # bitwise: the fingerprints suffice
+            if check.due(step) or (check.spike and self._spiked(check, st.losses)):
                 opt.zero_grad()
                 set_rng_states(self.module, rng)
                 stats.fingerprints = []
@@ -152,6 +158,17 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
             opt.overlap, stats.fingerprints = overlap, None
         done.losses, done.info = st.losses, {**done.info, **st.info}
         return done
+
+    def _spiked(self, check: SilentCheck, losses) -> bool:
+        """Whether this step's loss spiked (`SilentCheck.spiked`), agreed over the world group: the largest loss
+        and any rank's verdict in one all-reduce (max), so that every rank runs the second pass or none does,
+        whatever a silent error did to one rank's loss."""
+        loss = self._agree_loss(losses)
+        both = torch.stack([loss.float(), torch.tensor(float(check.spiked(float(loss))), device=loss.device)])
+        comm.all_reduce(both, self.pctx.world_group, op="max")
+        worst, spiked = both.tolist()
+        check.record_loss(worst)
+        return bool(spiked)
 
     def _silent_error(self, check: SilentCheck, found: dict) -> dict:
         """What a checked step that found an error does, on every rank alike (`resilience.silent_error_action`):

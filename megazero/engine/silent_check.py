@@ -12,7 +12,9 @@ reached it) or sent or computed different data first: the latter is where the er
 `rtol` > 0 the gradients are compared within that bound (relative to the largest) and every rank beyond it
 is named, as fingerprints cannot tell rounding from an error there. Every rank learns the verdict through
 one all-gather over the world group, and all stop, skip the step or warn together (`action`).
-Off (interval 0, spike 0), nothing of this runs.
+Off (interval 0, spike 0), nothing of this runs. With the spike check on, every step runs its first pass this
+way (no overlap of the gradient reductions, the fingerprints, one more all-reduce of two numbers), and the
+second when its loss spiked. A process's first step is never checked (a boundary's shapes travel in it).
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ class SilentCheck:
         return bool(self.spike) and len(self.losses) >= 3 and loss > self.spike * statistics.median(self.losses)
 
     def record_loss(self, loss: float) -> None:
+        """Keep `loss` (agreed on every rank) among the last `history` for `spiked`."""
         self.losses = (self.losses + [loss])[-self.history:]
 
     def fingerprints(self, stats: comm.CommStats, grads: list[torch.Tensor]) -> list:
@@ -74,25 +77,26 @@ class SilentCheck:
         values = torch.stack([c for _, _, c in events]).tolist() if events else []
         return [(d, axis, v) for (d, axis, _), v in zip(events, values)]
 
-    def verdict(self, step: int, first: list, second: list, grads_a: list[torch.Tensor],
+    def verdict(self, step: int, first: list, second: list, grads_a: list[torch.Tensor] | None,
                 grads_b: list[torch.Tensor]) -> dict:
-        """Compare this rank's two passes and gather every rank's result over the world group; returns
-        {"step", "ranks": [named], "differ": [ranks whose passes differ], "max_diff"} on every rank."""
+        """Compare this rank's two passes (fingerprints; with `rtol`, the first pass's gradients `grads_a` against
+        the second's) and gather every rank's result over the world group; returns {"step", "ranks": [named],
+        "differ": [ranks whose passes differ], "max_diff" (with `rtol`; else None)} on every rank."""
         if self.rtol:
             worst = max((float((a - b).abs().max()) for a, b in zip(grads_a, grads_b) if a.numel()), default=0.0)
             scale = max((float(a.abs().max()) for a in grads_a if a.numel()), default=0.0)
             mine = {"differs": worst > self.rtol * scale, "first": "grad", "max_diff": worst}
         else:
             found = first_difference(first, second)
-            worst = max((float((a - b).abs().max()) for a, b in zip(grads_a, grads_b) if a.numel()), default=0.0) \
-                if found else 0.0
-            mine = {"differs": found is not None, "first": found[1] if found else None, "max_diff": worst}
+            mine = {"differs": found is not None, "first": found[1] if found else None, "max_diff": None}
         verdicts = comm.all_gather_object(mine, self.world)  # world group: every rank's verdict
         differ = [r for r, v in enumerate(verdicts) if v["differs"]]
+        diffs = [v["max_diff"] for v in verdicts if v["max_diff"] is not None]
         return {"step": step, "ranks": origins(verdicts) if differ else [], "differ": differ,
-                "max_diff": max(v["max_diff"] for v in verdicts)}
+                "max_diff": max(diffs) if diffs else None}
 
     def message(self, found: dict) -> str:
+        largest = f", largest difference {found['max_diff']:.3g}" if found["max_diff"] is not None else ""
         return (f"silent error at step {found['step']}: rank(s) {found['ranks']} computed different results from the "
-                f"same data and parameters (two passes of the step; ranks whose gradients differ: {found['differ']}, "
-                f"largest difference {found['max_diff']:.3g}); resilience.silent_error_action={self.action}")
+                f"same data and parameters (two passes of the step; ranks whose results differ: "
+                f"{found['differ']}{largest}); resilience.silent_error_action={self.action}")

@@ -82,7 +82,10 @@ class P2PBatch:
         """Post the ops gathered so far as one batch over the group and wait for all of them."""
         ops, self.ops = self.ops, []
         for work in comm.batch_isend_irecv(ops, self.group):
-            work.wait()
+            comm.wait(work, self.group)  # timed: a straggler's peers wait here
+        for op in ops:  # what arrived, in the posted order (the silent-error check's fingerprints)
+            if op.kind == "recv":
+                comm.note(self.group, "in", op.tensor)
 
     def alone(self, kind: str, tensor: torch.Tensor, peer: int) -> None:
         """A message that must not wait for the ops after it (a boundary's metadata): flush what is

@@ -10,8 +10,9 @@ The next start (`promote`, rank 0, before any rank loads) makes a checkpoint of 
 newer than ``latest`` and complete: every rank wrote the same step and layout, and the stored boxes cover
 every logical tensor of every kind (so it is possible where each dead rank's state is held by another rank
 too: replicas over dp at ZeRO stage 0; not for a dead rank's ZeRO shard of the optimizer states). It
-writes the manifest, renames the folder to ``step<N>`` and moves ``latest``: the run resumes from the step
-that failed instead of the last save. The random states of the dead ranks are lost: with dropout, the
+writes the manifest, renames the folder to ``step<N>`` (or, when a save of that step completed meanwhile,
+takes that) and moves ``latest``: the run resumes from the step that failed instead of the last save. Parts
+older than ``latest`` are deleted. The random states of the dead ranks are lost: with dropout, the
 resumed steps differ from an uninterrupted run's (without dropout they are the same). An incomplete folder
 is left as it is and reported.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 from megazero.core.shard_boxes import numel
 from megazero.run import safetensors_io
@@ -34,13 +36,21 @@ def save_parts(directory: str, engine, config=None) -> str | None:
         return None
     step = engine.global_steps
     layout, tensors, entries, _ = _snapshot(engine.module, opt, pctx, KINDS, copy=False)
+    at_start = engine.step_rng or {}  # the random states when the failed step began, not where it stopped
+    tensors = [at_start.get(key, t) for (key, _, _), t in zip(layout, tensors)]
     meta = _meta(step, engine.module, pctx, opt, engine.lr_scheduler, config, None,
                  {"global_steps": step}, KINDS)
+    meta["rng"] = bool(at_start)
     folder = os.path.join(directory, f"failed{step}.parts")
     os.makedirs(folder, exist_ok=True)
     r = pctx.global_rank
-    safetensors_io.write(os.path.join(folder, f"rank{r}.safetensors"), layout, tensors, {"format": "pt"})
-    _write_atomic(os.path.join(folder, f"rank{r}.json"), json.dumps({"meta": meta, "entries": entries}))
+    record, data = os.path.join(folder, f"rank{r}.json"), os.path.join(folder, f"rank{r}.safetensors")
+    if os.path.exists(record):  # an earlier attempt's part: gone before the data it describes is rewritten
+        os.remove(record)
+    safetensors_io.write(data + ".tmp", layout, tensors, {"format": "pt"})
+    _fsync(data + ".tmp")
+    os.replace(data + ".tmp", data)  # the record last: a part is complete or absent
+    _write_atomic(record, json.dumps({"meta": meta, "entries": entries}))
     return folder
 
 
@@ -52,23 +62,29 @@ def promote(directory: str | None) -> str | None:
     latest = _latest_step(directory)
     found = sorted((int(name[len("failed"):-len(".parts")]), name) for name in os.listdir(directory)
                    if name.startswith("failed") and name.endswith(".parts") and name[6:-6].isdigit())
+    promoted = None
     for step, name in reversed(found):
-        if step <= latest:
-            continue
         folder = os.path.join(directory, name)
-        problem, manifest = _assemble(folder, step)
-        if problem:
-            print(f"checkpoint.save_on_failure: {folder} is not a checkpoint: {problem}", flush=True)
+        if step <= latest or promoted:  # older than what the run resumes from: of no use any more
+            shutil.rmtree(folder, ignore_errors=True)
             continue
-        with open(os.path.join(folder, "manifest.json"), "w") as f:
-            json.dump(manifest, f, indent=1)
-        _fsync(os.path.join(folder, "manifest.json"))
         final = os.path.join(directory, f"step{step}")
-        os.rename(folder, final)
-        _fsync(directory)
+        if os.path.isfile(os.path.join(final, "manifest.json")):  # a complete save of that step already (an
+            shutil.rmtree(folder, ignore_errors=True)             # asynchronous one that had not moved latest)
+        else:
+            problem, manifest = _assemble(folder, step)
+            if problem:
+                print(f"checkpoint.save_on_failure: {folder} is not a checkpoint: {problem}", flush=True)
+                continue
+            with open(os.path.join(folder, "manifest.json"), "w") as f:
+                json.dump(manifest, f, indent=1)
+            _fsync(os.path.join(folder, "manifest.json"))
+            shutil.rmtree(final, ignore_errors=True)  # a directory without a manifest is no checkpoint
+            os.rename(folder, final)
+            _fsync(directory)
         _write_atomic(os.path.join(directory, "latest"), f"step{step}")
-        return final
-    return None
+        promoted = final
+    return promoted
 
 
 def _latest_step(directory: str) -> int:
@@ -100,5 +116,6 @@ def _assemble(folder: str, step: int) -> tuple[str | None, dict | None]:
                 return f"{kind} of {name}: {covered} of its elements were held by the ranks still alive", None
     layout = metas[0]["layout"]
     world = layout["pp"] * layout["tp"] * layout["dp"]
-    manifest = dict(metas[0], tensors=tensors, rng=len(parts) == world)  # a dead rank's random states are lost
+    rng = len(parts) == world and all(m["rng"] for m in metas)  # a dead rank's random states are lost
+    manifest = dict(metas[0], tensors=tensors, rng=rng)
     return None, manifest

@@ -140,13 +140,24 @@ def follow_agent() -> None:
         os._exit(1)
 
 
+def _address_towards(host: str) -> str:
+    """This machine's address on the interface that reaches `host` (where the other ranks reach it too; the
+    agent's store need not be on rank 0's node). No packet is sent."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
+
+
 ATTEMPT_KEY = "megazero/attempt_store"
 """The agent's store key under which rank 0 posts "host:port:token" of this attempt's store."""
 
 
 def attempt_store(rank: int, world: int, timeout_s: float, probe_s: float = 2.0) -> dist.TCPStore:
     """This attempt's own store for the default group under torchrun's agent store (module docstring):
-    rank 0 serves it on a free port of MASTER_ADDR and posts "host:port:token" under `ATTEMPT_KEY` on the
+    rank 0 serves it on a free port and posts "its address:port:token" under `ATTEMPT_KEY` on the
     agent's store; every other rank reads the post and connects (each try `probe_s` long), until a store
     there holds the same token under `ATTEMPT_KEY` (a post left by a dead attempt names a store that is gone).
     Raises TimeoutError after `timeout_s`. Talks only to the stores, before any process group exists."""
@@ -156,7 +167,7 @@ def attempt_store(rank: int, world: int, timeout_s: float, probe_s: float = 2.0)
         token = uuid.uuid4().hex
         own = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
         own.set(ATTEMPT_KEY, token)
-        agent.set(ATTEMPT_KEY, f"{host}:{own.port}:{token}")
+        agent.set(ATTEMPT_KEY, f"{_address_towards(host)}:{own.port}:{token}")
         return own
     deadline = time.monotonic() + timeout_s
     while True:

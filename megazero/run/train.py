@@ -330,6 +330,8 @@ def _finish(pctx) -> None:
 if __name__ == "__main__":
     try:
         code = main()
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
     except BaseException:  # noqa: BLE001  (a failed step, e.g. a peer died: say why and end now, so that a
         import traceback   # thread still blocked in a collective cannot hold the exit and torchrun restarts at once)
 

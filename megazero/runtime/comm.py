@@ -245,10 +245,20 @@ def _record(group: GroupHandle, op: str, elements: float, t: torch.Tensor, peer:
 
 def checksum(t: torch.Tensor) -> torch.Tensor:
     """A 0-d int64 on `t`'s device that changes with any single bit of `t`: the sum of its bytes read as int32
-    words (as bytes when their count is not a multiple of 4). No host synchronisation."""
+    words (as bytes when their count or address is not a multiple of 4). No host synchronisation."""
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
-    return words.to(torch.int64).sum()
+    aligned = flat.numel() % 4 == 0 and flat.data_ptr() % 4 == 0
+    return (flat.view(torch.int32) if aligned else flat).to(torch.int64).sum()
+
+
+def wait(work, group: GroupHandle, received: torch.Tensor | None = None) -> None:
+    """Wait for an asynchronous operation's `work` (None: done) launched over `group`: its host seconds go to
+    the group's `CommStats.waits` as a synchronous call's do, and `received` (what it filled) is `note`d."""
+    if work is not None:
+        start = time.perf_counter()
+        work.wait()
+        group.stats.add_wait(group.axis, time.perf_counter() - start)
+    note(group, "in", received)
 
 
 def note(group: GroupHandle, direction: str, t: torch.Tensor | None) -> None:
@@ -418,6 +428,7 @@ def isend(tensor: torch.Tensor, dst: int, group: GroupHandle):
     """Non-blocking single send to group rank `dst`; returns the work handle."""
     _verify_p2p(group, "send", tensor, dst)
     _record(group, "send", tensor.numel(), tensor, peer=dst)
+    note(group, "out", tensor)
     return dist.isend(tensor, dst=group.global_rank(dst), group=group.pg)
 
 
@@ -454,6 +465,8 @@ def batch_isend_irecv(ops: Sequence[PeerOp], group: GroupHandle) -> list:
     for op in ops:
         _verify_p2p(group, op.kind, op.tensor, op.peer)
         _record(group, op.kind, op.tensor.numel(), op.tensor, peer=op.peer)
+        if op.kind == "send":
+            note(group, "out", op.tensor)  # the receives are noted by whoever waits (`wait`)
         fn, tensor = (dist.isend, op.tensor.contiguous()) if op.kind == "send" else (dist.irecv, op.tensor)
         p2p_ops.append(dist.P2POp(fn, tensor, group.global_rank(op.peer), group.pg))
     return dist.batch_isend_irecv(p2p_ops)

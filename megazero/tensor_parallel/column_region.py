@@ -49,9 +49,7 @@ class _InFlight:
         self.out, self.work, self.group = out, work, group
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-        comm.note(self.group, "in", self.out)
+        comm.wait(self.work, self.group, self.out)
         return self.out
 
 

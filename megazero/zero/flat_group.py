@@ -18,6 +18,7 @@ Storage by stage (Ψ = this group's parameters, Nd = dp size):
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megazero.runtime import comm
 from megazero.runtime.comm import GroupHandle, after
@@ -333,7 +334,9 @@ class FlatGroup:
         self._inflight.clear()
 
     def _finish(self, work, b: int, tmp: torch.Tensor | None, slot: torch.Tensor | None) -> None:
-        if work is not None:
+        if isinstance(work, dist.Work):
+            comm.wait(work, self.dp)  # timed (a straggler's dp peers wait here)
+        elif work is not None:
             work.wait()
         if slot is not None:  # NCCL has read the bucket: its slot serves the next one
             self.slots.give_back(slot)

@@ -362,7 +362,7 @@ class CommConfig:
 @dataclass(frozen=True)
 class ResilienceConfig:
     """Weeks-long runs (README "Running for weeks"): slow ranks named (`megazero.run.stragglers`), silent
-    errors caught (`megazero.pipeline.silent_check`). Both off by default; off, they cost nothing."""
+    errors caught (`megazero.engine.silent_check`). Both off by default; off, they cost nothing."""
 
     straggler_interval: int = 0  # every N steps gather each rank's step times over the world group and name consistently slow ranks; 0 = off
     straggler_ratio: float = 1.5  # slow at a step: compute above this factor times the median of the other ranks of its pipeline stage
