@@ -197,21 +197,26 @@ def test_a_planted_bit_flip_is_caught_and_names_its_rank(corpus, tmp_path):
     assert "step 3: loss" not in stop.output()  # the wrong step was never applied nor logged
 
 
-def test_the_check_runs_twice_only_when_due_and_trains_the_same():
-    """One process: a step checked every 2 steps gives the losses of an unchecked run, bit for bit; an unchecked
-    engine runs its program once per step and records no fingerprint."""
+def _one_process(resilience: dict, steps: int):
+    """(losses, the length of each program the executor ran, the engine) of `steps` steps of a 2-layer debug GPT
+    in this process with the config's `resilience` section."""
     import megazero
 
     cfg = {"model": {"spec": "model_specs/gpt.py:debug", "layers": 2}, "precision": "fp32",
-           "train": {"micro_batch_size": 2, "global_batch_size": 4, "seed": 1, "steps": 10},
-           "optimizer": {"type": "adamw", "lr": 1e-3}}
+           "train": {"micro_batch_size": 2, "global_batch_size": 4, "seed": 1, "steps": 20},
+           "optimizer": {"type": "adamw", "lr": 1e-3}, "resilience": resilience}
+    engine, _, data, _ = megazero.initialize(config=cfg)
+    calls, run = [], engine.executor.run
+    engine.executor.run = lambda *a, **k: calls.append(len(a[0])) or run(*a, **k)
+    return [engine.train_batch(data) for _ in range(steps)], calls, engine
+
+
+def test_the_check_runs_twice_only_when_due_and_trains_the_same():
+    """One process: a step checked every 2 steps gives the losses of an unchecked run, bit for bit; an unchecked
+    engine runs its program once per step and records no fingerprint."""
     losses, runs = {}, {}
     for every in (0, 2):
-        engine, _, data, _ = megazero.initialize(config={**cfg, "resilience": {"silent_error_interval": every}})
-        calls, run = [], engine.executor.run
-        engine.executor.run = lambda *a, **k: calls.append(len(a[0])) or run(*a, **k)
-        losses[every] = [engine.train_batch(data) for _ in range(4)]
-        runs[every] = calls
+        losses[every], runs[every], engine = _one_process({"silent_error_interval": every}, 4)
         assert engine.pctx.stats.fingerprints is None
     assert losses[0] == losses[2]
     full = runs[0][0]
@@ -307,18 +312,9 @@ def test_the_spike_check_reruns_only_steps_whose_loss_rose_and_trains_the_same()
     """silent_error_spike just above 1: every step (but a process's first) runs its first pass checked, the steps
     whose loss (agreed over the world) rose above the median of the last ones run the second pass too; the
     losses equal an unchecked run's bit for bit."""
-    import megazero
-
-    cfg = {"model": {"spec": "model_specs/gpt.py:debug", "layers": 2}, "precision": "fp32",
-           "train": {"micro_batch_size": 2, "global_batch_size": 4, "seed": 1, "steps": 20},
-           "optimizer": {"type": "adamw", "lr": 1e-3}}
     losses, runs = {}, {}
     for spike in (0.0, 1.0000001):
-        engine, _, data, _ = megazero.initialize(config={**cfg, "resilience": {"silent_error_spike": spike}})
-        calls, run = [], engine.executor.run
-        engine.executor.run = lambda *a, **k: calls.append(len(a[0])) or run(*a, **k)
-        losses[spike] = [engine.train_batch(data) for _ in range(12)]
-        runs[spike] = calls
+        losses[spike], runs[spike], _ = _one_process({"silent_error_spike": spike}, 12)
     assert losses[0.0] == losses[1.0000001]
     full = runs[0.0][0]
     steps, calls = [], runs[1.0000001][1:]  # the first step runs unchecked
