@@ -4,7 +4,7 @@ found by the environment torchrun gives them, and killed with SIGKILL at a chose
 `Job(args)` starts ``python -m torch.distributed.run ARGS`` (its output in a file); `job.ranks()` maps
 each global rank to the pid of its live process (children of that agent whose environment carries
 TORCHELASTIC_RUN_ID and RANK); `job.wait_for_step(metrics, k)` waits until the metrics file has step k;
-`job.kill_rank(r)` SIGKILLs rank r's process, `job.kill_agent()` the agent, `job.kill_node()` the agent and all its ranks; `slow_rank_env` makes one rank slow (a sleep in its compute), `bit_flip_env` flips one bit of one of its results;
+`job.kill_rank(r)` SIGKILLs rank r's process, `job.kill_agent()` the agent, `job.kill_node()` the agent and all its ranks; `slow_rank_env` makes one rank slow (a sleep in its compute) and optionally one link (a sleep per send), `bit_flip_env` flips one bit of one of its results;
 `job.wait()` returns the agent's exit code (killing the
 whole process tree on timeout: no test can hang the suite).
 """
@@ -66,10 +66,30 @@ def _site_env(folder, text: str) -> dict:
     return {"PYTHONPATH": os.pathsep.join([str(folder), ROOT, os.environ.get("PYTHONPATH", "")])}
 
 
-def slow_rank_env(folder, rank: int, seconds: float) -> dict:
+THROTTLE_SITE = """import os
+if os.environ.get("RANK") in ("{a}", "{b}"):  # a slow link: what ranks {a} and {b} send each other is throttled
+    import time
+    import torch.distributed as dist
+    _peer = {{"{a}": {b}, "{b}": {a}}}[os.environ["RANK"]]
+    def _throttled(op):
+        def call(tensor, dst=None, *args, **kwargs):
+            if dst == _peer:
+                time.sleep(tensor.numel() * tensor.element_size() / {bytes_per_s})
+            return op(tensor, dst, *args, **kwargs)
+        return call
+    dist.send, dist.isend = _throttled(dist.send), _throttled(dist.isend)
+"""
+
+
+def slow_rank_env(folder, rank: int, seconds: float, link: tuple[int, int, float] | None = None) -> dict:
     """The environment that makes global rank `rank` of a torchrun job slow: a ``sitecustomize`` in `folder`
-    (imported by every Python process at start) that makes each of that rank's LayerNorms sleep `seconds`."""
-    return _site_env(folder, SLOW_SITE.format(rank=rank, seconds=seconds))
+    (imported by every Python process at start) that makes each of that rank's LayerNorms sleep `seconds`.
+    With `link` (a, b, bytes per second), what global ranks a and b send each other also goes at that rate
+    (each send sleeps its bytes over the rate first)."""
+    text = SLOW_SITE.format(rank=rank, seconds=seconds)
+    if link is not None:
+        text += THROTTLE_SITE.format(a=link[0], b=link[1], bytes_per_s=link[2])
+    return _site_env(folder, text)
 
 
 def bit_flip_env(folder, rank: int, call: int, bit: int = 22) -> dict:

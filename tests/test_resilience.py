@@ -18,6 +18,7 @@ import pytest
 
 from megazero.engine.silent_check import first_difference, origins
 from megazero.run.parity import TOLERANCES
+from megazero.run.link_probe import find_slow_links, ring_phases
 from megazero.run.stragglers import find_stragglers
 from tests.faults import Job, bit_flip_env, slow_rank_env
 from tests.harness import free_port
@@ -140,18 +141,44 @@ def test_find_stragglers_compares_each_rank_with_its_stage():
     assert find_stragglers([[0.1] * 4, [0.9] * 4], [0, 1]) == []
 
 
+def test_ring_phases_cover_each_link_once_with_no_rank_twice_in_a_phase():
+    for n in range(1, 10):
+        phases = ring_phases(n)
+        edges = [e for phase in phases for e in phase]
+        expected = {(0, 1)} if n == 2 else {(i, (i + 1) % n) for i in range(n)} if n > 2 else set()
+        assert sorted(edges) == sorted(expected) and len(edges) == len(expected), n
+        assert len(phases) <= 3
+        for phase in phases:
+            members = [r for e in phase for r in e]
+            assert len(members) == len(set(members)), (n, phase)
+
+
+def test_find_slow_links_compares_each_link_with_its_axis():
+    """pp links cross nodes, tp links stay inside one (10x faster): neither axis is slow for being its kind; a pp
+    link 4x its peers in 3 of 4 rounds is named, one in 2 of 4 is noise; an axis's only link is never."""
+    links = [{"axis": "pp", "ranks": [r, r + 4], "bytes": 2**22, "seconds": [0.004] * 4} for r in range(4)]
+    links += [{"axis": "tp", "ranks": [r, r + 1], "bytes": 2**22, "seconds": [0.0004] * 4} for r in (0, 2, 4, 6)]
+    assert find_slow_links(links) == []
+    links[1] = {**links[1], "seconds": [0.016, 0.016, 0.004, 0.016]}
+    links[2] = {**links[2], "seconds": [0.016, 0.004, 0.004, 0.016]}
+    assert [(s["axis"], s["ranks"], s["ratio"], s["peers_s"], s["slow_rounds"]) for s in find_slow_links(links)] == [
+        ("pp", [1, 5], 4.0, 0.004, 3)]
+    assert find_slow_links([{"axis": "dp", "ranks": [0, 1], "bytes": 4, "seconds": [9.0]}]) == []
+
+
 def _straggler_args(corpus, run_dir):
     return ["--standalone", "--nproc_per_node=8", "-m", "megazero.run.train", "configs/debug_gpt.yaml",
             f"data.path={corpus}", f"run_dir={run_dir}", "train.steps=8", "log.interval=4", "model.seq_len=32",
             "resilience.straggler_interval=4"]
 
 
-def test_a_slow_rank_is_named_and_no_healthy_rank_is(corpus, tmp_path, uninterrupted):
-    """pp2 x tp2 x dp2: global rank 6 sleeps 30 ms in each of its LayerNorms. Within the first window of 4 steps
-    it is named as the straggler (in the log and the metrics), and only it, although its TP, DP and pipeline
-    peers wait for it; the same run without the sleep names nobody."""
+def test_a_slow_rank_and_a_slow_link_are_named_and_nothing_healthy_is(corpus, tmp_path, uninterrupted):
+    """pp2 x tp2 x dp2: global rank 6 sleeps 30 ms in each of its LayerNorms, and the pipeline link between ranks
+    1 and 5 carries 200 MB/s. Within the first window of 4 steps rank 6 is named as the straggler and the link
+    1<->5 as slow (in the log and the metrics), and only they, although rank 6's TP, DP and pipeline peers wait
+    for it and ranks 1 and 5 are slow to each other; the same layout without either names nothing."""
     job = Job(_straggler_args(corpus, tmp_path / "slow"), str(tmp_path / "slow.log"),
-              env=slow_rank_env(tmp_path / "site", 6, 0.03))
+              env=slow_rank_env(tmp_path / "site", 6, 0.03, link=(1, 5, 2e8)))
     assert job.wait(600) == 0, job.output()[-3000:]
     out = job.output()
     rows = [json.loads(line) for line in open(tmp_path / "slow" / "metrics.jsonl")]
@@ -161,11 +188,17 @@ def test_a_slow_rank_is_named_and_no_healthy_rank_is(corpus, tmp_path, uninterru
         assert [s["rank"] for s in found["stragglers"]] == [6], found
         assert found["stragglers"][0]["ratio"] > 1.5 and found["compute_s"]["max_rank"] == 6
         assert {"tp", "pp", "dp"} <= set(found["wait_s"])  # every rank's waits, by axis
+        assert [(s["axis"], s["ranks"]) for s in found["slow_links"]] == [("pp", [1, 5])], found
+        assert found["slow_links"][0]["gbps"] < 0.21 and found["slow_links"][0]["ratio"] > 1.5
+        assert {axis: v["count"] for axis, v in found["links"].items()} == {"pp": 4, "dp": 4, "tp": 4}
     assert "straggler: rank 6 (pipeline stage 1)" in out and "slow in 4 of 4 steps (1-4)" in out
+    assert "slow link: pp ranks 1<->5: 4.0 MiB in" in out
 
-    _, rows, out = uninterrupted  # the same layout with no slow rank, gathered every 7 steps
-    assert [r["step_times"]["stragglers"] for r in rows if "step_times" in r] == [[], []]
+    _, rows, out = uninterrupted  # the same layout with no slow rank or link, gathered every 7 steps
+    windows = [r["step_times"] for r in rows if "step_times" in r]
+    assert [(w["stragglers"], w["slow_links"]) for w in windows] == [([], []), ([], [])]
     assert "stragglers: none in steps 1-7" in out and "stragglers: none in steps 8-14" in out
+    assert out.count("slow links: none (one-way time, median by axis: dp") == 2
 
 
 def _flip_args(corpus, run_dir, action):

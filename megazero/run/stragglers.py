@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from megazero.run.link_probe import LinkProbe, describe_links, find_slow_links
 from megazero.runtime import comm
 
 
@@ -53,12 +54,14 @@ class StragglerWatch:
     """One rank's side (see the module docstring): `begin()` before a step, `end()` after it; every `interval`
     steps `end` gathers the window over `world` (every rank calls it at the same steps) and returns
     {"stragglers": [...], "compute_s": summary, "wait_s": {axis: summary}} on every rank, else None.
-    `stats`: this rank's CommStats (ParallelContext.stats); `stage`: its pipeline stage."""
+    `stats`: this rank's CommStats (ParallelContext.stats); `stage`: its pipeline stage. With a `links` probe
+    (`megazero.run.link_probe`), each window also times every link of the grid first (point to point inside
+    the pp, dp and tp groups) and adds "links" (the median link time by axis) and "slow_links" (named)."""
 
     def __init__(self, stats: comm.CommStats, world: comm.GroupHandle, stage: int, interval: int,
-                 ratio: float = 1.5, clock=time.perf_counter):
+                 ratio: float = 1.5, links: LinkProbe | None = None, clock=time.perf_counter):
         self.stats, self.world, self.stage = stats, world, stage
-        self.interval, self.ratio, self.clock = interval, ratio, clock
+        self.interval, self.ratio, self.links, self.clock = interval, ratio, links, clock
         self._window: list[tuple[float, dict[str, float]]] = []  # (compute s, {axis: wait s}) per step
         self._start, self._waits = 0.0, {}
 
@@ -73,14 +76,23 @@ class StragglerWatch:
         if len(self._window) < self.interval:
             return None
         window, self._window = self._window, []
-        gathered = comm.all_gather_object((self.stage, window), self.world)  # world group: a few floats per step
-        stages = [stage for stage, _ in gathered]
-        compute = [[c for c, _ in w] for _, w in gathered]
-        axes = sorted({axis for _, w in gathered for _, waits in w for axis in waits})
-        return {"stragglers": find_stragglers(compute, stages, self.ratio),
-                "compute_s": summary(compute),
-                "wait_s": {axis: summary([[waits.get(axis, 0.0) for _, waits in w] for _, w in gathered])
-                           for axis in axes}}
+        measured = self.links.run() if self.links is not None else []  # p2p inside the pp, dp and tp groups
+        gathered = comm.all_gather_object((self.stage, window, measured), self.world)  # a few floats per step
+        stages = [stage for stage, _, _ in gathered]
+        compute = [[c for c, _ in w] for _, w, _ in gathered]
+        axes = sorted({axis for _, w, _ in gathered for _, waits in w for axis in waits if not axis.endswith(".probe")})
+        found = {"stragglers": find_stragglers(compute, stages, self.ratio),
+                 "compute_s": summary(compute),
+                 "wait_s": {axis: summary([[waits.get(axis, 0.0) for _, waits in w] for _, w, _ in gathered])
+                            for axis in axes}}
+        if self.links is not None:
+            links = [link for _, _, mine in gathered for link in mine]
+            found["slow_links"] = find_slow_links(links, self.ratio)
+            found["links"] = {axis: {"median_s": statistics.median(t for x in links if x["axis"] == axis
+                                                                   for t in x["seconds"]),
+                                     "count": sum(x["axis"] == axis for x in links)}
+                              for axis in sorted({x["axis"] for x in links})}
+        return found
 
 
 def describe(found: dict, first_step: int, last_step: int) -> list[str]:
@@ -88,6 +100,11 @@ def describe(found: dict, first_step: int, last_step: int) -> list[str]:
     lines = [f"straggler: rank {s['rank']} (pipeline stage {s['stage']}): compute {s['compute_s'] * 1e3:.1f} ms per "
              f"step against {s['peers_s'] * 1e3:.1f} ms for the other ranks of its stage ({s['ratio']:.2f}x), slow in "
              f"{s['slow_steps']} of {s['steps']} steps ({first_step}-{last_step})" for s in found["stragglers"]]
-    return lines or [f"stragglers: none in steps {first_step}-{last_step} (compute per step: median "
-                     f"{found['compute_s']['median'] * 1e3:.1f} ms, slowest rank {found['compute_s']['max_rank']} "
-                     f"{found['compute_s']['max'] * 1e3:.1f} ms)"]
+    lines = lines or [f"stragglers: none in steps {first_step}-{last_step} (compute per step: median "
+                      f"{found['compute_s']['median'] * 1e3:.1f} ms, slowest rank {found['compute_s']['max_rank']} "
+                      f"{found['compute_s']['max'] * 1e3:.1f} ms)"]
+    if "links" not in found:
+        return lines
+    return lines + (describe_links(found["slow_links"]) or [
+        "slow links: none (one-way time, median by axis: " + ", ".join(
+            f"{axis} {v['median_s'] * 1e3:.2f} ms over {v['count']} links" for axis, v in found["links"].items()) + ")"])

@@ -17,7 +17,8 @@ Communication beyond the engine's: the per-step metrics are already agreed on ev
 `train_batch` (loss) and the optimizer (grad norm, loss scale); after the first step every rank's
 measured memory is gathered to rank 0 over the world group, which prints it next to the planner's
 prediction for each pipeline stage; with resilience.straggler_interval, every that many steps each
-rank's step times are gathered over the world group (`megazero.run.stragglers`). A rank whose step
+rank's step times are gathered over the world group (`megazero.run.stragglers`), after a ping-pong over
+each link of the pp, dp and tp groups (`megazero.run.link_probe`). A rank whose step
 fails prints why and ends at once (under torchrun --max-restarts the job restarts and resumes from
 the newest complete checkpoint).
 """
@@ -40,6 +41,7 @@ from megazero.run import checkpoint, failure_save
 from megazero.run.memory import SavedActivationMeter, memory_report
 from megazero.run.metrics import (MetricsWriter, PendingSteps, Timers, comm_delta, format_bytes,
                                   mlp_forward_flops, model_flops_per_step)
+from megazero.run.link_probe import LinkProbe
 from megazero.run.stragglers import StragglerWatch, describe
 from megazero.run.trace import Tracer
 from megazero.runtime import comm
@@ -131,8 +133,11 @@ def run(cfg: Config, rank: int) -> int:
     meter = SavedActivationMeter(engine.module, checkpointer=checkpointer) if cfg.log.memory_breakdown else None
     moved = pctx.stats.snapshot()
     r = cfg.resilience
-    watch = StragglerWatch(pctx.stats, pctx.world_group, pctx.pp_rank, r.straggler_interval, r.straggler_ratio) \
-        if r.straggler_interval else None
+    links = LinkProbe([pctx.pp_group, pctx.dp_group, pctx.tp_group], r.link_probe_bytes,
+                      next(engine.module.parameters()).device) \
+        if r.straggler_interval and r.link_probe_bytes else None
+    watch = StragglerWatch(pctx.stats, pctx.world_group, pctx.pp_rank, r.straggler_interval, r.straggler_ratio,
+                           links) if r.straggler_interval else None
     for step in range(start_step + 1, cfg.train.steps + 1):
         if tracer is not None:
             tracer.begin_step(step)

@@ -284,6 +284,7 @@ def check_resilience(cfg: Config) -> list[str]:
     errs = at_least("resilience.straggler_interval", r.straggler_interval, 0, " (0 = off)")
     if r.straggler_ratio <= 1:
         errs.append(f"resilience.straggler_ratio: must be > 1 (compute over the median of its peers), got {r.straggler_ratio}")
+    errs += at_least("resilience.link_probe_bytes", r.link_probe_bytes, 0, " (0 = no link probe)")
     errs += at_least("resilience.silent_error_interval", r.silent_error_interval, 0, " (0 = off)")
     if r.silent_error_spike != 0 and r.silent_error_spike <= 1:
         errs.append(f"resilience.silent_error_spike: must be > 1 (loss over the median of the last 20 steps) or 0 "

@@ -365,7 +365,8 @@ class ResilienceConfig:
     errors caught (`megazero.engine.silent_check`). Both off by default; off, they cost nothing."""
 
     straggler_interval: int = 0  # every N steps gather each rank's step times over the world group and name consistently slow ranks; 0 = off
-    straggler_ratio: float = 1.5  # slow at a step: compute above this factor times the median of the other ranks of its pipeline stage
+    straggler_ratio: float = 1.5  # slow at a step: compute above this factor times the median of the other ranks of its pipeline stage; a slow link: its transfer time above this factor times its axis's median
+    link_probe_bytes: int = 4194304  # with straggler_interval: every window, time a ping-pong of this many bytes over each pp/dp/tp ring link and name slow links; 0 = no probe
     silent_error_interval: int = 0  # every N steps compute the step's gradients twice on the same data and compare; 0 = off
     silent_error_spike: float = 0.0  # also check a step whose loss exceeds this factor times the median of the last 20 steps; 0 = off
     silent_error_action: str = "stop"  # on a mismatch: stop (every rank, naming the ranks) | skip (no update, counted) | warn
