@@ -29,7 +29,7 @@ PKG = ROOT / "megazero"
 
 LAYERS = {
     "core": 0, "planner": 0, "viz": 0, "runtime": 1,
-    "tensor_parallel": 2, "pipeline": 2, "zero": 2, "activation_checkpoint": 2, "moe": 2,
+    "tensor_parallel": 2, "context_parallel": 2, "pipeline": 2, "zero": 2, "activation_checkpoint": 2, "moe": 2,
     "models": 3,
     "engine": 4, "run": 4, "data": 4, "ops": 4, "pipe": 4, "utils": 4, "": 4,
     "compat": 4, "accelerator": 4, "comm": 4, "checkpointing": 4, "runtime.pipe": 4, "runtime.utils": 4,

@@ -25,7 +25,8 @@ from megazero.core.topology import Topology
 class ParallelContext:
     """Process groups for one Topology, and this rank's coordinates.
 
-    Attributes: ``tp_group/tp_rank/tp_size`` and the same for ``dp`` and ``pp``;
+    Attributes: ``tp_group/tp_rank/tp_size`` and the same for ``dp``, ``pp`` and ``cp`` (context parallel: the
+    ranks holding different tokens of the same sequences, `megazero.context_parallel`);
     ``embedding_group`` (first + last pipeline stage),
     ``ep_group`` (expert parallel: `ep` consecutive dp ranks, which hold different experts) and
     ``edp_group`` (expert data parallel: the dp ranks holding the same experts; dp / ep of them),
@@ -81,6 +82,7 @@ class ParallelContext:
         self.tp_group = self._build("tp", topology.axis_groups("tp"))
         self.dp_group = self._build_data_parallel("dp", topology.axis_groups("dp"))
         self.pp_group = self._build("pp", topology.axis_groups("pp"))
+        self.cp_group = self._build("cp", topology.axis_groups("cp"))
         self.embedding_group = self._build("embedding", topology.embedding_groups())
         self.ep_group = self._build("ep", topology.expert_groups(ep))
         self.edp_group = self._build_data_parallel("edp", topology.expert_data_groups(ep))
@@ -155,6 +157,8 @@ class ParallelContext:
     dp_size = property(lambda self: self.dp_group.size)
     pp_rank = property(lambda self: self.pp_group.rank)
     pp_size = property(lambda self: self.pp_group.size)
+    cp_rank = property(lambda self: self.cp_group.rank)
+    cp_size = property(lambda self: self.cp_group.size)
 
     @property
     def is_first_stage(self) -> bool:

@@ -1,0 +1,102 @@
+"""Context parallelism's attention (megazero/context_parallel): ring and Ulysses against attention over the whole
+sequence in one process, forward and backward, on gloo ranks; and the token layout."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from megazero.context_parallel import token_layout as layout
+from tests.harness import run_ranks
+
+
+def test_layout_gives_each_rank_a_head_and_a_tail_chunk():
+    assert layout.positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert layout.positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    for seq, cp in [(8, 1), (16, 2), (24, 3), (32, 4), (64, 8)]:
+        held = torch.cat([layout.positions(seq, r, cp) for r in range(cp)])
+        assert sorted(held.tolist()) == list(range(seq))  # every token once
+        # causal work (keys at or before each query) is the same on every rank
+        work = {int((layout.positions(seq, r, cp) + 1).sum()) for r in range(cp)}
+        assert len(work) == 1, (seq, cp, work)
+        t = torch.arange(seq).view(1, seq).expand(2, seq)
+        assert all(torch.equal(layout.take(t, 1, r, cp)[0], layout.positions(seq, r, cp)) for r in range(cp))
+        assert torch.equal(layout.gathered_order(seq, cp)[layout.natural_order(seq, cp)], torch.arange(seq))
+    with pytest.raises(ValueError, match="model.seq_len=20.*2\\*cp=8"):
+        layout.positions(20, 0, 4)
+
+
+def reference_attention(q, k, v, docs=None, slopes=None):
+    """The whole sequence in one process: explicit scores in fp64, causal (+ documents, + ALiBi)."""
+    b, h, s, d = q.shape
+    g = h // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(d)
+    pos = torch.arange(s)
+    allowed = (pos.view(1, s) <= pos.view(s, 1)).expand(b, s, s)
+    if docs is not None:
+        allowed = allowed & (docs.unsqueeze(1) == docs.unsqueeze(2))
+    if slopes is not None:
+        scores = scores + slopes.double().view(1, h, 1, 1) * (pos.view(1, s) - pos.view(s, 1)).double()
+    scores = scores.masked_fill(~allowed.unsqueeze(1), -math.inf)
+    return (scores.softmax(-1) @ v.double()).float()
+
+
+def _cp_rank(method, b, heads, kv, seq, d, with_docs, with_alibi, seed=0):
+    from megazero.context_parallel.ring import ring_attention
+    from megazero.context_parallel.ulysses import ulysses_attention
+    from megazero.core.topology import Topology
+    from megazero.runtime.parallel_context import ParallelContext
+    import torch.distributed as dist
+
+    cp = dist.get_world_size()
+    pctx = ParallelContext(Topology(cp=cp))
+    group = pctx.cp_group
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, n, seq, d, generator=gen) for n in (heads, kv, kv))
+    dout = torch.randn(b, heads, seq, d, generator=gen)
+    docs = torch.randint(0, 3, (b, seq), generator=gen).sort(dim=1).values if with_docs else None
+    slopes = torch.rand(heads, generator=gen) if with_alibi else None
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = reference_attention(*full, docs, slopes)
+    ref.backward(dout)
+    r = group.rank
+    mine = [layout.take(x, 2, r, cp).detach().clone().requires_grad_() for x in (q, k, v)]
+    fn = ring_attention if method == "ring" else ulysses_attention
+    out = fn(*mine, group, seq, docs=docs, slopes=slopes)
+    out.backward(layout.take(dout, 2, r, cp))
+    errs = {"out": (out - layout.take(ref, 2, r, cp)).abs().max().item()}
+    for name, x, full_x in zip("qkv", mine, full):
+        errs["d" + name] = (x.grad - layout.take(full_x.grad, 2, r, cp)).abs().max().item()
+    moved = pctx.stats.snapshot()
+    pctx.destroy()
+    return errs, moved
+
+
+CASES = [  # (cp, method, heads, kv, docs, alibi): both methods at cp 2 and 4, GQA, documents and ALiBi each
+    (cp, method, heads, kv, docs, alibi)
+    for cp, method in itertools.product((2, 4), ("ring", "ulysses"))
+    for heads, kv, docs, alibi in [(4, 4, False, False), (4, 2, True, False), (8, 2, False, True), (4, 1, True, True)]
+]
+
+
+@pytest.mark.parametrize("cp,method,heads,kv,docs,alibi", CASES)
+def test_cp_attention_equals_whole_sequence_attention(cp, method, heads, kv, docs, alibi):
+    """Outputs and the gradients of q, k and v of every rank's tokens equal those of attention over the whole
+    sequence (fp64 reference) within fp32 rounding."""
+    b, seq, d = 2, 8 * cp, 8
+    results = run_ranks(_cp_rank, cp, method, b, heads, kv, seq, d, docs, alibi)
+    for errs, _ in results:
+        assert max(errs.values()) < 2e-5, errs
+
+
+def test_ring_bytes_equal_the_formula():
+    """Ring, cp 4, b 2, kv 2, seq 32, d 8: per rank forward 3 key/value blocks (2·b·kv·(s/cp)·d fp32 each) and
+    backward 3 blocks plus 4 dK/dV partials (fp32), sent and received."""
+    cp, b, kv, seq, d = 4, 2, 2, 32, 8
+    block = 2 * b * kv * (seq // cp) * d * 4
+    for _, moved in run_ranks(_cp_rank, cp, "ring", b, 4, kv, seq, d, False, False):
+        assert moved["cp/send"]["bytes"] == moved["cp/recv"]["bytes"] == (cp - 1) * block * 2 + cp * block
+        assert moved["cp/send"]["calls"] == 2 * (cp - 1) + cp
