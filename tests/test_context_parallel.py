@@ -100,3 +100,66 @@ def test_ring_bytes_equal_the_formula():
     for _, moved in run_ranks(_cp_rank, cp, "ring", b, 4, kv, seq, d, False, False):
         assert moved["cp/send"]["bytes"] == moved["cp/recv"]["bytes"] == (cp - 1) * block * 2 + cp * block
         assert moved["cp/send"]["calls"] == 2 * (cp - 1) + cp
+
+
+def _ring_events(delay_s):
+    """cp 2 ring forward and backward with comm instrumented: this rank's events in order, ("post", kind),
+    ("compute", whether a posted receive is still in flight), ("wait",); rank 1 posts each send `delay_s` late."""
+    import time
+
+    import torch.distributed as dist
+
+    from megazero.context_parallel import ring
+    from megazero.core.topology import Topology
+    from megazero.runtime import comm
+    from megazero.runtime.parallel_context import ParallelContext
+
+    pctx = ParallelContext(Topology(cp=2))
+    events, recvs = [], []
+    isend, irecv, wait, scores = comm.isend, comm.irecv, comm.wait, ring._scores
+
+    def late_isend(t, peer, group):
+        if dist.get_rank() == 1:
+            time.sleep(delay_s)
+        events.append(("post", "send"))
+        return isend(t, peer, group)
+
+    def tracked_irecv(t, peer, group):
+        work = irecv(t, peer, group)
+        recvs.append(work)
+        events.append(("post", "recv"))
+        return work
+
+    def timed_wait(work, group, received=None):
+        wait(work, group, received)
+        events.append(("wait",))
+
+    def tracked_scores(*args):
+        events.append(("compute", any(not w.is_completed() for w in recvs)))
+        return scores(*args)
+
+    ring.comm.isend, ring.comm.irecv, ring.comm.wait, ring._scores = late_isend, tracked_irecv, timed_wait, tracked_scores
+    try:
+        gen = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(1, 2, 8, 4, generator=gen).requires_grad_() for _ in range(3))
+        ring.ring_attention(q, k, v, pctx.cp_group, 16).sum().backward()
+    finally:
+        ring.comm.isend, ring.comm.irecv, ring.comm.wait, ring._scores = isend, irecv, wait, scores
+    pctx.destroy()
+    return events
+
+
+def test_ring_transfers_are_in_flight_while_blocks_compute():
+    """cp 2, rank 1 posts each send 0.3 s late: on rank 0, forward posts the next block's exchange, computes its
+    own block's pairs while that receive is still in flight, then waits; backward likewise (its dK/dV partial
+    posted after the block's computation, waited after the next block's)."""
+    events = run_ranks(_ring_events, 2, 0.3)[0]
+    compute_fwd = [e for e in events[:events.index(("wait",))] if e[0] == "compute"]
+    assert events[:2] == [("post", "send"), ("post", "recv")]
+    assert compute_fwd and all(in_flight for _, in_flight in compute_fwd), events  # 3 pairs: own block
+    sends = [i for i, e in enumerate(events) if e == ("post", "send")]
+    bwd = events[sends[1]:]  # forward: one exchange (cp - 1), then the last block's computation
+    assert events[sends[1] - 1][0] == "compute" and bwd[:2] == [("post", "send"), ("post", "recv")]
+    first_wait = bwd.index(("wait",))
+    assert [e for e in bwd[:first_wait] if e[0] == "compute"] and all(
+        e[1] for e in bwd[:first_wait] if e[0] == "compute"), bwd
