@@ -163,3 +163,47 @@ def test_ring_transfers_are_in_flight_while_blocks_compute():
     first_wait = bwd.index(("wait",))
     assert [e for e in bwd[:first_wait] if e[0] == "compute"] and all(
         e[1] for e in bwd[:first_wait] if e[0] == "compute"), bwd
+
+
+CONFIG_ERRORS = [  # (overrides, world size, words of the error): refused before any process group
+    (["parallel.cp=4", "model.seq_len=36"], 4, ["model.seq_len: 36 must be a multiple of 8 = 2 x parallel.cp"]),
+    (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=36"], 4,
+     ["model.seq_len: 36 must be a multiple of 8", "x parallel.tp (sequence parallel)"]),
+    (["parallel.cp=4", "parallel.cp_method=ulysses", "parallel.tp=2"], 8,
+     ["parallel.cp_method=ulysses: the 2 attention heads per tensor-parallel rank", "use cp_method=ring"]),
+    (["parallel.cp=2", "model.dropout=0.1"], 2, ["model.dropout: 0.1 with parallel.cp=2"]),
+    (["parallel.cp=2", "parallel.cp_method=rings"], 2, ["parallel.cp_method: 'rings' is not valid", "ring, ulysses"]),
+    (["parallel.cp=3"], 4, ["parallel.pp x parallel.tp x parallel.cp = 1 x 1 x 3 = 3 does not divide world size 4"]),
+    (["parallel.cp=2", "zero.stage=3", "zero.hpz_partition_size=2"], 4, ["zero.hpz_partition_size=2 with parallel.cp=2"]),
+    (["parallel.cp=2", "model.spec=model_specs/llama.py:debug-moe"], 2, ["parallel.cp=2: not supported with model.moe"]),
+]
+
+
+@pytest.mark.parametrize("overrides,world,words", CONFIG_ERRORS, ids=[o[0] if len(o) == 1 else o[-1] for o, _, _ in
+                                                                    CONFIG_ERRORS])
+def test_context_parallel_config_errors_name_the_key(overrides, world, words):
+    from megazero.core.config import ConfigError
+    from megazero.engine import load_run_config
+
+    with pytest.raises(ConfigError) as info:
+        load_run_config("configs/debug_gpt.yaml", ["parallel.pp=1", "parallel.tp=1", "train.micro_batch_size=1",
+                                                   "train.global_batch_size=null", *overrides], world_size=world)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def _initialize_built_module():
+    import megazero
+    from megazero.core.config import ConfigError
+
+    try:
+        megazero.initialize(model=torch.nn.Linear(2, 2), config={"parallel": {"cp": 2}})
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_context_parallel_refuses_a_built_module():
+    """A user's nn.Module has its own attention, which cannot see tokens on other ranks: refused by name."""
+    for message in run_ranks(_initialize_built_module, 2):
+        assert message.startswith("parallel.cp=2: context parallelism splits each sequence inside megazero"), message

@@ -152,7 +152,13 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     if moe_layers:
         cfg = _with_expert_parallel(cfg, moe_layers, model)
     p = cfg.parallel
-    topology = Topology(pp=p.pp, dp=p.dp, tp=p.tp, order=tuple(p.order))
+    axes = tuple(p.order)
+    if p.cp > 1 and "cp" not in axes:  # context parallel: just outside tp (Megatron-Core's order)
+        axes = axes[:axes.index("tp")] + ("cp",) + axes[axes.index("tp"):]
+    topology = Topology(pp=p.pp, dp=p.dp, tp=p.tp, cp=p.cp, order=axes)
+    if p.cp > 1 and isinstance(model, nn.Module):
+        raise ConfigError(f"parallel.cp={p.cp}: context parallelism splits each sequence inside megazero's own "
+                          f"attention; pass a model spec (model.spec), not a built {type(model).__name__}")
     if isinstance(model, str):  # a spec named here instead of in the config: check it like load_run_config
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, spec=model))
         check_model_and_schedule(cfg)

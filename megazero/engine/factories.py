@@ -46,6 +46,7 @@ def check_model_and_schedule(cfg: Config) -> None:
         spec = spec_of(cfg)
         _check_experts(spec.moe, cfg)  # first: its messages name the config keys
         spec.validate_layout(cfg.parallel.tp, cfg.parallel.sequence_parallel)
+        _check_context_parallel(spec, cfg)
         _check_partition(spec, cfg)
     try:
         get_schedule(cfg.pipeline.schedule, cfg.parallel.pp, cfg.train.gradient_accumulation_steps,
@@ -65,6 +66,33 @@ def _check_partition(spec, cfg: Config) -> None:
             spec_bounds(spec, cfg.parallel.pp, cfg.pipeline.chunks, part, logical_params(spec))
         except ValueError as err:
             errs = [f"pipeline.partition: {err}"]
+    if errs:
+        raise ConfigError("; ".join(errs))
+
+
+def _check_context_parallel(spec, cfg: Config) -> None:
+    """What context parallelism (parallel.cp > 1) needs of the model: a sequence of 2·cp equal chunks (each
+    split again over tp under sequence parallelism); with Ulysses, query heads per tp rank divisible by cp; no
+    dropout (its masks are drawn per whole sequence); no MoE yet."""
+    p = cfg.parallel
+    if p.cp < 2:
+        return
+    errs = []
+    chunk = 2 * p.cp * (p.tp if p.sequence_parallel else 1)
+    if spec.seq_len % chunk:
+        errs.append(f"model.seq_len: {spec.seq_len} must be a multiple of {chunk} = 2 x parallel.cp"
+                    + (" x parallel.tp (sequence parallel)" if p.sequence_parallel else "")
+                    + f": context parallelism gives each of the {p.cp} cp ranks a head and a tail chunk")
+    heads = spec.heads // p.tp
+    if p.cp_method == "ulysses" and heads % p.cp:
+        errs.append(f"parallel.cp_method=ulysses: the {heads} attention heads per tensor-parallel rank (model.heads="
+                    f"{spec.heads} / parallel.tp={p.tp}) must be a multiple of parallel.cp={p.cp}; use cp_method=ring")
+    if spec.dropout or spec.attention_dropout:
+        errs.append(f"model.dropout: {max(spec.dropout, spec.attention_dropout)} with parallel.cp={p.cp}: dropout "
+                    f"masks are drawn per whole sequence, which no cp rank holds; use 0 with context parallelism")
+    if spec.moe is not None:
+        errs.append(f"parallel.cp={p.cp}: not supported with model.moe yet (experts are laid out over dp ranks, not "
+                    f"dp x cp); use cp 1 for a Mixture-of-Experts model")
     if errs:
         raise ConfigError("; ".join(errs))
 
@@ -109,7 +137,7 @@ def build_model(cfg: Config, pctx: ParallelContext, device=None, wrap_block=None
                                 chunks=cfg.pipeline.chunks, device=device, wrap_block=wrap_block,
                                 activation_checkpointer=checkpointer,
                                 wgrad_store=WeightGradStore() if splits_backward(programs) else None,
-                                expert_tp=cfg.parallel.expert_tp)
+                                expert_tp=cfg.parallel.expert_tp, cp_method=cfg.parallel.cp_method)
 
 
 def loss_scaler(cfg: Config) -> LossScaler:

@@ -2,9 +2,9 @@
 
 One call runs one global step of this stage's schedule program: it pulls
 `num_microbatches` (= gradient_accumulation_steps) micro-batches on the stages that need data,
-lets the executor run the program (p2p over the pp group, ZeRO over dp, TP inside the layers),
+lets the executor run the program (p2p over the pp group, ZeRO over dp (x cp), TP and cp inside the layers),
 steps the LR schedule, and returns the mean loss on EVERY rank: the last stage's mean over
-micro-batches is averaged over dp (all-reduce on dp_group) and broadcast from the last stage over
+micro-batches is averaged over dp x cp (all-reduce on dp_cp_group) and broadcast from the last stage over
 pp_group. With one stage this is plain gradient accumulation.
 """
 from __future__ import annotations
@@ -205,12 +205,13 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         return float(self._agree_loss(st.losses))
 
     def _agree_loss(self, losses) -> torch.Tensor:
-        """Mean over micro-batches (last stage), over dp (all-reduce), to every stage (broadcast over
-        the pp group): a 0-d fp64 device tensor, no host synchronisation."""
+        """Mean over micro-batches (last stage), over dp and cp (all-reduce over the dp_cp group: each cp rank's
+        loss is its share of the sequence's), to every stage (broadcast over the pp group): a 0-d fp64 device
+        tensor, no host synchronisation."""
         t = torch.zeros(1, dtype=torch.float64, device=self.device)
         if losses:
             t += torch.stack([l.double() for l in losses]).mean()
-        comm.all_reduce(t, self.pctx.dp_group)
-        t /= self.pctx.dp_size
+        comm.all_reduce(t, self.pctx.dp_cp_group)
+        t /= self.pctx.dp_cp_group.size
         comm.broadcast(t, self.pctx.pp_size - 1, self.pctx.pp_group)
         return t[0]

@@ -29,6 +29,10 @@ The attention core (scores, causal softmax, attention dropout, context) has two 
 Both take q (b, a/t, s, d), k and v (b, kv/t, s, d) and agree within 1e-6 in fp32
 (tests/test_attention_core.py). The core is what selective activation checkpointing recomputes
 (`core_checkpoint`).
+
+Context parallelism (`lctx.cp_group` of cp > 1 ranks): the layer holds s/cp tokens, a head and a tail chunk
+of the sequence (`megazero.context_parallel.token_layout`); RoPE rotates them by their own positions and
+the core is `context_core`: ring attention or Ulysses over the cp group (`megazero.context_parallel`).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from megazero.context_parallel import ring_attention, token_layout, ulysses_attention
 from megazero.runtime import kernels
 from megazero.models.common import LayerContext
 from megazero.models.rope import RopeTables, apply_rope
@@ -123,6 +128,7 @@ class SelfAttention(nn.Module):
             self.register_buffer("alibi", torch.tensor(slopes, dtype=torch.float32,
                                                        device=lctx.device), persistent=False)
             self.alibi_mask = lctx.alibi_bias or AlibiBias(slopes)  # the model's, shared by its layers
+        self.cp_group, self.cp_method = lctx.cp_group, lctx.cp_method  # context parallel, or None
         # None, or ``fn(core, q, k, v)`` that runs the core as a recompute region (selective checkpointing:
         # `ActivationCheckpointer.attention_core`, handed in through the LayerContext)
         self.core_checkpoint = lctx.attention_core(f"{p}.core") if lctx.attention_core is not None else None
@@ -136,16 +142,35 @@ class SelfAttention(nn.Module):
         k = rearrange(k, "s b (n d) -> b n s d", d=d)  # (b, kv/t, s, d)
         v = rearrange(v, "s b (n d) -> b n s d", d=d)
         if self.rope is not None:
-            cos, sin = self.rope.get(q.shape[2], q.device, q.dtype)  # (s, d)
+            cos, sin = self._rope_tables(q)  # (s[/cp], d)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout_active = self.training and self.probs_dropout.p > 0
         core = self.reference_core if dropout_active else self.sdpa_core
+        if self.cp_group is not None:
+            core = self.context_core
         if self.core_checkpoint is not None:
             attn_out = self.core_checkpoint(core, q, k, v)  # selective recompute: keeps q, k, v
         else:
             attn_out = core(q, k, v)  # (b, a/t, s, d)
         attn_out = rearrange(attn_out, "b n s d -> s b (n d)")  # (s, b, a·d/t)
         return self.dropout(self.out(attn_out))
+
+    def _rope_tables(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (n, d) for q's n tokens: positions 0..n-1, or with context parallelism this rank's."""
+        if self.cp_group is None:
+            return self.rope.get(q.shape[2], q.device, q.dtype)
+        seq = q.shape[2] * self.cp_group.size
+        mine = token_layout.positions(seq, self.cp_group.rank, self.cp_group.size, q.device)  # (s/cp,)
+        cos, sin = self.rope.get(seq, q.device, q.dtype)  # (s, d)
+        return cos[mine], sin[mine]
+
+    def context_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The core over the whole sequence when this rank holds s/cp tokens of it: q (b, a/t, s/cp, d), k and v
+        (b, kv/t, s/cp, d) -> (b, a/t, s/cp, d). Communicates over the cp group: point to point around it (ring)
+        or all-to-all (ulysses); see `megazero.context_parallel`."""
+        fn = ring_attention if self.cp_method == "ring" else ulysses_attention
+        slopes = self.alibi if self.position == "alibi" else None
+        return fn(q, k, v, self.cp_group, q.shape[2] * self.cp_group.size, slopes=slopes)
 
     def sdpa_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The fused core (no attention dropout): q (b, a/t, s, d), k and v (b, kv/t, s, d) -> (b, a/t, s, d).

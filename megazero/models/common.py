@@ -38,6 +38,8 @@ class LayerContext:
     expert_tp_group: GroupHandle | None = None  # MoE: the TP group experts' ffn is split over (None: whole experts)
     decisions: object | None = None  # MoE: the checkpointer's `Decisions` (a recompute replays the routing)
     alibi_bias: object | None = None  # position='alibi': the model's `attention.AlibiBias`, shared by its layers
+    cp_group: GroupHandle | None = None  # context parallel: the ranks holding other tokens of the same sequences
+    cp_method: str = "ring"  # how attention sees the whole sequence then: ring | ulysses (megazero.context_parallel)
 
     @property
     def tp_size(self) -> int:

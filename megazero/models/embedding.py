@@ -1,6 +1,8 @@
 """The first and last layers of the language model: token embedding and final norm + LM head.
 
-`EmbeddingLayer`: tokens (b, s) -> hidden (s, b, h) [(s/t, b, h) under sequence parallelism].
+`EmbeddingLayer`: tokens (b, s) -> hidden (s, b, h) [(s/t, b, h) under sequence parallelism]. With context
+parallelism it takes the whole sequence's tokens and keeps this cp rank's s/cp of them
+(`megazero.context_parallel.token_layout`): hidden (s/cp, b, h) [(s/(cp·t), b, h)].
 Vocabulary-parallel word embedding (one all-reduce over the TP group forward, or a reduce-scatter
 along the sequence under sequence parallelism), plus learned positions (``position='learned'``),
 then, with ``spec.embedding_norm``, a norm (``embedding.norm``; BLOOM's word_embeddings_layernorm, on
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megazero.context_parallel import token_layout
 from megazero.models.common import LayerContext, Norm
 from megazero.tensor_parallel import VocabParallelEmbedding, make_param
 from megazero.tensor_parallel.mappings import enter_tp_region
@@ -34,6 +37,7 @@ class EmbeddingLayer(nn.Module):
         super().__init__()
         spec = lctx.spec
         self.tp_group, self.sequence_parallel = lctx.tp_group, lctx.sequence_parallel
+        self.cp_group = lctx.cp_group  # None: the whole sequence here
         self.word = VocabParallelEmbedding(spec.vocab, spec.hidden, lctx.tp_group, vocab_align=spec.vocab_align,
                                            sequence_parallel=lctx.sequence_parallel, name=TIED_EMBEDDING,
                                            seed=lctx.seed, init_std=spec.init_std, device=lctx.device,
@@ -48,12 +52,16 @@ class EmbeddingLayer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
-        h = self.word(tokens.t())  # (s, b, h), or (s/t, b, h) under sequence parallelism
+        mine = None  # context parallel: this rank's positions
+        if self.cp_group is not None:
+            mine = token_layout.positions(s, self.cp_group.rank, self.cp_group.size, tokens.device)  # (s/cp,)
+            tokens = token_layout.take(tokens, 1, self.cp_group.rank, self.cp_group.size)  # (b, s/cp)
+        h = self.word(tokens.t())  # (s, b, h), or (s/t, b, h) under sequence parallelism [s/cp with cp]
         if self.position is not None:
             if s > self.position.shape[0]:
                 raise ValueError(f"sequence length {s} exceeds the spec's seq_len={self.position.shape[0]} "
                                  f"(learned positions)")
-            pos = self.position[:s]  # (s, h)
+            pos = self.position[:s] if mine is None else self.position[mine]  # (s[/cp], h)
             if self.sequence_parallel and self.tp_group.size > 1:
                 pos = pos.chunk(self.tp_group.size, dim=0)[self.tp_group.rank]  # (s/t, h)
             h = h + pos.unsqueeze(1)

@@ -5,13 +5,14 @@ specs for `PipelineModule`, partitions them over `pctx.pp_size * chunks` virtual
 LM head to the word embedding: by sharing the parameter when both live on this rank (pp=1), else
 through `tied_name` (the ZeRO optimizer sums the two copies' gradients over the embedding group).
 The loss is the vocabulary-parallel cross-entropy over the TP group; activations between stages
-are (s, b, h), or (s/t, b, h) under sequence parallelism, declared to the engine ahead
+are (s, b, h), or (s/t, b, h) under sequence parallelism (s/cp for s with context parallelism), declared to the engine ahead
 (`activation_shape`), so no shape handshake is needed.
 """
 from __future__ import annotations
 
 import torch
 
+from megazero.context_parallel import token_layout
 from megazero.core.partition import LayerInfo
 from megazero.core.spec import ModelSpec
 from megazero.core.spec_partition import LAYER_TYPES, flops_per_token, method_of
@@ -26,7 +27,7 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
                          dtype: torch.dtype = torch.float32, partition="uniform", chunks: int = 1,
                          label_smoothing: float = 0.0, device=None, wrap_block=None,
                          activation_checkpointer=None, wgrad_store=None, layer_infos=None,
-                         expert_tp: int | None = None) -> PipelineModule:
+                         expert_tp: int | None = None, cp_method: str = "ring") -> PipelineModule:
     """This rank's PipelineModule for `spec` on the groups of ParallelContext `pctx` (tp_group for
     the layers, the pipeline coordinates for the partition). `wrap_block(module) -> module` may wrap
     each transformer block. `activation_checkpointer` (a
@@ -39,7 +40,9 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
     computed once, for callers that build many ranks of one model (megazero.run.model_facts); by
     default each call computes it (one meta-device build of every layer). `expert_tp`: MoE experts
     split over the TP group (the TP size, the default) or whole on every TP rank (1); the experts are
-    split over ``pctx.ep_group`` (when pctx has one)."""
+    split over ``pctx.ep_group`` (when pctx has one). With context parallelism (``pctx.cp_group`` of more than
+    one rank) every stage holds this rank's s/cp tokens: the embedding and the loss take them from the whole
+    sequence's tokens and labels, attention sees the whole sequence by `cp_method` (ring | ulysses)."""
     attention_core = None
     if activation_checkpointer is not None:
         if wrap_block is not None:
@@ -51,18 +54,24 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
                               tracker=tracker, dtype=dtype, pp_rank=pctx.pp_rank, wgrad_store=wgrad_store,
                               attention_core=attention_core, ep_group=getattr(pctx, "ep_group", None),
                               expert_tp=expert_tp,
-                              decisions=getattr(activation_checkpointer, "decisions", None))
+                              decisions=getattr(activation_checkpointer, "decisions", None),
+                              cp_group=getattr(pctx, "cp_group", None), cp_method=cp_method)
     layers = [LayerSpec(_wrap, b, device, wrap_block if b.kind == "block" else None) for b in builders]
     partition = method_of(partition, [b.kind for b in builders])  # block counts -> layer counts
     infos = list(layer_infos) if layer_infos is not None else pipeline_layer_infos(spec, builders)
     tp_group, tp_size = pctx.tp_group, pctx.tp_size
+    cp_group = getattr(pctx, "cp_group", None)
+    cp = 1 if cp_group is None else cp_group.size
 
     def loss_fn(logits, labels):
+        if cp > 1:  # this rank's tokens' labels: (b, s) -> (b, s/cp)
+            labels = token_layout.take(labels, 1, cp_group.rank, cp)
         return causal_lm_loss(logits, labels, tp_group, spec.vocab, label_smoothing)
 
     def activation_shape(micro_batch_size: int) -> tuple[int, int, int]:
-        seq = spec.seq_len // tp_size if sequence_parallel and tp_size > 1 else spec.seq_len
-        return (seq, micro_batch_size, spec.hidden)  # (s[/t], b, h)
+        seq = spec.seq_len // cp
+        seq = seq // tp_size if sequence_parallel and tp_size > 1 else seq
+        return (seq, micro_batch_size, spec.hidden)  # (s[/cp][/t], b, h)
 
     model = PipelineModule(layers, pctx.pp_size, pctx.pp_rank, loss_fn, partition, chunks=chunks,
                            layer_infos=infos, activation_shape=activation_shape, model_spec=spec,

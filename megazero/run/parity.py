@@ -69,7 +69,8 @@ TOLERANCES = {"fp32": (1e-5, 1e-5, 1e-5, 1e-5),
 
 def serial_overrides(global_batch: int) -> list[str]:
     """Overrides (applied after the user's) that make any config its serial reference."""
-    return ["parallel.pp=1", "parallel.tp=1", "parallel.dp=1", "parallel.ep=1", "parallel.expert_tp=null",
+    return ["parallel.pp=1", "parallel.tp=1", "parallel.dp=1", "parallel.cp=1", "parallel.cp_method=ring",
+            "parallel.ep=1", "parallel.expert_tp=null",
             "parallel.sequence_parallel=false",
             "parallel.order=[pp,dp,tp]", "pipeline.schedule=1f1b", "pipeline.chunks=1", "pipeline.partition=uniform",
             "activation_checkpointing.policy=none", "activation_checkpointing.every_k_layers=1",
@@ -135,7 +136,7 @@ def run_layout(config, overrides=(), steps: int = 2) -> dict:
         params = {k: v.float() for k, v in gather_full_params(engine.module, pctx.tp_group).items()}
     grads = gather_expert_tensors(grads, engine.module, pctx.ep_group)  # MoE: every expert, not this rank's
     params = gather_expert_tensors(params, engine.module, pctx.ep_group)
-    reporter = pctx.dp_rank == 0 and pctx.tp_rank == 0
+    reporter = pctx.dp_rank == 0 and pctx.tp_rank == 0 and pctx.cp_rank == 0
     from megazero.runtime import comm
 
     comm.barrier(pctx.world_group)  # no rank leaves (rank 0 hosts the store) while others still communicate

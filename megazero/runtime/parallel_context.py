@@ -26,7 +26,9 @@ class ParallelContext:
     """Process groups for one Topology, and this rank's coordinates.
 
     Attributes: ``tp_group/tp_rank/tp_size`` and the same for ``dp``, ``pp`` and ``cp`` (context parallel: the
-    ranks holding different tokens of the same sequences, `megazero.context_parallel`);
+    ranks holding different tokens of the same sequences, `megazero.context_parallel`); ``dp_cp_group`` (the
+    dp x cp ranks holding the same parameters, over which ZeRO reduces and shards: ``dp_group`` itself when
+    cp is 1; the data is split over ``dp_group`` only);
     ``embedding_group`` (first + last pipeline stage),
     ``ep_group`` (expert parallel: `ep` consecutive dp ranks, which hold different experts) and
     ``edp_group`` (expert data parallel: the dp ranks holding the same experts; dp / ep of them),
@@ -83,6 +85,10 @@ class ParallelContext:
         self.dp_group = self._build_data_parallel("dp", topology.axis_groups("dp"))
         self.pp_group = self._build("pp", topology.axis_groups("pp"))
         self.cp_group = self._build("cp", topology.axis_groups("cp"))
+        # the replicas of every parameter: the dp ranks and, with context parallelism, their cp ranks (which hold
+        # other tokens of the same sequences); gradients are averaged and ZeRO shards over it
+        self.dp_cp_group = self.dp_group if topology.size("cp") == 1 else \
+            self._build_data_parallel("dp_cp", topology.axis_groups("dp", "cp"))
         self.embedding_group = self._build("embedding", topology.embedding_groups())
         self.ep_group = self._build("ep", topology.expert_groups(ep))
         self.edp_group = self._build_data_parallel("edp", topology.expert_data_groups(ep))

@@ -20,7 +20,7 @@ def make_groups(params, pctx, stage: int, units, bucket: int, offload_opt: bool,
     is_tied = [tied_across_stages and getattr(p, "tied_name", None) is not None for p in params]
     tied = [p for p, t in zip(params, is_tied) if t]
     rest = [p for p, t in zip(params, is_tied) if not t]
-    dp = pctx.dp_group
+    dp = pctx.dp_cp_group  # every replica of a parameter: dp x cp ranks (the dp group itself without cp)
     groups = []
     unit_of = {}
     for u, mod in enumerate(units or []):

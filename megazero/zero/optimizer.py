@@ -2,7 +2,7 @@
 
 `ZeroOptimizer(params, pctx, ...)` flattens the parameters of one model-parallel rank (its pipeline
 stage's TP shard) into `FlatGroup`s, accumulates gradients in fp32 through post-accumulate-grad
-hooks, reduces them over `pctx.dp_group`, and updates the fp32 master shard with the fused Adam of
+hooks, reduces them over `pctx.dp_cp_group` (the dp group, and its cp ranks with context parallelism), and updates the fp32 master shard with the fused Adam of
 `megazero.runtime.kernels`.
 
 Communication per optimizer step (Ψ = this rank's parameters, ring volumes, see docs/reference.md):
@@ -402,7 +402,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             sq += torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64)).square().sum()  # fp64 per range
         comm.all_reduce(sq, self.pctx.world_group)
         if self.compressing:  # unreduced gradients: the mean over dp of each rank's own squared norm (an
-            sq /= self.pctx.dp_size  # inf or NaN on any rank makes it non-finite everywhere)
+            sq /= self.pctx.dp_cp_group.size  # inf or NaN on any rank makes it non-finite everywhere)
         return sq
 
     @property

@@ -35,7 +35,7 @@ def full_parameters(opt, writeback: bool = False, params=None, modifier_rank: in
         if modifier_rank is not None:
             for group in opt.groups:
                 # dp rank d is index d // ep of its expert-data-parallel group (MoE experts; ep = 1 otherwise)
-                src = modifier_rank // (opt.pctx.dp_size // group.dp.size)
+                src = modifier_rank // (opt.pctx.dp_cp_group.size // group.dp.size)
                 for p in group.params:
                     if wanted is None or id(p) in wanted:
                         comm.broadcast(p.data, src, group.dp)

@@ -14,7 +14,7 @@ from ..spec_partition import partition_problems
 from ..instructions import ScheduleError
 from ..schedules import SCHEDULES, check_sizes
 from ..suggest import did_you_mean
-from .schema import (AXIS_CHOICES, BACKEND_CHOICES, NONFINITE_CHOICES, OFFLOAD_DEVICE_CHOICES, SILENT_ERROR_ACTIONS,
+from .schema import (AXIS_CHOICES, BACKEND_CHOICES, CP_METHODS, NONFINITE_CHOICES, OFFLOAD_DEVICE_CHOICES, SILENT_ERROR_ACTIONS,
                      OPTIMIZER_CHOICES, PRECISION_CHOICES,
                      SCHEDULER_CHOICES, TOKENIZER_CHOICES, WARMUP_TYPE_CHOICES, Config)
 
@@ -42,13 +42,26 @@ def check_parallel(cfg: Config) -> list[str]:
     if p.expert_tp is not None and p.expert_tp not in (1, p.tp):
         errs.append(f"parallel.expert_tp: {p.expert_tp!r} is not valid (valid: 1, experts whole on every TP rank; "
                     f"or parallel.tp={p.tp}, each expert's ffn split over the TP group; unset means {p.tp})")
-    if sorted(p.order) != sorted(AXIS_CHOICES):
-        errs.append(f"parallel.order: {list(p.order)} must name each of {', '.join(AXIS_CHOICES)} once "
-                    f"(outermost first, e.g. [pp, dp, tp])")
+    if sorted(a for a in p.order if a != "cp") != sorted(AXIS_CHOICES) or list(p.order).count("cp") > 1:
+        errs.append(f"parallel.order: {list(p.order)} must name each of {', '.join(AXIS_CHOICES)} once, and cp at "
+                    f"most once (outermost first, e.g. [pp, dp, tp] or [pp, dp, cp, tp])")
+    errs += at_least("parallel.cp", p.cp, 1) + choice("parallel.cp_method", p.cp_method, CP_METHODS)
     if p.sequence_parallel and p.tp < 2:
         errs.append(f"parallel.sequence_parallel: needs parallel.tp > 1 (got tp={p.tp}); sequence parallelism "
                     f"splits the sequence across the TP group")
     return errs
+
+
+def check_context_parallel(cfg: Config) -> list[str]:
+    """What context parallelism (parallel.cp > 1) refuses before the model is known (the model's own rules:
+    `megazero.engine.factories.check_model_and_schedule`)."""
+    p, z = cfg.parallel, cfg.zero
+    if not isinstance(p.cp, int) or p.cp < 2:
+        return []
+    if z.hpz_partition_size > 1:
+        return [f"zero.hpz_partition_size={z.hpz_partition_size} with parallel.cp={p.cp}: ZeRO++'s secondary "
+                f"partition is laid out over dp ranks alone, not yet over dp x cp; use 1 with context parallelism"]
+    return []
 
 
 def check_train(cfg: Config) -> list[str]:
@@ -82,6 +95,7 @@ def check_model(cfg: Config) -> list[str]:
             errs.append(f"model.{key}: {value} is not divisible by parallel.tp={p.tp}")
     if p.sequence_parallel and m.seq_len and m.seq_len % p.tp:
         errs.append(f"model.seq_len: {m.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallel)")
+    errs += check_context_parallel(cfg)
     # whether the layers fill pp x chunks stages is the partition's rule (the embedding and the head are
     # pipeline layers too): engine/factories.py:_check_partition, with the spec
     typed = [f.name for f in dataclasses.fields(m) if f.name not in ("spec", "overrides")]

@@ -28,6 +28,7 @@ from ..checkpoint_rules import POLICIES
 
 PRECISION_CHOICES = ("fp32", "bf16", "fp16")
 AXIS_CHOICES = ("pp", "dp", "tp")
+CP_METHODS = ("ring", "ulysses")
 OFFLOAD_DEVICE_CHOICES = ("none", "cpu")
 OPTIMIZER_CHOICES = ("adam", "adamw", "sgd", "onebit_adam")
 SCHEDULER_CHOICES = ("constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
@@ -43,15 +44,17 @@ SILENT_ERROR_ACTIONS = ("stop", "skip", "warn")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The PP x DP x TP grid. ``dp`` is derived as world_size / (pp * tp) when unset."""
+    """The PP x DP x CP x TP grid. ``dp`` is derived as world_size / (pp * cp * tp) when unset."""
 
     pp: int = 1
     tp: int = 1
     dp: Optional[int] = None
+    cp: int = 1  # context parallel: each sequence's tokens split over cp ranks, attention over the whole sequence (megazero.context_parallel)
+    cp_method: str = "ring"  # ring (key/value blocks passed around the cp group) | ulysses (all-to-alls: heads per tp rank divisible by cp)
     ep: int = 1  # expert parallel: experts split over ep of the dp ranks (ep divides dp)
     expert_tp: Optional[int] = None  # expert tensor parallel: experts' ffn split over 1 or tp ranks (None: tp)
     sequence_parallel: bool = False
-    order: List[str] = field(default_factory=lambda: ["pp", "dp", "tp"])  # outermost first
+    order: List[str] = field(default_factory=lambda: ["pp", "dp", "tp"])  # outermost first; cp, when not named, sits just outside tp
     ranks_per_node: Optional[int] = None  # consecutive ranks per node; None: the launcher's LOCAL_WORLD_SIZE
 
 

@@ -1,8 +1,9 @@
 """`validate` (every check, before any process group exists) and `resolve` (fill derived fields).
 
-The layout rule: parallel.pp x parallel.tp x parallel.dp = world size (dp derived when unset).
+The layout rule: parallel.pp x parallel.cp x parallel.tp x parallel.dp = world size (dp derived when unset).
 The batch rule: train.global_batch_size = train.micro_batch_size x train.gradient_accumulation_steps
-x dp, where dp is the data-parallel size (world / (pp x tp)), not the world size.
+x dp, where dp is the data-parallel size (world / (pp x cp x tp)), not the world size: the cp ranks of a
+data-parallel rank hold different tokens of the same sequences.
 """
 from __future__ import annotations
 
@@ -18,22 +19,24 @@ _MB, _GAS, _GB = "train.micro_batch_size", "train.gradient_accumulation_steps", 
 
 
 def layout_dp(cfg: Config, world_size: Optional[int]) -> Optional[int]:
-    """The data-parallel size: parallel.dp, or world_size / (pp * tp). None when neither is known.
+    """The data-parallel size: parallel.dp, or world_size / (pp * cp * tp). None when neither is known.
 
     Raises ConfigError when the grid does not tile `world_size`.
     """
-    pp, tp, dp = cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.dp
+    pp, tp, dp, cp = cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.cp
     if world_size is None:
         return dp
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size: must be a positive integer, got {world_size!r}")
+    names = "parallel.pp x parallel.tp" + (" x parallel.cp" if cp > 1 else "")
+    sizes = f"{pp} x {tp}" + (f" x {cp}" if cp > 1 else "")
     if dp is None:
-        if world_size % (pp * tp):
-            raise ConfigError(f"parallel.pp x parallel.tp = {pp} x {tp} = {pp * tp} does not divide "
-                              f"world size {world_size}; choose pp and tp whose product divides it")
-        return world_size // (pp * tp)
-    if pp * tp * dp != world_size:
-        raise ConfigError(f"parallel.pp x parallel.tp x parallel.dp = {pp} x {tp} x {dp} = {pp * tp * dp} "
+        if world_size % (pp * tp * cp):
+            raise ConfigError(f"{names} = {sizes} = {pp * tp * cp} does not divide world size {world_size}; "
+                              f"choose sizes whose product divides it")
+        return world_size // (pp * tp * cp)
+    if pp * tp * cp * dp != world_size:
+        raise ConfigError(f"{names} x parallel.dp = {sizes} x {dp} = {pp * tp * cp * dp} "
                           f"!= world size {world_size}; leave parallel.dp unset to derive it")
     return dp
 
