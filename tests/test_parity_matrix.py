@@ -14,7 +14,7 @@ from megazero.run.parity import compare, format_rows, merge_reports, run_layout,
 from tests.harness import run_ranks
 
 STEPS = 2
-CASES = pm.pairwise_cases(seed=0)
+CASES = pm.pairwise_cases()
 
 # Every pair no allowed case contains, with the words of the user's error (or the world limit).
 IMPOSSIBLE = {
@@ -40,16 +40,29 @@ IMPOSSIBLE = {
     (("ep", 2), ("sequence_parallel", True)): "parallel.ep=2: expert parallelism needs a Mixture-of-Experts model",
     (("sequence_parallel", True), ("model", "moe")): "parallel.sequence_parallel: not supported with model.moe",
     (("tp", 1), ("expert_tp", "1")): "expert_tp=1 at tp=1: the default layout",
+    # context parallelism: the world limit, ulysses only at cp > 1, no dropout, no MoE (and so no ep) yet
+    (("dp", 4), ("cp", 4)): "world size 16", (("pp", 3), ("cp", 4)): "world size 12",
+    (("pp", 4), ("cp", 4)): "world size 16", (("tp", 4), ("cp", 4)): "world size 16",
+    (("cp", 1), ("cp_method", "ulysses")): "cp_method=ulysses at cp=1: the default layout",
+    (("cp", 2), ("dropout", 0.1)): "model.dropout: 0.1 with parallel.cp=2",
+    (("cp", 4), ("dropout", 0.1)): "model.dropout: 0.1 with parallel.cp=4",
+    (("cp", 2), ("model", "moe")): "parallel.cp=2: not supported with model.moe",
+    (("cp", 4), ("model", "moe")): "parallel.cp=4: not supported with model.moe",
+    (("cp", 2), ("ep", 2)): "parallel.ep=2: expert parallelism needs a Mixture-of-Experts model",
+    (("cp", 4), ("ep", 2)): "parallel.ep=2: expert parallelism needs a Mixture-of-Experts model",
+    (("cp_method", "ulysses"), ("dropout", 0.1)): "cp_method=ulysses at cp=1: the default layout",
+    (("cp_method", "ulysses"), ("ep", 2)): "cp_method=ulysses at cp=1: the default layout",
+    (("cp_method", "ulysses"), ("model", "moe")): "cp_method=ulysses at cp=1: the default layout",
 }
 
 
 @pytest.fixture(scope="module")
 def witnesses():
-    return pairwise.find_witnesses(pm.FACTORS, pm.case_allowed, seed=0)
+    return pairwise.find_witnesses(pm.FACTORS, pm.case_allowed, seed=pm.SEED)
 
 
 def test_covering_set_is_pure_and_covers_every_allowed_pair(witnesses):
-    assert pm.pairwise_cases(seed=0, witnesses=witnesses) == CASES  # pure: the same cases again
+    assert pm.pairwise_cases(witnesses=witnesses) == CASES  # pure: the same cases again
     covered = set().union(*(pairwise.pairs_in(c, pm.FACTORS) for c in CASES))
     allowed = {p for p, w in witnesses.items() if w is not None}
     assert allowed - covered == set()
@@ -115,7 +128,7 @@ def serial_reference(cfg):
 @pytest.mark.parametrize("case", CASES, ids=[pm.case_name(c) for c in CASES])
 def test_case_trains_like_one_process(case, corpus):
     cfg = pm.case_config(case, corpus)  # run_ranks turns the order check on in every rank
-    world = case["pp"] * case["tp"] * case["dp"]
+    world = pm.world_size(case)
     result = merge_reports(run_ranks(run_layout, world, cfg, (), STEPS, timeout=300))
     rows = compare(result, serial_reference(cfg))
     assert all(r["ok"] for r in rows), f"{pm.case_name(case)}\n{format_rows(rows)}"

@@ -4,7 +4,8 @@
     python tools/check_parity.py CONFIG --layouts 2x2x2 1x4x2 [--steps K] [key=value ...]
     python tools/check_parity.py --matrix pairwise|full [--list] [--limit N] [--seed S]
 
-A layout is PPxTPxDP. Every layout, and the serial reference, is a `torchrun` launch of
+A layout is PPxTPxDP, counting ranks: with parallel.cp=c (context parallelism) the DP part holds the c x dp
+ranks of each pipeline and tensor-parallel position (``--layouts 1x2x4 parallel.cp=2`` is dp 2, cp 2). Every layout, and the serial reference, is a `torchrun` launch of
 `python -m megazero.run.parity` (a user's script: `megazero.initialize`, `train_batch`) with the same
 overrides, seed and global batch. The reference is always the serial run: one process, with the
 options that only several ranks can use reset (sequence parallelism, pipeline schedule / chunks /
@@ -70,8 +71,8 @@ def launch(config: str, overrides: list[str], world: int, steps: int, out: str, 
 
 
 def layout_overrides(layout, global_batch: int) -> list[str]:
-    pp, tp, dp = layout
-    return [f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.dp={dp}", f"train.global_batch_size={global_batch}",
+    pp, tp, _ = layout  # dp derived from the ranks: DP / cp (module docstring)
+    return [f"parallel.pp={pp}", f"parallel.tp={tp}", "parallel.dp=null", f"train.global_batch_size={global_batch}",
             "train.gradient_accumulation_steps=null",
             "comm.verify_order=true"]  # every layout runs under the order check (megazero/runtime/order_check.py)
 
@@ -121,7 +122,7 @@ def check_matrix(args) -> int:
     from megazero.run import parity_matrix as pm
     from megazero.run.parity import compare, format_rows, serial_key, serial_overrides
 
-    cases = pm.pairwise_cases(args.seed) if args.matrix == "pairwise" else pm.full_cases()
+    cases = pm.pairwise_cases(pm.SEED if args.seed is None else args.seed) if args.matrix == "pairwise" else pm.full_cases()
     cases = itertools.islice(cases, args.limit) if args.limit else cases
     if args.list:
         n = 0
@@ -147,7 +148,7 @@ def check_matrix(args) -> int:
             if key not in refs:
                 refs[key] = launch(path, serial_overrides(gb), 1, args.steps, os.path.join(workdir, f"serial{n}"),
                                    args.timeout)
-            res = launch(path, ["comm.verify_order=true"], case["pp"] * case["tp"] * case["dp"], args.steps,
+            res = launch(path, ["comm.verify_order=true"], pm.world_size(case), args.steps,
                          os.path.join(workdir, f"run{n}"), args.timeout)
             rows = compare(res, refs[key])
         except (RuntimeError, subprocess.TimeoutExpired) as err:
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--matrix", choices=("pairwise", "full"))
     ap.add_argument("--list", action="store_true", help="with --matrix: print the cases, run nothing")
     ap.add_argument("--limit", type=int, default=None, help="with --matrix: the first N cases only")
-    ap.add_argument("--seed", type=int, default=0, help="with --matrix pairwise: the generator's seed")
+    ap.add_argument("--seed", type=int, default=None, help="with --matrix pairwise: the generator's seed (default: the matrix's, megazero.run.parity_matrix.SEED)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--keep-eps", action="store_true", help=f"do not raise an Adam eps below {ADAM_EPS:g}")
     ap.add_argument("--global-batch", type=int, default=None,

@@ -86,7 +86,9 @@ def _summary(cfg, engine, optimizer) -> str:
     bubble = bubble_fraction(cfg.pipeline.schedule, p, m, v)
     return "\n".join([
         f"megazero {megazero.__version__} | run {cfg.name} -> {cfg.run_dir}",
-        f"layout   pp={p} x tp={pctx.tp_size} x dp={pctx.dp_size} = {pctx.topology.world_size} ranks, "
+        f"layout   pp={p} x tp={pctx.tp_size} x dp={pctx.dp_size}"
+        + (f" x cp={pctx.cp_size} ({cfg.parallel.cp_method})" if pctx.cp_size > 1 else "")
+        + f" = {pctx.topology.world_size} ranks, "
         f"ZeRO-{cfg.zero.stage}, {cfg.precision}, schedule {cfg.pipeline.schedule}"
         + (f" (v={v})" if v > 1 else ""),
         f"model    {cfg.model.spec}: {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}, "

@@ -25,7 +25,7 @@ def derived_values(cfg: Config) -> dict[str, object]:
     """The numbers `explain` prints for a resolved config."""
     pl, p = cfg.pipeline, cfg.parallel.pp
     m = cfg.train.gradient_accumulation_steps
-    world = p * cfg.parallel.tp * cfg.parallel.dp
+    world = p * cfg.parallel.tp * cfg.parallel.dp * cfg.parallel.cp
     try:
         bubble = round(bubble_fraction(pl.schedule, p, m, pl.chunks), 6)
     except ScheduleError as err:
@@ -91,9 +91,15 @@ def explain(cfg: Config, world_size: Optional[int] = None, deepspeed_defaults: S
     lines += ["# derived"]
     d = derived_values(cfg)
     p, m, v = cfg.parallel.pp, d["micro_batches_per_flush"], cfg.pipeline.chunks
+    cp = cfg.parallel.cp
     lines += [f"world_size: {d['world_size']}",
-              f"dp_size: {d['dp_size']}  # world / (pp x tp) = {d['world_size']} / ({p} x {cfg.parallel.tp})",
-              f"micro_batches_per_flush: {m}  # = train.gradient_accumulation_steps",
+              f"dp_size: {d['dp_size']}  # world / (pp x tp" + (" x cp" if cp > 1 else "") + f") = {d['world_size']} / "
+              f"({p} x {cfg.parallel.tp}" + (f" x {cp}" if cp > 1 else "") + ")"]
+    if cp > 1:
+        lines += [f"context_parallel: {cp} ranks per sequence, {cfg.parallel.cp_method}  # each holds "
+                  f"{cfg.model.seq_len // cp if cfg.model.seq_len else 'seq_len / cp'} tokens (a head and a tail chunk); "
+                  f"gradients averaged and ZeRO sharded over dp x cp = {d['dp_size'] * cp}"]
+    lines += [f"micro_batches_per_flush: {m}  # = train.gradient_accumulation_steps",
               f"bubble_fraction: {d['bubble_fraction']}  # {cfg.pipeline.schedule}, p={p}, m={m}, v={v}"]
     lines += memory_prediction(cfg)
     lines += experts_lines(cfg, gpus_per_node)
