@@ -207,3 +207,15 @@ def test_context_parallel_refuses_a_built_module():
     """A user's nn.Module has its own attention, which cannot see tokens on other ranks: refused by name."""
     for message in run_ranks(_initialize_built_module, 2):
         assert message.startswith("parallel.cp=2: context parallelism splits each sequence inside megazero"), message
+
+
+def test_dry_run_checks_the_cp_ring_and_all_to_alls():
+    """The meta-device dry run of pp 2 x tp 2 x cp 2 (ring) simulates both cp ranks of the first and last stage,
+    matches their ring sends and receives, and finds no problem; Ulysses at cp 4 the same with all-to-alls."""
+    from megazero.run.dry_run import dry_run
+
+    out = dry_run("configs/debug_llama.yaml", ["parallel.pp=2", "parallel.tp=2", "parallel.cp=2", "data.path=null"], 8)
+    assert out["problems"] == [] and {0, 2, 4, 6} <= set(out["ranks"]), out["problems"]
+    out = dry_run("configs/debug_llama.yaml", ["parallel.pp=1", "parallel.tp=1", "parallel.cp=4",
+                                               "parallel.cp_method=ulysses", "data.path=null"], 4)
+    assert out["problems"] == [] and out["ranks"] == [0, 1, 2, 3]

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve
+from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve, topology_of
 from megazero.core.config.loading import read_file, read_tree
 from megazero.compat.dist_api import comms_logger
 from megazero.compat.dist_api import configure as configure_comms_logger
@@ -152,10 +152,7 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     if moe_layers:
         cfg = _with_expert_parallel(cfg, moe_layers, model)
     p = cfg.parallel
-    axes = tuple(p.order)
-    if p.cp > 1 and "cp" not in axes:  # context parallel: just outside tp (Megatron-Core's order)
-        axes = axes[:axes.index("tp")] + ("cp",) + axes[axes.index("tp"):]
-    topology = Topology(pp=p.pp, dp=p.dp, tp=p.tp, cp=p.cp, order=axes)
+    topology = topology_of(cfg)
     if p.cp > 1 and isinstance(model, nn.Module):
         raise ConfigError(f"parallel.cp={p.cp}: context parallelism splits each sequence inside megazero's own "
                           f"attention; pass a model spec (model.spec), not a built {type(model).__name__}")

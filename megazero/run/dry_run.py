@@ -25,7 +25,8 @@ tp (they differ only in which shard they hold), and the middle pipeline stages r
 as each other. So the dry run takes every pipeline stage at dp rank 0 and tp rank 0 (every boundary
 has both its ends, every stage its own peak) and, at the first and the last stage (the embedding,
 the head and their tied-weight group), dp rank dp-1 and tp rank tp-1 too: each dp and tp group
-there has two simulated members to compare. pp + 4 ranks; `every_stage=True` adds the two at every
+there has two simulated members to compare, and every cp rank (the ring of context parallelism). pp + 4
+ranks (+ 2·(cp−1)); `every_stage=True` adds the two at every
 stage (3 x pp), `ranks=` takes any set.
 
 Stand-ins for what depends on the data: MoE routing (with ep > 1 the all-to-all's split sizes are
@@ -132,13 +133,16 @@ def proof_ranks(topology, every_stage: bool = False) -> list[int]:
     """The ranks the dry run simulates: every pipeline stage at dp rank 0 and tp rank 0 (each
     boundary's two ends, each stage's peak), and a second member of its dp group (dp rank dp-1) and
     of its tp group (tp rank tp-1) at the first and the last stage, where stages differ (the
-    embedding, the head, the tied-weight group); with `every_stage`, at every stage."""
+    embedding, the head, the tied-weight group), with every member of its cp group there (context
+    parallelism: ring attention passes blocks from each cp rank to the next, so the whole ring is needed to
+    match every send); with `every_stage`, at every stage."""
     out = set()
     for pp in range(topology.pp):
         out.add(topology.rank(pp=pp))
         if every_stage or pp in (0, topology.pp - 1):
             out.add(topology.rank(pp=pp, dp=topology.dp - 1))
             out.add(topology.rank(pp=pp, tp=topology.tp - 1))
+            out.update(topology.rank(pp=pp, cp=c) for c in range(topology.size("cp")))
     return sorted(out)
 
 
@@ -179,15 +183,14 @@ def dry_run(config, overrides=(), world_size: int | None = None, ranks=None, pro
             every_stage: bool = False) -> dict:
     """Simulate `ranks` (default `proof_ranks`) of the layout; the report: per rank peak bytes, the
     planner's prediction per stage, and the problems found (`problems`: empty when none)."""
-    from megazero.core.topology import Topology
+    from megazero.core.config import topology_of
     from megazero.engine import load_run_config
 
     cfg = load_run_config(config, list(overrides), world_size=world_size)
     if cfg.model.moe is not None and cfg.model.moe.num_experts:
         raise DryRunError("model.moe: Mixture-of-Experts routing depends on the data and cannot run on the meta "
                           "device yet; dry-run the dense layout, or plan the MoE one with tools/plan.py")
-    p = cfg.parallel
-    topology = Topology(pp=p.pp, dp=p.dp, tp=p.tp, order=tuple(p.order))
+    topology = topology_of(cfg)
     world = topology.world_size
     ranks = sorted(ranks) if ranks is not None else proof_ranks(topology, every_stage)
     recorders, per_rank = {}, {}

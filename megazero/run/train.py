@@ -29,10 +29,9 @@ import signal
 import sys
 
 import megazero
-from megazero.core.config import Config, ConfigError, to_dict
+from megazero.core.config import Config, ConfigError, to_dict, topology_of
 from megazero.core.schedules import bubble_fraction
 from megazero.core.spec import SpecError
-from megazero.core.topology import Topology
 from megazero.engine import data_iterator, initialize_from_config, load_run_config
 from megazero.models import count_params
 from megazero.planner.from_config import memory_lines, predicted_memory
@@ -281,15 +280,15 @@ def _draw_schedule(run_dir: str) -> None:
 
 def _tracer(cfg: Config, rank: int) -> Tracer:
     """This rank's tracer; its grid coordinates come from the topology (no process group needed)."""
-    p = cfg.parallel
-    coords = Topology(pp=p.pp, dp=p.dp, tp=p.tp, order=tuple(p.order)).coords(rank)
+    topology = topology_of(cfg)
+    coords = topology.coords(rank)
     folder = os.path.join(cfg.run_dir, "trace")
     if rank == 0 and os.path.isdir(folder):  # an earlier run's traces (another world size) must not mix in;
         for name in os.listdir(folder):      # no rank writes before the end, after every rank's collectives
             if name.startswith("rank") and name.endswith(".json"):
                 os.remove(os.path.join(folder, name))
     return Tracer(os.path.join(folder, f"rank{rank}.json"), rank, coords.pp, coords.dp, coords.tp,
-                  p.pp * p.dp * p.tp)
+                  topology.world_size)
 
 
 def _log_line(cfg, rank, record, optimizer, bar, meter=None, checkpointer=None) -> None:

@@ -19,14 +19,14 @@ from .schema import (ActivationCheckpointingConfig, CheckpointConfig, CommConfig
                      PipelineConfig, SchedulerConfig, TraceConfig, TrainConfig, ZeroConfig, all_keys, get_key)
 from .supported import NOT_SUPPORTED, Unsupported, assert_supported, unsupported
 from .tree import build_config, check_tree, to_dict, to_yaml
-from .validate import derive_batch, layout_dp, resolve, validate
+from .validate import derive_batch, layout_dp, resolve, topology_of, validate
 
 __all__ = [
     "ActivationCheckpointingConfig", "CheckpointConfig", "CommConfig", "Config", "ConfigError", "DataConfig",
     "Fp16Config", "LogConfig", "ModelConfig", "NOT_SUPPORTED", "OffloadConfig", "OptimizerConfig",
     "ParallelConfig", "PipelineConfig", "SchedulerConfig", "TraceConfig", "TrainConfig", "Unsupported",
     "ZeroConfig", "all_keys", "assert_supported", "build_config", "check_tree",
-    "derive_batch", "derived_values", "explain", "from_deepspeed", "get_key", "is_deepspeed", "layout_dp",
+    "derive_batch", "derived_values", "explain", "from_deepspeed", "get_key", "is_deepspeed", "layout_dp", "topology_of",
     "load_config", "parse_overrides", "read_file", "read_tree", "resolve", "to_dict", "to_yaml", "translate",
     "unsupported", "validate",
 ]

@@ -11,11 +11,22 @@ import dataclasses
 from typing import Optional
 
 from ..schedules import SCHEDULES
+from ..topology import Topology
 from .checks import ALL_CHECKS, schedule_sizes
 from .errors import ConfigError
 from .schema import Config
 
 _MB, _GAS, _GB = "train.micro_batch_size", "train.gradient_accumulation_steps", "train.global_batch_size"
+
+
+def topology_of(cfg: Config) -> Topology:
+    """The rank grid of a resolved config: pp x dp x cp x tp in ``parallel.order``, cp (when the order does not
+    name it) just outside tp, as Megatron-Core lays it out."""
+    p = cfg.parallel
+    axes = tuple(p.order)
+    if p.cp > 1 and "cp" not in axes:
+        axes = axes[:axes.index("tp")] + ("cp",) + axes[axes.index("tp"):]
+    return Topology(pp=p.pp, dp=p.dp, tp=p.tp, cp=p.cp, order=axes)
 
 
 def layout_dp(cfg: Config, world_size: Optional[int]) -> Optional[int]:
