@@ -219,3 +219,18 @@ def test_dry_run_checks_the_cp_ring_and_all_to_alls():
     out = dry_run("configs/debug_llama.yaml", ["parallel.pp=1", "parallel.tp=1", "parallel.cp=4",
                                                "parallel.cp_method=ulysses", "data.path=null"], 4)
     assert out["problems"] == [] and out["ranks"] == [0, 1, 2, 3]
+
+
+def test_deepspeed_ulysses_keys_map_to_cp():
+    """DeepSpeed-Ulysses' sequence_parallel_size becomes parallel.cp with cp_method ulysses; its batch arithmetic
+    is DeepSpeed's (the data-parallel size is the world over sequence_parallel_size); a 16-bit gradient reduction
+    type is refused by name."""
+    from megazero.core.config import ConfigError, load_config
+
+    cfg = load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+                       "seq_parallel_communication_data_type": "fp32"}, world_size=4)
+    p, t = cfg.parallel, cfg.train
+    assert (p.cp, p.cp_method, p.dp, t.gradient_accumulation_steps) == (2, "ulysses", 2, 4)
+    with pytest.raises(ConfigError, match='seq_parallel_communication_data_type="bf16": not supported yet'):
+        load_config({"train_batch_size": 8, "sequence_parallel_size": 2, "seq_parallel_communication_data_type": "bf16"},
+                    world_size=4)

@@ -15,7 +15,8 @@ case contains it.
 * `covering_set(factors, allowed, seed)`: allowed cases such that every pair with a witness is in at
   least one of them; greedy (AETG-like): each new case starts from an uncovered pair, fills the other
   factors with the value that covers most uncovered pairs and, when that case is not allowed, takes
-  the pair's witness's values one factor at a time until it is. Pure: the same arguments give the same cases.
+  the pair's witness's values one factor at a time until it is; then the cases whose every pair another
+  kept case also covers are dropped. Pure: the same arguments give the same cases.
 """
 from __future__ import annotations
 
@@ -97,13 +98,16 @@ def _witness(pair: Pair, factors, allowed: _Cached, rng: random.Random, random_t
 
 
 def _from_found(pair: Pair, allowed: _Cached, found: Iterable[Case]) -> Case | None:
-    """A found witness holding one of the pair's values, with the other set too, if allowed."""
+    """A found witness with the pair's values set, if allowed: first those already holding one of them, then
+    any (a pair that needs several non-default values, such as an expert-parallel size, which needs the MoE
+    model and a data-parallel size it divides, shares them with a found witness more often than a random
+    case has them)."""
     (a, va), (b, vb) = pair
-    for case in found:
-        if case[a] == va or case[b] == vb:
-            case = case | {a: va, b: vb}
-            if allowed(case):
-                return case
+    found = list(found)
+    for case in [c for c in found if c[a] == va or c[b] == vb] + [c for c in found if c[a] != va and c[b] != vb]:
+        case = case | {a: va, b: vb}
+        if allowed(case):
+            return case
     return None
 
 
@@ -121,8 +125,21 @@ def find_witnesses(factors: Mapping[str, tuple], allowed: Callable[[Case], bool]
         if out[pair] is not None:
             found.setdefault(tuple(out[pair][n] for n in factors), out[pair])
     for pair in [p for p, w in out.items() if w is None]:  # again, from every witness found
-        out[pair] = _from_found(pair, check, list(found.values()))
+        out[pair] = _from_found(pair, check, list(found.values())) or _near_found(pair, factors, check,
+                                                                                   list(found.values()))
     return out
+
+
+def _near_found(pair: Pair, factors, allowed: _Cached, found: list[Case]) -> Case | None:
+    """A found witness holding one of the pair's values, with the other set and one more factor changed, if
+    allowed: a pair that needs three values together (the interleaved schedule with an expert-parallel size
+    needs two pipeline stages, which no MoE witness may have had)."""
+    (a, va), (b, vb) = pair
+    for case in [c for c in found if c[a] == va or c[b] == vb]:
+        for changed in _neighbours(case | {a: va, b: vb}, {a, b}, factors):
+            if allowed(changed):
+                return changed
+    return None
 
 
 def _contains(case: Case, pair: Pair) -> bool:
@@ -152,7 +169,25 @@ def covering_set(factors: Mapping[str, tuple], allowed: Callable[[Case], bool], 
                 best, best_gain = case, gain
         cases.append(best)
         uncovered -= pairs_in(best, factors)
-    return cases
+    return _without_redundant(cases, factors)
+
+
+def _without_redundant(cases: list[Case], factors) -> list[Case]:
+    """`cases` less those whose every pair another remaining case also covers (greedy picks early cases for
+    pairs that later cases cover again), dropped from the first on: the same pairs, fewer cases."""
+    count: dict[Pair, int] = {}
+    for case in cases:
+        for p in pairs_in(case, factors):
+            count[p] = count.get(p, 0) + 1
+    kept = []
+    for case in cases:
+        mine = pairs_in(case, factors)
+        if all(count[p] > 1 for p in mine):
+            for p in mine:
+                count[p] -= 1
+        else:
+            kept.append(case)
+    return kept
 
 
 def _repaired(case: Case, witness: Case, check: _Cached) -> Case:

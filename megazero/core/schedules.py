@@ -337,6 +337,26 @@ def bubble_fraction(name: str, num_stages: int, num_microbatches: int, chunks: i
     return simulate(get_schedule(name, num_stages, num_microbatches, chunks, costs), costs).bubble_fraction
 
 
+def with_loads_everywhere(program: Sequence[Instruction]) -> tuple[Instruction, ...]:
+    """`program` loading each micro-batch right before its first Forward here (once: a later load of it, the
+    last virtual stage's, is dropped), for a model whose every stage reads the micro-batch (packed documents:
+    the layers follow its documents). A stage's first forwards run in micro-batch order in every schedule, so
+    the loads still pull the data iterator in order."""
+    seen: set[int] = set()
+    out: list[Instruction] = []
+    for ins in program:
+        if isinstance(ins, LoadMicroBatch):
+            if ins.mb not in seen:
+                seen.add(ins.mb)
+                out.append(ins)
+            continue
+        if isinstance(ins, Forward) and ins.mb not in seen:
+            seen.add(ins.mb)
+            out.append(LoadMicroBatch(ins.mb))
+        out.append(ins)
+    return tuple(out)
+
+
 def splits_backward(programs: Sequence[Sequence[Instruction]]) -> bool:
     """Whether the programs run backward as separate B (input grad) and W (weight grad)."""
     return any(isinstance(ins, BackwardWeight) for program in programs for ins in program)

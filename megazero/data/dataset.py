@@ -9,6 +9,15 @@ a label exactly once per epoch:
     labels    = stream[i*seq_len + 1 : (i+1)*seq_len + 1]
 
 The tail that does not fill a whole sample is dropped. Pure (no process groups).
+
+Packed documents (``documents=True``, config ``data.packed_documents``): a sample also carries ``doc_ids``,
+the document of each input position (0 for the sample's first document, counting up; from the source's
+document offsets, so no end-of-document token is needed), and the label of the last position of each
+document but the sample's last, which would be the next document's first token, is ignored (-100): a
+model attending within documents (`megazero.models.packed`) cannot predict it.
+
+    doc_ids[j] = (document of token i*seq_len + j) - (document of token i*seq_len)
+    labels[j]  = -100 where doc_ids[j] differs from the document of token i*seq_len + j + 1
 """
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ class TokenSource(Protocol):
     prefix: str
     num_tokens: int
     vocab_size: int
+    doc_offsets: torch.Tensor  # (num_docs + 1,) token offsets: document d is tokens [doc_offsets[d], doc_offsets[d + 1])
 
     def tokens(self, start: int, length: int) -> torch.Tensor: ...
 
@@ -31,10 +41,11 @@ class TokenSampleDataset:
     """Samples of `seq_len` input tokens (and `seq_len` shifted labels) over `source`'s stream.
 
     ``len(ds) == (num_tokens - 1) // seq_len``; ``ds[i]`` is
-    ``{"input_ids": LongTensor(seq_len), "labels": LongTensor(seq_len)}``.
+    ``{"input_ids": LongTensor(seq_len), "labels": LongTensor(seq_len)}``, with `documents` also
+    ``"doc_ids": LongTensor(seq_len)`` and the cross-document labels ignored (module docstring).
     """
 
-    def __init__(self, source: TokenSource, seq_len: int):
+    def __init__(self, source: TokenSource, seq_len: int, documents: bool = False):
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
         if source.num_tokens < seq_len + 1:
@@ -44,6 +55,7 @@ class TokenSampleDataset:
         self.source = source
         self.seq_len = seq_len
         self.num_samples = (source.num_tokens - 1) // seq_len
+        self.documents = documents
 
     def __len__(self) -> int:
         return self.num_samples
@@ -53,7 +65,13 @@ class TokenSampleDataset:
             raise IndexError(f"sample {i} outside [0, {self.num_samples})")
         i %= self.num_samples
         window = self.source.tokens(i * self.seq_len, self.seq_len + 1)  # (seq_len + 1,)
-        return {"input_ids": window[:-1], "labels": window[1:]}
+        sample = {"input_ids": window[:-1], "labels": window[1:]}
+        if self.documents:
+            where = torch.arange(i * self.seq_len, (i + 1) * self.seq_len + 1)  # the window's stream positions
+            doc = torch.searchsorted(self.source.doc_offsets, where, right=True) - 1  # (seq_len + 1,)
+            sample["doc_ids"] = doc[:-1] - doc[0]
+            sample["labels"] = sample["labels"].masked_fill(doc[1:] != doc[:-1], -100)
+        return sample
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:

@@ -60,7 +60,7 @@ class MicroBatchIterator:
     def micro_batch(self, step: int, mb: int) -> dict[str, torch.Tensor]:
         """Micro-batch `mb` of optimizer step `step` for this dp rank (random access, no state change)."""
         samples = [self.dataset[self.order.index(p)] for p in self.positions(step, mb)]
-        return {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "labels")}  # (m, seq)
+        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}  # (m, seq) each
 
     def __iter__(self) -> "MicroBatchIterator":
         return self
@@ -108,13 +108,14 @@ class NoDataIterator:
 def build_data_iterator(path_prefix: str, seq_len: int, micro_batch_size: int,
                         gradient_accumulation_steps: int, dp_rank: int, dp_size: int, seed: int,
                         start_step: int = 0, needs_data: bool = True, shuffle: bool = True,
-                        model_vocab: Optional[int] = None):
+                        model_vocab: Optional[int] = None, documents: bool = False):
     """This rank's micro-batch iterator over ``<path_prefix>.bin/.idx``.
 
     Returns a `MicroBatchIterator` (see the module docstring for which samples a dp rank gets), or
     a `NoDataIterator` when `needs_data` is False: then the data files are not opened or even
     checked for existence. Arguments are validated on every rank alike. With `model_vocab` the
-    data's vocab is checked against the model's (`check_vocab`).
+    data's vocab is checked against the model's (`check_vocab`). With `documents` each micro-batch carries
+    its documents (`TokenSampleDataset`: ``doc_ids``, cross-document labels ignored).
 
     Raises DataPathError (one line naming the path and the preprocess command) if the files do not
     exist, ValueError if the corpus is shorter than one sample or the vocab does not fit.
@@ -127,7 +128,7 @@ def build_data_iterator(path_prefix: str, seq_len: int, micro_batch_size: int,
     source = IndexedTokens(path_prefix)
     if model_vocab is not None:
         check_vocab(source.vocab_size, model_vocab, source.tokenizer_name)
-    dataset = TokenSampleDataset(source, seq_len)
+    dataset = TokenSampleDataset(source, seq_len, documents=documents)
     return MicroBatchIterator(dataset, micro_batch_size, gradient_accumulation_steps, dp_rank, dp_size,
                               seed, start_step=start_step, shuffle=shuffle)
 

@@ -346,4 +346,5 @@ def _dataloader(cfg: Config, pctx: ParallelContext, module, engine, start_step: 
     from megazero.data import build_data_iterator
 
     return build_data_iterator(cfg.data.path, spec.seq_len, t.micro_batch_size, t.gradient_accumulation_steps,
-                               pctx.dp_rank, pctx.dp_size, t.seed, start_step=start_step, model_vocab=spec.vocab)
+                               pctx.dp_rank, pctx.dp_size, t.seed, start_step=start_step, model_vocab=spec.vocab,
+                               documents=cfg.data.packed_documents)

@@ -137,7 +137,8 @@ def build_model(cfg: Config, pctx: ParallelContext, device=None, wrap_block=None
                                 chunks=cfg.pipeline.chunks, device=device, wrap_block=wrap_block,
                                 activation_checkpointer=checkpointer,
                                 wgrad_store=WeightGradStore() if splits_backward(programs) else None,
-                                expert_tp=cfg.parallel.expert_tp, cp_method=cfg.parallel.cp_method)
+                                expert_tp=cfg.parallel.expert_tp, cp_method=cfg.parallel.cp_method,
+                                packed_documents=cfg.data.packed_documents)
 
 
 def loss_scaler(cfg: Config) -> LossScaler:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.core import instructions as I
-from megazero.core.schedules import forward_only, get_schedule, splits_backward
+from megazero.core.schedules import forward_only, get_schedule, splits_backward, with_loads_everywhere
 from megazero.core.simulate import peaks
 from megazero.engine.checkpointing import CheckpointMethods
 from megazero.data.repeating import RepeatingLoader
@@ -63,6 +63,9 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         programs = get_schedule(schedule, pctx.pp_size, num_microbatches, chunks)
         self.program = programs[pctx.pp_rank]
         self.eval_program = forward_only(pctx.pp_size, num_microbatches, pctx.pp_rank, chunks)
+        if getattr(module, "batch_everywhere", False):  # every stage reads the micro-batches (packed documents)
+            self.program = with_loads_everywhere(self.program)
+            self.eval_program = with_loads_everywhere(self.eval_program)
         self.device = torch.device(device)
         shape = module.activation_shape(micro_batch_size) if module.activation_shape is not None else None
         self.p2p = PipeP2P(pctx.pp_group, shape, dtype, self.device) if pctx.pp_size > 1 else None

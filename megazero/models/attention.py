@@ -33,6 +33,11 @@ Both take q (b, a/t, s, d), k and v (b, kv/t, s, d) and agree within 1e-6 in fp3
 Context parallelism (`lctx.cp_group` of cp > 1 ranks): the layer holds s/cp tokens, a head and a tail chunk
 of the sequence (`megazero.context_parallel.token_layout`); RoPE rotates them by their own positions and
 the core is `context_core`: ring attention or Ulysses over the cp group (`megazero.context_parallel`).
+
+Packed documents (`lctx.packed`, `megazero.models.packed`): every core attends within documents (SDPA and the
+reference core by a boolean mask, the context-parallel cores by the document ids) and RoPE rotates each token
+by its position within its document. The ids are read through `PackedDocuments.current`, so that a recompute
+uses its own micro-batch's.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ from torch import nn
 from megazero.context_parallel import ring_attention, token_layout, ulysses_attention
 from megazero.runtime import kernels
 from megazero.models.common import LayerContext
+from megazero.models.packed import document_mask, positions_in_documents
 from megazero.models.rope import RopeTables, apply_rope
 from megazero.tensor_parallel import (TP_STREAM, ColumnParallelLinear, Dropout, RowParallelLinear, ShardInfo,
                                       column_parallel_region)
@@ -129,6 +135,7 @@ class SelfAttention(nn.Module):
                                                        device=lctx.device), persistent=False)
             self.alibi_mask = lctx.alibi_bias or AlibiBias(slopes)  # the model's, shared by its layers
         self.cp_group, self.cp_method = lctx.cp_group, lctx.cp_method  # context parallel, or None
+        self.packed, self.decisions, self.site = lctx.packed, lctx.decisions, p  # packed documents, or None
         # None, or ``fn(core, q, k, v)`` that runs the core as a recompute region (selective checkpointing:
         # `ActivationCheckpointer.attention_core`, handed in through the LayerContext)
         self.core_checkpoint = lctx.attention_core(f"{p}.core") if lctx.attention_core is not None else None
@@ -155,13 +162,25 @@ class SelfAttention(nn.Module):
         attn_out = rearrange(attn_out, "b n s d -> s b (n d)")  # (s, b, a·d/t)
         return self.dropout(self.out(attn_out))
 
+    def _docs(self, what: str) -> torch.Tensor | None:
+        """Packed documents: the micro-batch's document ids (b, s) (the forward's again in a recompute); None."""
+        return None if self.packed is None else self.packed.current(self.decisions, f"{self.site}.{what}")
+
     def _rope_tables(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (n, d) for q's n tokens: positions 0..n-1, or with context parallelism this rank's."""
-        if self.cp_group is None:
-            return self.rope.get(q.shape[2], q.device, q.dtype)
-        seq = q.shape[2] * self.cp_group.size
-        mine = token_layout.positions(seq, self.cp_group.rank, self.cp_group.size, q.device)  # (s/cp,)
+        """cos and sin for q's n tokens: (n, d) for positions 0..n-1 or, with context parallelism, this rank's;
+        (b, 1, n, d) for positions within packed documents."""
+        cp = 1 if self.cp_group is None else self.cp_group.size
+        seq = q.shape[2] * cp
         cos, sin = self.rope.get(seq, q.device, q.dtype)  # (s, d)
+        docs = self._docs("rope")
+        if docs is not None:
+            pos = positions_in_documents(docs)  # (b, s)
+            if cp > 1:
+                pos = token_layout.take(pos, 1, self.cp_group.rank, cp)  # (b, s/cp)
+            return cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)  # (b, 1, n, d)
+        if cp == 1:
+            return cos, sin
+        mine = token_layout.positions(seq, self.cp_group.rank, cp, q.device)  # (s/cp,)
         return cos[mine], sin[mine]
 
     def context_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -170,19 +189,25 @@ class SelfAttention(nn.Module):
         or all-to-all (ulysses); see `megazero.context_parallel`."""
         fn = ring_attention if self.cp_method == "ring" else ulysses_attention
         slopes = self.alibi if self.position == "alibi" else None
-        return fn(q, k, v, self.cp_group, q.shape[2] * self.cp_group.size, slopes=slopes)
+        return fn(q, k, v, self.cp_group, q.shape[2] * self.cp_group.size, docs=self._docs("core"), slopes=slopes)
 
     def sdpa_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The fused core (no attention dropout): q (b, a/t, s, d), k and v (b, kv/t, s, d) -> (b, a/t, s, d).
         Query head i reads KV head i // (a/kv) (SDPA's enable_gqa: the same grouping as repeat_interleave)."""
         gqa = self.local_kv != self.local_heads
+        docs = self._docs("core")
         if self.position == "alibi":
             bias = self.alibi_mask.get(q.shape[2], q.device, q.dtype)  # (1, a/t, s, s), -inf above the diagonal
+            if docs is not None:  # and between documents
+                bias = bias.masked_fill(~document_mask(docs), float("-inf"))  # (b, a/t, s, s)
             if gqa and q.is_cuda:  # CUDA's kernel for float masks (memory-efficient) has no grouped-query mode
                 group = self.local_heads // self.local_kv
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (b, a/t, s, d)
                 gqa = False
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
+        if docs is not None:  # block-diagonal causal: (b, 1, s, s) boolean
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs),
+                                                                    enable_gqa=gqa)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
     def reference_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -200,6 +225,9 @@ class SelfAttention(nn.Module):
             bias = self.alibi.view(-1, 1, 1) * rel  # (a/t, s, s)
             scores = scores * scale + bias.to(scores.dtype)
             scale = 1.0
+        docs = self._docs("core")
+        if docs is not None:  # packed documents: nothing across a document boundary (the kernel masks above the diagonal)
+            scores = scores.masked_fill(~document_mask(docs), float("-inf"))
         probs = kernels.scaled_upper_triang_masked_softmax(scores, scale)  # (b, a/t, s, s)
         probs = self.probs_dropout(probs)
         return torch.matmul(probs, v)  # (b, a/t, s, d)

@@ -40,6 +40,7 @@ class LayerContext:
     alibi_bias: object | None = None  # position='alibi': the model's `attention.AlibiBias`, shared by its layers
     cp_group: GroupHandle | None = None  # context parallel: the ranks holding other tokens of the same sequences
     cp_method: str = "ring"  # how attention sees the whole sequence then: ring | ulysses (megazero.context_parallel)
+    packed: object | None = None  # packed documents: the model's `packed.PackedDocuments` (None: one document per sample)
 
     @property
     def tp_size(self) -> int:

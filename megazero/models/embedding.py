@@ -23,6 +23,7 @@ from torch import nn
 
 from megazero.context_parallel import token_layout
 from megazero.models.common import LayerContext, Norm
+from megazero.models.packed import positions_in_documents
 from megazero.tensor_parallel import VocabParallelEmbedding, make_param
 from megazero.tensor_parallel.mappings import enter_tp_region
 from megazero.tensor_parallel.weight_grad import linear
@@ -38,6 +39,7 @@ class EmbeddingLayer(nn.Module):
         spec = lctx.spec
         self.tp_group, self.sequence_parallel = lctx.tp_group, lctx.sequence_parallel
         self.cp_group = lctx.cp_group  # None: the whole sequence here
+        self.packed, self.decisions = lctx.packed, lctx.decisions  # packed documents: positions restart per document
         self.word = VocabParallelEmbedding(spec.vocab, spec.hidden, lctx.tp_group, vocab_align=spec.vocab_align,
                                            sequence_parallel=lctx.sequence_parallel, name=TIED_EMBEDDING,
                                            seed=lctx.seed, init_std=spec.init_std, device=lctx.device,
@@ -61,10 +63,16 @@ class EmbeddingLayer(nn.Module):
             if s > self.position.shape[0]:
                 raise ValueError(f"sequence length {s} exceeds the spec's seq_len={self.position.shape[0]} "
                                  f"(learned positions)")
-            pos = self.position[:s] if mine is None else self.position[mine]  # (s[/cp], h)
+            if self.packed is not None:  # each token's position within its document
+                within = positions_in_documents(self.packed.current(self.decisions, "embedding.docs"))  # (b, s)
+                if mine is not None:
+                    within = token_layout.take(within, 1, self.cp_group.rank, self.cp_group.size)  # (b, s/cp)
+                pos = self.position[within].transpose(0, 1)  # (s[/cp], b, h)
+            else:
+                pos = (self.position[:s] if mine is None else self.position[mine]).unsqueeze(1)  # (s[/cp], 1, h)
             if self.sequence_parallel and self.tp_group.size > 1:
-                pos = pos.chunk(self.tp_group.size, dim=0)[self.tp_group.rank]  # (s/t, h)
-            h = h + pos.unsqueeze(1)
+                pos = pos.chunk(self.tp_group.size, dim=0)[self.tp_group.rank]  # (s/t, ·, h)
+            h = h + pos
         if self.norm is not None:
             h = self.norm(h)  # (s, b, h) or (s/t, b, h): replicated params, sequence_parallel-marked
         return self.dropout(h)

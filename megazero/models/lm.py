@@ -27,6 +27,7 @@ from megazero.runtime.comm import GroupHandle, single_rank_group
 from megazero.models.attention import AlibiBias, alibi_slopes
 from megazero.models.block import TransformerBlock
 from megazero.models.common import LayerContext
+from megazero.models.packed import PackedDocuments
 from megazero.models.rope import RopeTables
 from megazero.models.embedding import EmbeddingLayer, HeadLayer
 from megazero.core.spec import ModelSpec
@@ -58,7 +59,8 @@ def layer_builders(spec: ModelSpec, tp_group: GroupHandle, *, seed: int = 0, seq
                    pp_rank: int = 0, wgrad_store: WeightGradStore | None = None,
                    attention_core: Callable[[str], Callable | None] | None = None,
                    ep_group: GroupHandle | None = None, expert_tp: int | None = None,
-                   decisions=None, cp_group: GroupHandle | None = None, cp_method: str = "ring") -> list[LayerBuilder]:
+                   decisions=None, cp_group: GroupHandle | None = None, cp_method: str = "ring",
+                   packed: PackedDocuments | None = None) -> list[LayerBuilder]:
     """The model's layers as lazy factories (see the module docstring). Validates the layout first.
 
     `tracker` holds the dropout streams; by default one seeded with (seed, tp rank, `pp_rank`) shared
@@ -71,6 +73,8 @@ def layer_builders(spec: ModelSpec, tp_group: GroupHandle, *, seed: int = 0, seq
     layer's aux-loss scale is set by the engine that runs it (`megazero.moe.layer.set_aux_loss_scale`).
     `cp_group` (context parallelism, more than one rank): each layer holds this rank's seq/cp tokens and attention
     sees the whole sequence by `cp_method` (`megazero.context_parallel`); None or one rank: the whole sequence.
+    `packed` (packed documents, `megazero.models.packed`): the holder of the current micro-batch's documents,
+    which attention and positions follow; None: one document per sample.
     """
     spec.validate_layout(tp_group.size, sequence_parallel)
     expert_tp_group = _expert_tp_group(tp_group, expert_tp)
@@ -85,7 +89,7 @@ def layer_builders(spec: ModelSpec, tp_group: GroupHandle, *, seed: int = 0, seq
         device = torch.device(device) if device is not None else torch.device("cpu")
         return LayerContext(spec, tp_group, seed, sequence_parallel and tp_group.size > 1, tracker, device, dtype,
                             wgrad_store, attention_core, rope, ep_group, expert_tp_group, decisions, alibi,
-                            cp_group if cp_group is not None and cp_group.size > 1 else None, cp_method)
+                            cp_group if cp_group is not None and cp_group.size > 1 else None, cp_method, packed)
 
     def block(i):
         return LayerBuilder(f"layers.{i}", "block", i, lambda device: TransformerBlock(make_lctx(device), i))

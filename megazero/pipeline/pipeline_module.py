@@ -116,6 +116,9 @@ class PipelineModule(nn.Module):
             groups its blocks into segments per chunk at construction.
         wgrad_store: the `WeightGradStore` the layers' linears were built with (zero bubble: their
             weight GEMMs move from B to W); None: W computes nothing the B did not already hold.
+        on_batch: ``on_batch(batch)`` before each chunk's forward, on every stage, with its micro-batch
+            (packed documents: the layers follow the micro-batch's documents); every stage then loads the
+            micro-batches (`batch_everywhere`). None: only the first and last virtual stage read them.
     """
 
     def __init__(self, layers, num_stages: int | None = None, stage: int | None = None, loss_fn=None,
@@ -123,7 +126,7 @@ class PipelineModule(nn.Module):
                  label_key: str = "labels", *, activation_checkpoint_interval: int = 0, topology=None,
                  seed_layers: bool = False, seed_fn=None, base_seed: int = 1234, activation_checkpoint_func=None,
                  checkpointable_layers=None, layer_infos=None, activation_shape=None, model_spec=None,
-                 activation_checkpointer=None, wgrad_store=None):
+                 activation_checkpointer=None, wgrad_store=None, on_batch=None):
         super().__init__()
         layers = list(layers)
         num_stages, stage = _stages(num_stages, stage, topology)
@@ -138,6 +141,7 @@ class PipelineModule(nn.Module):
         self.loss_fn, self.input_key, self.label_key = loss_fn, input_key, label_key
         self.activation_shape, self.model_spec = activation_shape, model_spec
         self.activation_checkpointer, self.wgrad_store = activation_checkpointer, wgrad_store
+        self.on_batch = on_batch
         infos = list(layer_infos) if layer_infos is not None else describe_layers(layers)
         if len(infos) != len(layers):
             raise ValueError(f"layer_infos has {len(infos)} entries for {len(layers)} layers")
@@ -184,6 +188,11 @@ class PipelineModule(nn.Module):
     def is_last(self, chunk: int) -> bool:
         return self.virtual_stage(chunk) == self.num_stages * self.chunks - 1
 
+    @property
+    def batch_everywhere(self) -> bool:
+        """Whether every stage reads the micro-batches (an `on_batch` hook), not only the first and the last."""
+        return self.on_batch is not None
+
     def as_batch(self, item) -> dict:
         """A micro-batch as the stages read it: a dict as it is, DeepSpeed's (inputs, labels) pair as
         {input_key: inputs, label_key: labels}."""
@@ -197,6 +206,8 @@ class PipelineModule(nn.Module):
     def forward_chunk(self, chunk: int, x, batch=None):
         """Run local chunk `chunk` on `x` (the micro-batch's input on the first virtual stage); with
         activation_checkpoint_interval, each run of that many layers is recomputed in backward."""
+        if self.on_batch is not None:
+            self.on_batch(batch)
         if self.is_first(chunk):
             x = batch[self.input_key]
         steps = list(zip(self.local_chunks[chunk], self._forward_fns[chunk]))

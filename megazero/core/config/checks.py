@@ -52,6 +52,13 @@ def check_parallel(cfg: Config) -> list[str]:
     return errs
 
 
+def check_data(cfg: Config) -> list[str]:
+    if cfg.data.packed_documents and cfg.data.path is None:
+        return ["data.packed_documents: needs documents, from data.path (a preprocessed corpus: its index records "
+                "each document's boundaries); synthetic tokens (data.path unset) have none"]
+    return []
+
+
 def check_context_parallel(cfg: Config) -> list[str]:
     """What context parallelism (parallel.cp > 1) refuses before the model is known (the model's own rules:
     `megazero.engine.factories.check_model_and_schedule`)."""
@@ -313,4 +320,4 @@ def check_resilience(cfg: Config) -> list[str]:
 
 
 ALL_CHECKS = (check_parallel, check_train, check_model, check_zero, check_precision, check_optimizer,
-              check_scheduler, check_activation_checkpointing, check_pipeline, check_misc, check_resilience)
+              check_scheduler, check_activation_checkpointing, check_pipeline, check_misc, check_resilience, check_data)

@@ -259,6 +259,9 @@ def translate(ds: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         if key not in flat:
             out[target] = value
             labels[target] = key
+    if isinstance(flat.get("sequence_parallel_size"), int) and flat["sequence_parallel_size"] > 1:
+        out["parallel.cp_method"] = "ulysses"  # DeepSpeed's sequence parallelism is Ulysses
+        labels["parallel.cp_method"] = "sequence_parallel_size"
     if expert_parallel and "expert_parallel.expert_tensor_parallel_size" not in flat:
         out["parallel.expert_tp"] = 1  # DeepSpeed's AutoEP default (megazero's own: the TP size)
         labels["parallel.expert_tp"] = "expert_parallel.expert_tensor_parallel_size"

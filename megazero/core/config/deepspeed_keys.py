@@ -91,6 +91,9 @@ fails on any other), and another is an error naming the key and the type's param
 | expert_parallel.preset_model, moe_layer_pattern, expert_pattern, router_pattern, expert_w1, expert_w2, expert_w3, num_experts_attr, top_k_attr, has_shared_experts, shared_experts_pattern, shared_experts_gate_pattern, expert_activation | - | no-op for any value: how DeepSpeed finds a Hugging Face model's MoE blocks; megazero's come from model.moe and the spec |
 | expert_parallel.use_grouped_mm, disable_triton_grouped_mm, gate_up_impl, combine_impl, row_weighting_impl, async_split_plan, validate_folding_routing, comm_num_sm, comm_qp_margin, comm_max_tokens_per_rank | - | no-op for any value: kernel and overlap choices, not what is computed |
 | use_data_before_expert_parallel_ | - | no-op when false (megazero's expert groups are consecutive data-parallel ranks, DeepSpeed's default) |
+| sequence_parallel_size | parallel.cp, with parallel.cp_method=ulysses | DeepSpeed-Ulysses (ALST): each sequence split over this many ranks, attention by all-to-alls; megazero runs it in its own attention, so the model must be a megazero spec |
+| data_parallel_size | parallel.dp | DeepSpeed's mesh with sequence_parallel_size |
+| seq_parallel_communication_data_type | - | no-op when "fp32" or null (megazero reduces gradients over dp x cp in fp32; the all-to-alls move the compute dtype) |
 """
 from __future__ import annotations
 
@@ -287,6 +290,11 @@ RULES: tuple[Rule, ...] = (
         "use_grouped_mm", "disable_triton_grouped_mm", "gate_up_impl", "combine_impl", "row_weighting_impl",
         "async_split_plan", "validate_folding_routing", "comm_num_sm", "comm_qp_margin", "comm_max_tokens_per_rank")),
     Rule("use_data_before_expert_parallel_", None, _off, note="data-parallel-major expert groups"),
+    # DeepSpeed-Ulysses (sequence parallelism over a mesh of data_parallel_size x sequence_parallel_size)
+    Rule("sequence_parallel_size", "parallel.cp"),
+    Rule("data_parallel_size", "parallel.dp"),
+    Rule("seq_parallel_communication_data_type", None, lambda v: v in (None, "fp32"),
+         note="16-bit gradient reductions over the sequence-parallel ranks; megazero's are fp32"),
 )
 
 DICT_SECTIONS = ("zero_optimization", _Z + "offload_optimizer", _Z + "offload_param", "fp16", "bf16",

@@ -125,6 +125,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: Optional[str] = None  # None = synthetic random tokens (tests, benchmarks)
+    packed_documents: bool = False  # attention within each document of a sample, positions restarting per document, the cross-document label ignored (Megatron's reset_attention_mask + reset_position_ids + eod_mask_loss)
     num_workers: int = 0
     tokenizer: str = "byte"
 
