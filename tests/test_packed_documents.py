@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megazero.data.dataset import TokenSampleDataset
-from megazero.data.indexed import InMemoryTokens
+from megazero.data.indexed import IndexedTokens, InMemoryTokens
 from megazero.models.packed import document_mask, positions_in_documents
 from tests.harness import run_ranks
 
@@ -121,3 +121,63 @@ def test_packed_documents_compose_with_context_parallelism(method):
     lengths = [5, 11, 3, 9, 5]
     for out in run_ranks(_per_token_losses, 2, "model_specs/llama.py:debug", method, 2, 32, lengths):
         assert _compare(out, lengths, 32) == 33  # every document compared
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """Real text in short documents: each non-empty line of a slice of the Python standard library is a document
+    (byte tokens; median 32 tokens with its end-of-document token), so a 32-token sample holds 1.7 documents on
+    average and boundaries fall anywhere, across cp chunks too."""
+    from megazero.data import demo_corpus, preprocess
+
+    prefix = str(tmp_path_factory.mktemp("short_docs") / "lines")
+    preprocess(lambda: (line for text in demo_corpus(60_000) for line in text.split("\n") if line.strip()), prefix)
+    return prefix
+
+
+PARITY_LAYOUTS = [  # (name, parallel and other overrides): each against the serial run of the same packed data
+    ("cp2-ring-pp4-zb-h1", {"parallel": {"pp": 4, "cp": 2}, "pipeline": {"schedule": "zb-h1"}}),  # middle stages
+    ("cp2-ulysses-tp2-sp-zero3-full", {"parallel": {"tp": 2, "cp": 2, "cp_method": "ulysses", "sequence_parallel": True},
+                                       "zero": {"stage": 3}, "activation_checkpointing": {"policy": "full"}}),
+    ("pp2-interleaved-dp2-selective", {"parallel": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "interleaved", "chunks": 2},
+                                       "activation_checkpointing": {"policy": "selective"}}),
+]
+
+
+def _packed_config(corpus, extra):
+    cfg = {"precision": "fp32", "gradient_clipping": 1.0,
+           "model": {"spec": "model_specs/llama.py:debug", "layers": 4, "seq_len": 32},
+           "train": {"micro_batch_size": 1, "global_batch_size": 4, "seed": 1234},
+           "optimizer": {"type": "adamw", "lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01},
+           "data": {"path": corpus, "packed_documents": True}, "log": {"interval": 1000}}
+    for section, values in extra.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    return cfg
+
+
+@pytest.mark.parametrize("name,extra", PARITY_LAYOUTS, ids=[n for n, _ in PARITY_LAYOUTS])
+def test_packed_documents_train_like_one_process(name, extra, short_documents):
+    """Real text in short documents, packed: each layout's per-step losses, gradient norms, first-step gradients
+    and parameters equal the serial run's within the fp32 tolerances (megazero.run.parity)."""
+    from megazero.core.config import topology_of
+    from megazero.engine import load_run_config
+    from megazero.run.parity import compare, format_rows, merge_reports, run_layout, serial_overrides
+
+    cfg = _packed_config(short_documents, extra)
+    samples = [TokenSampleDataset(IndexedTokens(short_documents), 32, documents=True)[i] for i in range(8)]
+    assert sum(int(s["doc_ids"].max()) for s in samples) >= 4  # the corpus's samples hold boundaries
+    p = extra["parallel"]
+    world = p.get("pp", 1) * p.get("tp", 1) * p.get("dp", 1) * p.get("cp", 1)
+    assert topology_of(load_run_config(cfg, world_size=world)).world_size == world
+    reference = merge_reports(run_ranks(run_layout, 1, cfg, serial_overrides(4), 2, timeout=300))
+    result = merge_reports(run_ranks(run_layout, world, cfg, (), 2, timeout=300))
+    rows = compare(result, reference)
+    assert all(r["ok"] for r in rows), f"{name}\n{format_rows(rows)}"
+
+
+def test_packed_documents_need_a_corpus():
+    from megazero.core.config import ConfigError
+    from megazero.engine import load_run_config
+
+    with pytest.raises(ConfigError, match="data.packed_documents: needs documents, from data.path"):
+        load_run_config("configs/debug_llama.yaml", ["data.path=null", "data.packed_documents=true"], world_size=4)
