@@ -11,8 +11,10 @@ All runs train on real text (the corpus fixture: the Python standard library as 
   every rank's working weights.
 - Resharding: saved at pp2 x tp2 x dp2 with ZeRO-1, loaded at pp1 x tp4 x dp2 (ZeRO-2), pp4 x tp1 x dp2
   (ZeRO-3), one process (ZeRO-0), pp2 x tp2 x dp2 with another axis order, with 2 interleaved chunks
-  (ZeRO-2), and pp2 x dp4 with an uneven partition (ZeRO-3); the next steps equal the uninterrupted
-  run within 1e-5 relative (master weights, Adam moments, step count, LR schedule).
+  (ZeRO-2), pp2 x dp4 with an uneven partition (ZeRO-3), and with context parallelism: tp2 x cp2 x dp2
+  (ZeRO-3, Ulysses) and pp2 x cp4 (ZeRO-1, ring); saved at tp2 x cp2 x dp2 with ZeRO-2, loaded in one
+  process and at cp4 x dp2 (ZeRO-3). The next steps equal the uninterrupted run within 1e-5 relative
+  (master weights, Adam moments, step count, LR schedule).
 - The files: one per rank plus a manifest; nothing is left in <tag>.tmp; `latest` names the tag.
 - A model that does not match the checkpoint gets one error naming the tensor, on every rank; a
   truncated, corrupted (header) or deleted shard gets one naming the file, on every rank.
@@ -41,9 +43,9 @@ BASE = {"model": {"spec": "model_specs/gpt.py:debug", "layers": 4, "vocab": 257}
         "zero": {"reduce_bucket_size": 5000, "param_persistence_threshold": 0}}
 
 
-def config(corpus, pp=2, tp=2, stage=1, order=None, **extra):
-    """A run on the real-text corpus (byte tokens) at pp x tp x (world / pp / tp) with ZeRO `stage`."""
-    parallel = {"pp": pp, "tp": tp, **({"order": order} if order else {})}
+def config(corpus, pp=2, tp=2, stage=1, order=None, cp=1, **extra):
+    """A run on the real-text corpus (byte tokens) at pp x tp x cp x (world / pp / tp / cp) with ZeRO `stage`."""
+    parallel = {"pp": pp, "tp": tp, "cp": cp, **({"order": order} if order else {})}
     return dict(BASE, parallel=parallel, zero=dict(BASE["zero"], stage=stage), data={"path": corpus}, **extra)
 
 
@@ -139,10 +141,39 @@ def test_another_layout_continues_the_run(saved, pp, tp, dp, stage, order, pipel
     path, whole, corpus = saved
     cfg = config(corpus, pp, tp, stage, order, **({"pipeline": pipeline} if pipeline else {}))
     losses, norms = run_ranks(train, pp * tp * dp, cfg, STEPS, None, path, timeout=300)[0]
+    _close(losses, norms, whole, f"pp{pp} tp{tp} dp{dp} ZeRO-{stage} {order or ''} {pipeline or ''}")
+
+
+def _close(losses, norms, whole, name):
     for got, want in ((losses, whole[0][STEPS:]), (norms, whole[1][STEPS:])):
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-        print(f"pp{pp} tp{tp} dp{dp} ZeRO-{stage} {order or ''} {pipeline or ''}: worst relative {worst:.2e}")
+        print(f"{name}: worst relative {worst:.2e}")
         assert worst <= 1e-5, (worst, got, want)
+
+
+@pytest.mark.parametrize("pp, tp, cp, dp, stage, method", [(1, 2, 2, 2, 3, "ulysses"), (2, 1, 4, 1, 1, "ring")])
+def test_a_context_parallel_layout_continues_the_run(saved, pp, tp, cp, dp, stage, method):
+    """The pp2 x tp2 x dp2 checkpoint continues with context parallelism: cp shards nothing of the model (its
+    ranks hold the same parameters), and ZeRO's shards over dp x cp are cut from the saved logical tensors."""
+    path, whole, corpus = saved
+    cfg = config(corpus, pp, tp, stage, cp=cp)
+    cfg["parallel"]["cp_method"] = method
+    losses, norms = run_ranks(train, pp * tp * cp * dp, cfg, STEPS, None, path, timeout=300)[0]
+    _close(losses, norms, whole, f"pp{pp} tp{tp} cp{cp} ({method}) dp{dp} ZeRO-{stage}")
+
+
+def test_a_context_parallel_checkpoint_loads_in_other_layouts(corpus, tmp_path):
+    """Saved at tp2 x cp2 x dp2 with ZeRO-2 (its optimizer states sharded over dp x cp = 4 ranks), then loaded in
+    the same layout (bit-identical: the manifest records cp, so each rank takes back its own state and random
+    streams), in one process and at cp4 x dp2 with ZeRO-3: the next steps equal the uninterrupted cp run's."""
+    cfg = config(corpus, 1, 2, 2, cp=2)
+    whole = run_ranks(train, 8, cfg, 2 * STEPS, str(tmp_path), None, STEPS, timeout=300)[0]
+    assert json.loads((tmp_path / f"step{STEPS}" / "manifest.json").read_text())["layout"]["cp"] == 2
+    again = run_ranks(train, 8, cfg, STEPS, None, str(tmp_path), timeout=300)[0]
+    assert again[0] == whole[0][STEPS:] and again[1] == whole[1][STEPS:]
+    for layout, world in ((config(corpus, 1, 1, 0), 1), (config(corpus, 1, 1, 3, cp=4), 8)):
+        losses, norms = run_ranks(train, world, layout, STEPS, None, str(tmp_path), timeout=300)[0]
+        _close(losses, norms, whole, f"{layout['parallel']} ZeRO-{layout['zero']['stage']}")
 
 
 def test_another_model_is_refused_on_every_rank(saved):

@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     elements = sum(numel(((), tuple(rec["shape"]))) for rec in tensors.values())
     print(f"checkpoint {path}")
     print(f"  format   {m['format']}, step {m['step']}")
-    print(f"  written  pp={lay['pp']} x tp={lay['tp']} x dp={lay['dp']}, order {','.join(lay['order'])}, "
+    cp = f" x cp={lay['cp']}" if lay.get("cp", 1) > 1 else ""
+    print(f"  written  pp={lay['pp']} x tp={lay['tp']} x dp={lay['dp']}{cp}, order {','.join(lay['order'])}, "
           f"ZeRO-{lay['zero_stage']}")
     opt = m["optimizer"]
     if opt is None:

@@ -261,7 +261,8 @@ def _meta(step, module, pctx, optimizer, lr_scheduler, config, client_state, eng
     t = pctx.topology
     spec = getattr(module, "model_spec", None)
     meta = {"format": FORMAT, "step": step,
-            "layout": {"pp": t.pp, "tp": t.tp, "dp": t.dp, "order": list(t.order), "zero_stage": optimizer.stage},
+            "layout": {"pp": t.pp, "tp": t.tp, "dp": t.dp, "cp": t.size("cp"), "order": list(t.order),
+                       "zero_stage": optimizer.stage},
             "kinds": list(kinds), "rng": True, "model": dataclasses.asdict(spec) if spec is not None else None,
             "optimizer": {"step_count": optimizer.step_count, "param_groups": optimizer.hyperparameters(),
                           "scaler": optimizer.scaler.state_dict(), "skipped_steps": optimizer.skipped_steps},
@@ -381,8 +382,9 @@ def load(path: str, module, optimizer, pctx, lr_scheduler=None, load_optimizer_s
 
 def _same_layout(manifest, pctx, optimizer) -> bool:
     t = pctx.topology
-    return manifest["layout"] == {"pp": t.pp, "tp": t.tp, "dp": t.dp, "order": list(t.order),
-                                  "zero_stage": optimizer.stage}
+    saved = {"cp": 1, **manifest["layout"]}  # checkpoints from before context parallelism: cp 1
+    return saved == {"pp": t.pp, "tp": t.tp, "dp": t.dp, "cp": t.size("cp"), "order": list(t.order),
+                     "zero_stage": optimizer.stage}
 
 
 def read_manifest(path: str) -> dict:

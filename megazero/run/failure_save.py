@@ -115,7 +115,7 @@ def _assemble(folder: str, step: int) -> tuple[str | None, dict | None]:
             if covered < numel(([0] * len(record["shape"]), record["shape"])):
                 return f"{kind} of {name}: {covered} of its elements were held by the ranks still alive", None
     layout = metas[0]["layout"]
-    world = layout["pp"] * layout["tp"] * layout["dp"]
+    world = layout["pp"] * layout["tp"] * layout["dp"] * layout.get("cp", 1)
     rng = len(parts) == world and all(m["rng"] for m in metas)  # a dead rank's random states are lost
     manifest = dict(metas[0], tensors=tensors, rng=rng)
     return None, manifest
