@@ -175,7 +175,8 @@ CONFIG_ERRORS = [  # (overrides, world size, words of the error): refused before
     (["parallel.cp=2", "parallel.cp_method=rings"], 2, ["parallel.cp_method: 'rings' is not valid", "ring, ulysses"]),
     (["parallel.cp=3"], 4, ["parallel.pp x parallel.tp x parallel.cp = 1 x 1 x 3 = 3 does not divide world size 4"]),
     (["parallel.cp=2", "zero.stage=3", "zero.hpz_partition_size=2"], 4, ["zero.hpz_partition_size=2 with parallel.cp=2"]),
-    (["parallel.cp=2", "model.spec=model_specs/llama.py:debug-moe"], 2, ["parallel.cp=2: not supported with model.moe"]),
+    (["parallel.cp=2", "model.spec=model_specs/llama.py:debug-moe", "model.moe.capacity_factor=1.25"], 2,
+     ["model.moe.capacity_factor=1.25 with parallel.cp=2", "use no capacity (null)"]),
 ]
 
 

@@ -41,19 +41,13 @@ IMPOSSIBLE = {
     (("ep", 2), ("sequence_parallel", True)): "parallel.ep=2: expert parallelism needs a Mixture-of-Experts model",
     (("sequence_parallel", True), ("model", "moe")): "parallel.sequence_parallel: not supported with model.moe",
     (("tp", 1), ("expert_tp", "1")): "expert_tp=1 at tp=1: the default layout",
-    # context parallelism: the world limit, ulysses only at cp > 1, no dropout, no MoE (and so no ep) yet
+    # context parallelism: the world limit, ulysses only at cp > 1, no dropout
     (("dp", 4), ("cp", 4)): "world size 16", (("pp", 3), ("cp", 4)): "world size 12",
     (("pp", 4), ("cp", 4)): "world size 16", (("tp", 4), ("cp", 4)): "world size 16",
     (("cp", 1), ("cp_method", "ulysses")): "cp_method=ulysses at cp=1: the default layout",
     (("cp", 2), ("dropout", 0.1)): "model.dropout: 0.1 with parallel.cp=2",
     (("cp", 4), ("dropout", 0.1)): "model.dropout: 0.1 with parallel.cp=4",
-    (("cp", 2), ("model", "moe")): "parallel.cp=2: not supported with model.moe",
-    (("cp", 4), ("model", "moe")): "parallel.cp=4: not supported with model.moe",
-    (("cp", 2), ("ep", 2)): "parallel.ep=2: expert parallelism needs a Mixture-of-Experts model",
-    (("cp", 4), ("ep", 2)): "parallel.ep=2: expert parallelism needs a Mixture-of-Experts model",
     (("cp_method", "ulysses"), ("dropout", 0.1)): "cp_method=ulysses at cp=1: the default layout",
-    (("cp_method", "ulysses"), ("ep", 2)): "cp_method=ulysses at cp=1: the default layout",
-    (("cp_method", "ulysses"), ("model", "moe")): "cp_method=ulysses at cp=1: the default layout",
 }
 
 

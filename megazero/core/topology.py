@@ -182,6 +182,14 @@ class Topology:
         over which expert gradients are reduced. ``Topology(dp=4).expert_data_groups(2) == [[0, 2], [1, 3]]``."""
         return [g[j::ep] for g in self._dp_runs(ep) for j in range(ep)]
 
+    def expert_data_cp_groups(self, ep: int) -> list[list[int]]:
+        """With context parallelism, the ranks holding the same experts: those of `expert_data_groups` and their
+        cp peers (which route other tokens of the same sequences to the same experts), over which expert
+        gradients are reduced. ``Topology(dp=2, cp=2).expert_data_cp_groups(2) == [[0, 1], [2, 3]]``."""
+        self._dp_runs(ep)  # validates ep
+        return [sorted(r for r in g if self.coords(r).dp % ep == j)
+                for g in self.axis_groups("dp", "cp") for j in range(ep)]
+
     def _dp_runs(self, ep: int) -> list[list[int]]:
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or self.dp % ep:
             raise ValueError(f"parallel.ep={ep!r} must be a positive integer dividing dp={self.dp}")

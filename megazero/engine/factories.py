@@ -73,7 +73,7 @@ def _check_partition(spec, cfg: Config) -> None:
 def _check_context_parallel(spec, cfg: Config) -> None:
     """What context parallelism (parallel.cp > 1) needs of the model: a sequence of 2·cp equal chunks (each
     split again over tp under sequence parallelism); with Ulysses, query heads per tp rank divisible by cp; no
-    dropout (its masks are drawn per whole sequence); no MoE yet."""
+    dropout (its masks are drawn per whole sequence); MoE without capacity (counted per whole sequence)."""
     p = cfg.parallel
     if p.cp < 2:
         return
@@ -90,9 +90,10 @@ def _check_context_parallel(spec, cfg: Config) -> None:
     if spec.dropout or spec.attention_dropout:
         errs.append(f"model.dropout: {max(spec.dropout, spec.attention_dropout)} with parallel.cp={p.cp}: dropout "
                     f"masks are drawn per whole sequence, which no cp rank holds; use 0 with context parallelism")
-    if spec.moe is not None:
-        errs.append(f"parallel.cp={p.cp}: not supported with model.moe yet (experts are laid out over dp ranks, not "
-                    f"dp x cp); use cp 1 for a Mixture-of-Experts model")
+    if spec.moe is not None and spec.moe.capacity_factor is not None:
+        errs.append(f"model.moe.capacity_factor={spec.moe.capacity_factor} with parallel.cp={p.cp}: an expert's "
+                    f"capacity is counted over each whole sequence, which no cp rank holds (not supported yet); "
+                    f"use no capacity (null) with context parallelism")
     if errs:
         raise ConfigError("; ".join(errs))
 

@@ -72,7 +72,7 @@ def moe_mlp(lctx: LayerContext, index: int) -> nn.Module:
     return nn.Sequential(MoELayer(spec.moe, spec.hidden, lctx.ep_group or single_rank_group("ep"),
                                   f"layers.{index}.mlp", lctx.seed, spec.init_std, lctx.output_std, lctx.device,
                                   lctx.dtype, expert_tp_group=lctx.expert_tp_group, bias=spec.bias,
-                                  decisions=lctx.decisions),
+                                  decisions=lctx.decisions, cp_group=lctx.cp_group),
                          lctx.hidden_dropout(f"layers.{index}.mlp.dropout", spec.dropout))
 
 

@@ -141,16 +141,18 @@ class MoELayer(nn.Module):
     `decisions`: an activation checkpointer's record of discrete choices
     (`megazero.activation_checkpoint.region.Decisions`): under recompute the replayed forward reuses
     the original forward's `DispatchPlan` instead of routing again, so the all-to-all splits cannot
-    change between the two (None: always route).
+    change between the two (None: always route). `cp_group`: with context parallelism, the ranks holding the
+    other s/cp-token parts of the sequences (the load-balancing loss is the whole sequence's; `route`).
     After each forward, `last_routing` holds that forward's `Routing` (statistics for the metrics)."""
 
     def __init__(self, spec: MoESpec, hidden: int, ep_group: GroupHandle, name: str, seed: int,
                  init_std: float = 0.02, out_std: float | None = None, device=None, dtype=torch.float32,
                  aux_scale: Callable[[], float] | None = None, expert_tp_group: GroupHandle | None = None,
-                 bias: bool = False, decisions=None):
+                 bias: bool = False, decisions=None, cp_group: GroupHandle | None = None):
         super().__init__()
         spec.check(ep_group.size)
         self.spec, self.ep_group, self.decisions = spec, ep_group, decisions
+        self.cp_group = cp_group  # context parallel: the sequences' other tokens are there (the aux loss's sums)
         self.aux_scale = aux_scale if aux_scale is not None else AuxLossScale()  # the engine sets it per step
         self.name = name  # layers.<i>.mlp
         E, P = spec.num_experts, ep_group.size
@@ -177,7 +179,7 @@ class MoELayer(nn.Module):
             plan = self._plan(logits, s)
         else:  # recorded in a checkpointed forward, replayed in its recompute
             plan = self.decisions.remember(self.name, lambda: self._plan(logits, s))
-        r = route(logits, s, self.spec, plan.decision)
+        r = route(logits, s, self.spec, plan.decision, self.cp_group)
         if self.decisions is None or not self.decisions.replaying:  # statistics of the forward, not its recompute
             self.last_routing = dataclasses.replace(r, weights=r.weights.detach(), aux_loss=r.aux_loss.detach(),
                                                     z_loss=r.z_loss.detach())  # holds no graph

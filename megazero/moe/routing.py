@@ -4,7 +4,10 @@ assignments fit each expert's capacity, and the load-balancing and z losses.
 
 Tokens come as rows ``(b·s, h)`` with sequence j in rows ``j·s .. j·s+s−1``; capacity and both
 losses are per sequence (see `megazero.core.moe_spec`), so a sequence routes the same way in any
-layout.
+layout. With context parallelism (`cp_group`) a rank holds s/cp tokens of each sequence: the load-balancing
+loss's per-sequence counts and mean probabilities are summed over the cp group (two all-reduces of (b, E),
+the probabilities' with their gradient, `megazero.context_parallel.sum_over`); capacity is not supported
+there yet (the engine refuses it).
 
 Two parts: `decide` makes the discrete choice (which experts, which assignments are kept) without
 autograd; `route` computes what is differentiable from the logits (the weights, gathered at the chosen
@@ -18,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megazero.context_parallel.sum_over import sum_over
 from megazero.core.moe_spec import MoESpec
+from megazero.runtime import comm
 
 
 @dataclass
@@ -75,11 +80,14 @@ def decide(logits: torch.Tensor, seq_len: int, spec: MoESpec) -> Decision:
     return Decision(indices, keep)
 
 
-def route(logits: torch.Tensor, seq_len: int, spec: MoESpec, decision: Decision | None = None) -> Routing:
+def route(logits: torch.Tensor, seq_len: int, spec: MoESpec, decision: Decision | None = None,
+          cp_group: comm.GroupHandle | None = None) -> Routing:
     """Route tokens whose router logits are `logits` (b·s, E), fp32, as `decision` says (default:
     `decide` on these logits): the weights are the scores at the chosen experts (renormalised over
     the k when ``normalize_topk`` and k > 1; with k = 1 the score itself, as Switch: else the weight is
-    always 1 and the language-model loss would give the router no gradient)."""
+    always 1 and the language-model loss would give the router no gradient). `cp_group`: the ranks holding the
+    sequences' other tokens (context parallelism; `seq_len` is then this rank's s/cp): the aux loss is the whole
+    sequence's (module docstring)."""
     E = spec.num_experts
     b = logits.shape[0] // seq_len
     d = decision if decision is not None else decide(logits, seq_len, spec)
@@ -88,9 +96,13 @@ def route(logits: torch.Tensor, seq_len: int, spec: MoESpec, decision: Decision 
     weights = top / top.sum(-1, keepdim=True) if spec.normalize_topk and spec.top_k > 1 else top
     # per-sequence load balancing: f_e (share of the k·s assignments, before dropping) · P_e (mean probability)
     _, chose = _choices(d.indices, seq_len, E)
-    f = chose.sum(1) / (seq_len * spec.top_k)  # (b, E)
+    cp = 1 if cp_group is None else cp_group.size
+    counts = chose.sum(1)  # (b, E)
+    if cp > 1:  # the whole sequence's assignments (no gradient)
+        comm.all_reduce(counts, cp_group)
+    f = counts / (seq_len * cp * spec.top_k)  # (b, E)
     p = probs if spec.score == "softmax" else probs / probs.sum(-1, keepdim=True)
-    P = p.view(b, seq_len, E).mean(1)  # (b, E)
+    P = sum_over(p.view(b, seq_len, E).sum(1), cp_group) / (seq_len * cp)  # (b, E): the sequence's mean
     aux = (E * (f * P).sum(-1)).mean()
     z = torch.logsumexp(logits, dim=-1).square().mean()
     with torch.no_grad():  # counted on the device (bincount and mask indexing would wait for it)

@@ -166,10 +166,10 @@ def case_name(case: dict) -> str:
     return "-".join([layout] + rest)
 
 
-SEED = 5
+SEED = 4
 """The covering set's seed. With cp and cp_method added (world = pp·tp·dp·cp ≤ 8) the greedy set of 64 candidates
 per case took 51-75 cases over seeds 0-11; dropping the cases whose pairs later cases cover again
-(`pairwise.covering_set`) leaves 48-49 at seeds 0, 3 and 5; seed 5's 48 cases run 277 ranks in all."""
+(`pairwise.covering_set`) leaves 46-54 over seeds 0-5; seed 4's 46 cases run 279 ranks in all."""
 
 
 def pairwise_cases(seed: int = SEED, witnesses=None) -> list[dict]:

@@ -31,7 +31,8 @@ class ParallelContext:
     cp is 1; the data is split over ``dp_group`` only);
     ``embedding_group`` (first + last pipeline stage),
     ``ep_group`` (expert parallel: `ep` consecutive dp ranks, which hold different experts) and
-    ``edp_group`` (expert data parallel: the dp ranks holding the same experts; dp / ep of them),
+    ``edp_group`` (expert data parallel: the dp ranks holding the same experts; dp / ep of them) and
+    ``edp_cp_group`` (those and their cp peers, over which expert gradients are reduced: ``edp_group`` at cp 1),
     ``world_group`` (every rank: the default process group itself, for global norms and agreement),
     ``background_group`` (every rank again, a gloo group of its own, built by its first use, which every
     rank makes together: an asynchronous checkpoint agrees and commits over it from a background thread,
@@ -92,6 +93,8 @@ class ParallelContext:
         self.embedding_group = self._build("embedding", topology.embedding_groups())
         self.ep_group = self._build("ep", topology.expert_groups(ep))
         self.edp_group = self._build_data_parallel("edp", topology.expert_data_groups(ep))
+        self.edp_cp_group = self.edp_group if topology.size("cp") == 1 else \
+            self._build_data_parallel("edp_cp", topology.expert_data_cp_groups(ep))
         self.hpz_group = self._build("hpz", topology.data_parallel_runs(hpz))  # ZeRO++ hpZ: k consecutive dp ranks
         self.world_group = self._world(world)
         self._background: GroupHandle | None = None

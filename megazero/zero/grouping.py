@@ -27,7 +27,7 @@ def make_groups(params, pctx, stage: int, units, bucket: int, offload_opt: bool,
         for p in mod.parameters():
             unit_of.setdefault(id(p), u)
     if experts:  # reduced over the expert-data-parallel group, averaged over all of dp (see FlatGroup)
-        edp = getattr(pctx, "edp_group", dp)
+        edp = getattr(pctx, "edp_cp_group", dp)  # the ranks holding these experts: (dp / ep) x cp
         if stage == 3 and all(id(p) in unit_of for p in experts):  # sharded and gathered per unit too
             experts, cuts = _by_unit(experts, unit_of)
             groups.append(FlatGroup("experts", experts, edp, 3, bucket, cuts, True, offload_param or offload_opt,
