@@ -58,28 +58,18 @@ class _Ring:
         return recv
 
 
-def _grouped(x: torch.Tensor, kv: int) -> torch.Tensor:
-    """(b, h, n, d) query-like -> (b, kv, g·n, d): the g = h/kv query heads of each KV head as rows."""
-    b, h, n, d = x.shape
-    return x.reshape(b, kv, (h // kv) * n, d)
-
-
-def _ungrouped(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """(b, kv, g·n, d) -> (b, heads, n, d)."""
-    b, kv, rows, d = x.shape
-    return x.reshape(b, heads, rows * kv // heads, d)
-
-
 class _Blocks:
     """The masks and biases of one call: positions, documents, ALiBi slopes, for the (query chunk, key chunk)
     pairs. `pairs(src)` lists, for the key/value block of cp rank `src`, each pair to compute as
-    (query slice, key slice, additive mask or None)."""
+    (query chunk index, key slice, causal, mask): `causal` when the two chunks are the same positions; `mask`
+    is None for a pair of plain causal attention (documents and ALiBi need one: `mask_of`)."""
 
     def __init__(self, seq: int, rank: int, cp: int, heads: int, kv: int, docs, slopes, device):
         self.seq, self.cp, self.heads, self.kv, self.device = seq, cp, heads, kv, device
         self.c = seq // (2 * cp)  # tokens per chunk
         self.rank, self.docs, self.slopes = rank, docs, slopes
         self.q_chunks = layout.chunks_of(rank, cp)
+        self.plain = docs is None and slopes is None  # causal attention alone: no mask tensor needed
 
     def pairs(self, src: int):
         c, out = self.c, []
@@ -87,27 +77,44 @@ class _Blocks:
             for b, kk in enumerate(layout.chunks_of(src, self.cp)):
                 if kk > qk:
                     continue  # every key after every query
-                qs, ks = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                out.append((a, qs, ks, self._mask(qk, kk)))
+                mask = None if self.plain else self.mask_of(qk, kk)
+                out.append((a, slice(b * c, (b + 1) * c), kk == qk, mask))
         return out
 
-    def _mask(self, qk: int, kk: int):
-        """Additive fp32 mask (b or 1, kv or 1, g·c, c) for query chunk qk against key chunk kk, or None."""
-        c, g = self.c, self.heads // self.kv
-        if kk < qk and self.docs is None and self.slopes is None:
-            return None
+    def mask_of(self, qk: int, kk: int) -> torch.Tensor:
+        """Additive fp32 mask (b or 1, heads or 1, c, c) for query chunk qk against key chunk kk."""
+        c = self.c
         qpos = torch.arange(qk * c, (qk + 1) * c, device=self.device)
         kpos = torch.arange(kk * c, (kk + 1) * c, device=self.device)
         allowed = (kpos.view(1, c) <= qpos.view(c, 1)).unsqueeze(0)  # (1, c, c)
         if self.docs is not None:  # (b, seq) document ids: the same document only
             allowed = allowed & (self.docs[:, kpos].unsqueeze(1) == self.docs[:, qpos].unsqueeze(2))  # (b, c, c)
         mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill(~allowed, -math.inf)
-        mask = mask.unsqueeze(1).unsqueeze(2).expand(-1, 1, g, c, c).reshape(mask.shape[0], 1, g * c, c)
+        mask = mask.unsqueeze(1)  # (b or 1, 1, c, c)
         if self.slopes is not None:  # ALiBi: slope·(k − q) per query head
             rel = (kpos.view(1, c) - qpos.view(c, 1)).float()  # (c, c)
-            bias = self.slopes.float().view(self.heads, 1, 1) * rel  # (heads, c, c)
-            mask = mask + bias.reshape(self.kv, g * c, c).unsqueeze(0)  # (b or 1, kv, g·c, c)
+            mask = mask + (self.slopes.float().view(self.heads, 1, 1) * rel).unsqueeze(0)  # (b or 1, heads, c, c)
         return mask
+
+
+def _grouped(x: torch.Tensor, kv: int) -> torch.Tensor:
+    """(b, h, c, d) query-like -> (b, kv, g·c, d): the g = h/kv query heads of each KV head as rows."""
+    b, h, c, d = x.shape
+    return x.reshape(b, kv, (h // kv) * c, d)
+
+
+def _grouped_mask(causal, mask, heads, kv, c, device):
+    """A pair's additive mask in the grouped layout (·, kv or 1, g·c, c), or None (every key visible)."""
+    g = heads // kv
+    if mask is None:
+        if not causal:
+            return None
+        above = torch.ones(c, c, dtype=torch.bool, device=device).triu(1)
+        mask = torch.zeros(c, c, device=device).masked_fill(above, -math.inf).view(1, 1, c, c)
+    lead, per_head = mask.shape[0], mask.shape[1]
+    if per_head == 1:  # the same for every head
+        return mask.unsqueeze(2).expand(lead, 1, g, c, c).reshape(lead, 1, g * c, c)
+    return mask.reshape(lead, kv, g * c, c)  # per head (ALiBi): query head kv_head·g + j
 
 
 def _scores(q, k, mask, scale):
@@ -115,57 +122,107 @@ def _scores(q, k, mask, scale):
     return s if mask is None else s + mask
 
 
+class _MathPair:
+    """One (query chunk, key chunk) pair in plain PyTorch, fp32, on any device: grouped-query attention without
+    repeating K/V (the query heads of each KV head as rows), any additive mask. The scores (b, kv, g·c, c) are
+    materialised for the pair, then freed."""
+
+    @staticmethod
+    def forward(q, k, v, causal, mask, scale):
+        """q (b, h, c, d), k and v (b, kv, c, d), fp32 -> (out (b, h, c, d), lse (b, h, c)); a row that sees no
+        key gets out 0 and lse −inf."""
+        b, h, c, d = q.shape
+        kv = k.shape[1]
+        s = _scores(_grouped(q, kv), k, _grouped_mask(causal, mask, h, kv, c, q.device), scale)  # (b, kv, g·c, c)
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)  # (b, kv, g·c, 1)
+        p = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0))
+        return torch.matmul(p, v).reshape(b, h, c, d), lse.reshape(b, h, c)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal, mask, scale):
+        """The pair's (dq, dk, dv), fp32, given the whole attention's `out` and `lse` (flash-attention's
+        backward: P = exp(S − lse), dV = Pᵀ·dO, dS = P∘(dO·Vᵀ − rowsum(dO∘O)), dQ = dS·K·scale, dK = dSᵀ·Q·scale)."""
+        b, h, c, d = q.shape
+        kv = k.shape[1]
+        qg, dog = _grouped(q, kv), _grouped(dout, kv)
+        s = _scores(qg, k, _grouped_mask(causal, mask, h, kv, c, q.device), scale)
+        p = torch.exp(s - lse.reshape(b, kv, -1, 1))  # (b, kv, g·c, c)
+        delta = (dog * _grouped(out, kv)).sum(-1, keepdim=True)  # rowsum(dO∘O)
+        dv = torch.matmul(p.transpose(-1, -2), dog)
+        ds = p * (torch.matmul(dog, v.transpose(-1, -2)) - delta)
+        dq = torch.matmul(ds, k) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), qg) * scale
+        return dq.reshape(b, h, c, d), dk, dv
+
+
+class _FlashCpuPair:
+    """One pair through torch's fused flash-attention kernel for CPU (no scores materialised), for plain causal
+    attention (no documents, no ALiBi): K/V repeated to the query heads for the call, their gradients summed
+    back over each group. Returns and takes the same as `_MathPair`."""
+
+    @staticmethod
+    def forward(q, k, v, causal, mask, scale):
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # (b, h, c, d)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal, mask, scale):
+        b, h, c, d = q.shape
+        kv = k.shape[1]
+        g = h // kv
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), out, lse, 0.0, causal, scale=scale)
+        return dq, dk.view(b, kv, g, c, d).sum(2), dv.view(b, kv, g, c, d).sum(2)
+
+
+def _kernel(blocks: _Blocks, q: torch.Tensor):
+    """The pair computation: torch's fused CPU flash kernel for plain causal attention on CPU, else plain
+    PyTorch (documents, ALiBi, other devices: no fused kernel is wired for them yet)."""
+    return _FlashCpuPair if blocks.plain and q.device.type == "cpu" else _MathPair
+
+
+def _merge(out, lse, o, l):
+    """Online softmax: fold a pair's (o, l) into the running (out, lse) of its query chunk; rows that have seen
+    no key yet (lse −inf) take the pair's as they are."""
+    new = torch.logaddexp(lse, l)
+    safe = new.masked_fill(new == -math.inf, 0.0)
+    return out * torch.exp(lse - safe).unsqueeze(-1) + o * torch.exp(l - safe).unsqueeze(-1), new
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, blocks: _Blocks, scale: float):
-        ring = _Ring(group, q.device)
-        r, cp, kvh = group.rank, group.size, k.shape[1]
-        qg = _grouped(q.float(), kvh)  # (b, kv, g·n, d)
-        g = q.shape[1] // kvh
-        c = blocks.c
-        rows = [(qg.view(*qg.shape[:2], g, 2, c, qg.shape[-1])[:, :, :, a].reshape(*qg.shape[:2], g * c, -1))
-                for a in range(2)]  # per query chunk: (b, kv, g·c, d)
-        m = [torch.full((*x.shape[:-1], 1), -math.inf, device=q.device) for x in rows]
-        l = [torch.zeros_like(x) for x in m]
-        acc = [torch.zeros_like(x) for x in rows]
+        ring, kernel = _Ring(group, q.device), _kernel(blocks, q)
+        r, cp, c = group.rank, group.size, blocks.c
+        qs = [x.float().contiguous() for x in q.split(c, dim=2)]  # per query chunk (b, h, c, d)
+        out = [torch.zeros_like(x) for x in qs]
+        lse = [torch.full(x.shape[:3], -math.inf, device=q.device) for x in qs]  # (b, h, c)
         kv = torch.stack([k, v]).contiguous()  # (2, b, kv, n, d): one message per hop
         for j in range(cp):
             pending = ring.post(kv, torch.empty_like(kv)) if j < cp - 1 else None  # the next block, in flight
             kb, vb = kv[0].float(), kv[1].float()
-            for a, _, ks, mask in blocks.pairs((r - j) % cp):
-                s = _scores(rows[a], kb[:, :, ks], mask, scale)  # (b, kv, g·c, c)
-                m_new = torch.maximum(m[a], s.amax(-1, keepdim=True))
-                m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)  # a row with nothing visible yet
-                p = torch.exp(s - m_safe)
-                fix = torch.exp(m[a] - m_safe)
-                l[a] = l[a] * fix + p.sum(-1, keepdim=True)
-                acc[a] = acc[a] * fix + torch.matmul(p, vb[:, :, ks])
-                m[a] = m_new
+            for a, ks, causal, mask in blocks.pairs((r - j) % cp):
+                o, l = kernel.forward(qs[a], kb[:, :, ks].contiguous(), vb[:, :, ks].contiguous(), causal, mask, scale)
+                out[a], lse[a] = _merge(out[a], lse[a], o, l)
             if pending is not None:
                 kv = ring.wait(pending)
-        out_rows = [acc[a] / l[a] for a in range(2)]  # every query sees itself: l > 0
-        lse = [m[a] + torch.log(l[a]) for a in range(2)]
-        out = torch.stack([x.view(*x.shape[:2], g, c, -1) for x in out_rows], dim=3)  # (b, kv, g, 2, c, d)
-        out = _ungrouped(out.reshape(qg.shape), q.shape[1]).to(q.dtype)  # (b, heads, n, d)
-        ctx.save_for_backward(q, k, v, out, *lse)
+        full, lse_full = torch.cat(out, dim=2), torch.cat(lse, dim=2)  # every query sees itself: lse finite
+        ctx.save_for_backward(q, k, v, full, lse_full)
         ctx.group, ctx.blocks, ctx.scale = group, blocks, scale
-        return out
+        return full.to(q.dtype)  # (b, heads, n, d)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse0, lse1 = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         group, blocks, scale = ctx.group, ctx.blocks, ctx.scale
-        ring = _Ring(group, q.device)
-        r, cp, kvh, heads = group.rank, group.size, k.shape[1], q.shape[1]
-        g, c = heads // kvh, blocks.c
+        ring, kernel = _Ring(group, q.device), _kernel(blocks, q)
+        r, cp, c = group.rank, group.size, blocks.c
 
-        def rows_of(x):  # (b, heads, n, d) -> per query chunk (b, kv, g·c, d), fp32
-            xg = _grouped(x.float(), kvh)
-            return [xg.view(*xg.shape[:2], g, 2, c, xg.shape[-1])[:, :, :, a].reshape(*xg.shape[:2], g * c, -1)
-                    for a in range(2)]
+        def chunks(x):  # (b, h, n, ...) -> its two query chunks
+            return [t.contiguous() for t in x.split(c, dim=2)]
 
-        qs, dos, outs, lse = rows_of(q), rows_of(dout), rows_of(out), (lse0, lse1)
-        delta = [(dos[a] * outs[a]).sum(-1, keepdim=True) for a in range(2)]  # rowsum(dO∘O)
+        qs, dos, outs, lses = chunks(q.float()), chunks(dout.float()), chunks(out), chunks(lse)
         dq = [torch.zeros_like(x) for x in qs]
         kv = torch.stack([k, v]).contiguous()
         partial = None  # the dK/dV partial sums of the block held, arriving from rank r−1
@@ -173,22 +230,19 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.post(kv, torch.empty_like(kv)) if j < cp - 1 else None
             kb, vb = kv[0].float(), kv[1].float()
             dkv = torch.zeros((2, *kb.shape), dtype=torch.float32, device=q.device)  # this rank's part
-            for a, _, ks, mask in blocks.pairs((r - j) % cp):
-                s = _scores(qs[a], kb[:, :, ks], mask, scale)
-                p = torch.exp(s - lse[a])  # (b, kv, g·c, c)
-                dkv[1][:, :, ks] += torch.matmul(p.transpose(-1, -2), dos[a])
-                ds = p * (torch.matmul(dos[a], vb[:, :, ks].transpose(-1, -2)) - delta[a])
-                dq[a] += torch.matmul(ds, kb[:, :, ks]) * scale
-                dkv[0][:, :, ks] += torch.matmul(ds.transpose(-1, -2), qs[a]) * scale
+            for a, ks, causal, mask in blocks.pairs((r - j) % cp):
+                dqa, dka, dva = kernel.backward(dos[a], qs[a], kb[:, :, ks].contiguous(), vb[:, :, ks].contiguous(),
+                                                outs[a], lses[a], causal, mask, scale)
+                dq[a] += dqa
+                dkv[0][:, :, ks] += dka
+                dkv[1][:, :, ks] += dva
             if partial is not None:
                 dkv += ring.wait(partial)  # the other ranks' sums for this block
             partial = ring.post(dkv, torch.empty_like(dkv))  # on to rank r+1 (after cp hops: its owner)
             if pending is not None:
                 kv = ring.wait(pending)
         dk, dv = ring.wait(partial)  # this rank's own block, summed over every rank's queries
-        dq_full = torch.stack([x.view(*x.shape[:2], g, c, -1) for x in dq], dim=3)  # (b, kv, g, 2, c, d)
-        dq_full = _ungrouped(dq_full.reshape(*dq_full.shape[:2], g * 2 * c, -1), heads)
-        return dq_full.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: comm.GroupHandle, seq: int,
