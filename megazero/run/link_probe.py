@@ -10,11 +10,11 @@ ready) and keeps the best; the whole probe runs `rounds` times.
 
 `find_slow_links` then compares, round by round, each link with the median of the other links of its axis (TP
 inside a node, DP or PP across nodes: different fabrics): slower than `ratio` times it and by more than
-`min_excess_s` in at least `share` of the rounds, it is named. An axis with a single link has nothing to
-compare with and never names it. Measured with 8 ranks on 2 shared cores, where links probed together slow
-each other unevenly, a healthy link's best of 2 round trips was above 1.5x its peers' median in at most 2 of 4
-rounds (20 windows), the same in one window of 3 round trips in 13 of 20; a link throttled to 200 MB/s is
-5x its peers' in every round.
+`min_excess_s` in every round (`share` 1.0), it is named. An axis with a single link has nothing to compare
+with and never names it. Measured with 8 ranks on 2 shared cores, where links probed together slow each other
+unevenly: one probe of 3 round trips named a healthy link in 13 of 20 windows; 4 rounds of 2, with a link
+named when slow in 3 of them, in 1 of 60 windows (2.4x, 2.6 ms over its peers' median); in all 4 rounds, in
+none of 100. A link throttled to 200 MB/s is 5-8x its peers' in every round.
 
 The probe's bytes are counted on the axes ``<axis>.probe`` of the groups' `CommStats`, apart from the step's.
 """
@@ -101,7 +101,7 @@ class LinkProbe:
         return found
 
 
-def find_slow_links(links: list[dict], ratio: float = 1.5, share: float = 0.75,
+def find_slow_links(links: list[dict], ratio: float = 1.5, share: float = 1.0,
                     min_excess_s: float = 0.002) -> list[dict]:
     """The links slow in at least `share` of the rounds (`links`: `LinkProbe.run`'s records from every rank):
     slow in a round, above `ratio` times the median of the other links of its axis in that round and by more
