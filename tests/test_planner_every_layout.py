@@ -1,6 +1,7 @@
 """The planner answers for every layout the trainer accepts, and refuses only what the trainer refuses.
 
-Hypothesis draws layouts of the debug models (GPT, Llama, MoE; 1-7 layers) over 1-8 ranks: pp, tp, dp, every
+Hypothesis draws layouts of the debug models (GPT, Llama, MoE; 1-7 layers; 64 or 12 tokens) over 1-8 ranks: pp,
+tp, cp (ring or Ulysses), dp, every
 schedule (built-in and a .csv file), chunks, every ``pipeline.partition`` form, ZeRO 0-3 with offload, every
 recompute policy with the activation-checkpointing options, sequence parallelism, precision, micro-batches,
 the global batch, ep and expert TP, hierarchical collectives, ZeRO++ and 1-bit Adam. Each becomes the
@@ -43,7 +44,10 @@ def layouts(draw):
     world = draw(st.sampled_from([1, 2, 4, 8]))
     tp = draw(st.sampled_from([d for d in (1, 2, 4) if world % d == 0]))
     pp = draw(st.sampled_from([d for d in (1, 2, 4, 8) if world % (tp * d) == 0]))
-    dp = world // (tp * pp)
+    cp = draw(st.sampled_from([c for c in (1, 2, 4) if world % (tp * pp * c) == 0]))
+    cp_method = draw(st.sampled_from(["ring", "ulysses"]))
+    seq = draw(st.sampled_from([64, 64, 64, 12]))  # 12: not 2·cp chunks at cp 4, nor at cp 2 with tp 2 and SP
+    dp = world // (tp * pp * cp)
     layers = draw(st.integers(1, 7))
     schedule = draw(st.sampled_from(["1f1b", "gpipe", "interleaved", "zb-h1"] + (["csv"] if pp == 2 else [])))
     chunks = draw(st.integers(2, 3)) if schedule == "interleaved" else 1
@@ -77,7 +81,7 @@ def layouts(draw):
                   cpu_checkpointing=cpu, contiguous_checkpoints=contiguous, sequence_parallel=sp,
                   offload_optimizer=offload_opt, offload_param=offload_param, precision=precision, ep=ep,
                   hierarchical=hierarchical, ranks_per_node=2 if hierarchical and world >= 4 else None,
-                  quantized_weights=qwz)
+                  quantized_weights=qwz, cp=cp, cp_method=cp_method)
     overrides = [f"model.layers={layers}", f"parallel.pp={pp}", f"parallel.tp={tp}",
                  f"parallel.sequence_parallel={str(sp).lower()}", f"train.micro_batch_size={mb}",
                  f"train.global_batch_size={global_batch}", f"zero.stage={zero}", f"precision={precision}",
@@ -91,12 +95,12 @@ def layouts(draw):
                  f"zero.offload_optimizer.device={'cpu' if offload_opt else 'none'}",
                  f"zero.offload_param.device={'cpu' if offload_param else 'none'}",
                  f"comm.hierarchical={str(hierarchical).lower()}", f"zero.quantized_weights={str(qwz).lower()}",
-                 "data.path=null"]
+                 f"parallel.cp={cp}", f"parallel.cp_method={cp_method}", f"model.seq_len={seq}", "data.path=null"]
     if fields["ranks_per_node"]:
         overrides.append(f"parallel.ranks_per_node={fields['ranks_per_node']}")
     if model == "moe":
         overrides.append(f"parallel.ep={ep}")
-    return MODELS[model], overrides, fields, layers, world
+    return MODELS[model], overrides, fields, (layers, seq), world
 
 
 def _trainer(config: str, overrides: list[str], world: int):
@@ -110,9 +114,10 @@ def _trainer(config: str, overrides: list[str], world: int):
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(layouts())
 def test_the_planner_plans_what_the_trainer_runs_and_refuses_what_it_refuses(drawn):
-    config, overrides, fields, layers, world = drawn
+    config, overrides, fields, model_size, world = drawn
     cfg, why = _trainer(config, overrides, world)
     event("the trainer accepts" if cfg is not None else "the trainer refuses")
+    event(f"cp {fields['cp']}, the trainer " + ("accepts" if cfg is not None else "refuses"))
     if cfg is not None:
         layout, reason = layout_of(cfg)
         assert layout is not None, reason
@@ -126,7 +131,7 @@ def test_the_planner_plans_what_the_trainer_runs_and_refuses_what_it_refuses(dra
             assert getattr(layout, name) == value, (name, getattr(layout, name), value)
         return
     # the trainer refuses; a planner refusal of a shared rule is in its words
-    spec = _spec(config, layers)
+    spec = _spec(config, *model_size)
     problems = Layout(**fields).problems(spec) if spec is not None else []
     shared = [p for p in problems if p.startswith(SHARED)]
     if shared and len(shared) == len(problems):  # the trainer stops at its first failing check
@@ -139,19 +144,19 @@ SHARED = ("pipeline.partition", "activation_checkpointing", "the 'interleaved' s
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(layouts())
 def test_what_the_planner_refuses_the_trainer_refuses(drawn):
-    config, overrides, fields, layers, world = drawn
-    spec = _spec(config, layers)
+    config, overrides, fields, model_size, world = drawn
+    spec = _spec(config, *model_size)
     if spec is None or not Layout(**fields).problems(spec):
         return
     cfg, why = _trainer(config, overrides, world)
     assert cfg is None, (overrides, Layout(**fields).problems(spec))
 
 
-def _spec(config: str, layers: int):
+def _spec(config: str, layers: int, seq: int):
     from megazero.core.config import load_config
 
     try:
-        return spec_of(load_config(config, [f"model.layers={layers}", "data.path=null"]))
+        return spec_of(load_config(config, [f"model.layers={layers}", f"model.seq_len={seq}", "data.path=null"]))
     except (ValueError, SpecError, PlanError):
         return None
 

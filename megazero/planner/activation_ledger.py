@@ -38,6 +38,8 @@ Per transformer block, no recompute (megazero/models/block.py, attention.py):
 
 * a Mixture-of-Experts MLP: moe_ledger.py (the router's fp32 tensors, the rows gathered, dispatched and
   combined, the experts' intermediates, from moe_plan.py's rows under balanced routing).
+* context parallelism (cp ranks): every token-wise tensor above is s/cp long (s below is this rank's s/cp
+  tokens); the attention's RoPE tables, core and out-GEMM input are cp_ledger.py's (ring or Ulysses).
 
 Recompute: ``full`` keeps each block's input (w·sbh/r) and rebuilds everything else the block keeps
 (including the RoPE tables); ``selective`` keeps q, k, v for the attention core and rebuilds the core's
@@ -51,8 +53,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazero.core.partition import segment_sizes
+from megazero.planner.cp_ledger import core_working, cp_attention
 from megazero.planner.moe_ledger import intermediates, moe_saves
 from megazero.planner.moe_plan import MoEShape, moe_shape
+from megazero.planner.working_sets import backward_working, pending_wgrad
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,8 @@ class Chunk:
     (RoPE tables), `logits` bytes alive beyond the kept ones while the loss runs (head chunk), `wgrad`
     bytes zero bubble's B leaves for W, `working` what its backward holds at its last block's first GEMM
     beyond the chunk's `first_backward` bytes then alive (`backward_working`; `working_wgrad` of it the
-    weight gradient, which zero bubble's B leaves to W)."""
+    weight gradient, which zero bubble's B leaves to W); `core` what a context-parallel attention core's backward
+    holds beyond the chunk's `first_backward` bytes, its last block's MLP tensors released by then (cp_ledger.py)."""
 
     saved: int
     backward_peak: int
@@ -73,6 +78,7 @@ class Chunk:
     working: int = 0
     working_wgrad: int = 0
     first_backward: int = 0
+    core: int = 0
 
 
 class _Ledger:
@@ -155,6 +161,9 @@ class _Dims:
     vocab_t: int
     embedding_norm: bool
     moe: MoEShape | None = None
+    cp: int = 1  # context parallel ranks; s is then this rank's seq / cp tokens
+    cp_method: str = "ring"
+    seq: int = 0  # the whole sequence
 
     @property
     def rows(self) -> int:
@@ -178,15 +187,16 @@ class _Dims:
 
 
 def dims(spec, layout, device: str) -> _Dims:
-    t = layout.tp
-    return _Dims(s=spec.seq_len, b=layout.micro_batch, h=spec.hidden, a_t=spec.heads // t,
+    t, cp = layout.tp, layout.cp
+    return _Dims(s=spec.seq_len // cp, b=layout.micro_batch, h=spec.hidden, a_t=spec.heads // t,
                  kv_t=spec.num_kv_heads // t, d=spec.head_dim, f_t=spec.ffn // t,
                  r=t if layout.sequence_parallel and t > 1 else 1,
                  w={"bf16": 2, "fp16": 2, "fp32": 4}[layout.precision], cuda=device != "cpu",
                  layernorm=spec.norm == "layernorm", activation=spec.activation, rope=spec.position == "rope",
                  alibi=spec.position == "alibi", hidden_dropout=spec.dropout > 0,
                  attention_dropout=spec.attention_dropout > 0, vocab_t=spec.padded_vocab(t) // t,
-                 embedding_norm=spec.embedding_norm, moe=moe_shape(spec, layout))
+                 embedding_norm=spec.embedding_norm, moe=moe_shape(spec, layout), cp=cp,
+                 cp_method=layout.cp_method, seq=spec.seq_len)
 
 
 def _norm(L: _Ledger, c: _Dims, p: str, x: str) -> None:
@@ -257,6 +267,14 @@ def _fused_extras(c: _Dims, p: str) -> list[tuple[str, int]]:
 def _attention(L: _Ledger, c: _Dims, p: str, policy: str) -> None:
     """q, k, v, RoPE and the core; then the out GEMM's input."""
     qn, kn, vn = p + ".q", p + ".k", p + ".v"  # views of the q / k / v GEMM outputs
+    if c.cp > 1:  # RoPE at this rank's positions, the ring or Ulysses core (cp_ledger.py)
+        qkv = ((p + ".qr", c.q_bytes, c.a_t), (p + ".kr", c.kv_bytes, c.kv_t)) if c.rope else \
+              ((qn, c.q_bytes, c.a_t), (kn, c.kv_bytes, c.kv_t))
+        qkv += ((vn, c.kv_bytes, c.kv_t),)
+        copies = sum(n for _, n, heads in qkv if not _contiguous(c, heads))
+        cp_attention(L, c, p, policy, [(name, n) for name, n, _ in qkv], copies, _fused_extras, _explicit_core,
+                     _Ledger)
+        return
     if c.rope:  # apply_rope keeps cos and sin (one storage each per stage); rotated q, k are new tensors
         L.share("rope.cos", c.s * c.d * c.w)
         L.share("rope.sin", c.s * c.d * c.w)
@@ -358,6 +376,8 @@ def checkpoint_pool(spec, layout, chunks, in_flight: int) -> int:
 def _embedding(L: _Ledger, c: _Dims) -> str:
     L.save("emb.ids", c.s * c.b * 8)  # F.embedding: the local ids, int64 (s, b)
     L.save("emb.outside", c.s * c.b)  # masked_fill: the out-of-range mask (s, b, 1) bool
+    if c.cp > 1 and not (c.rope or c.alibi):  # learned positions at this rank's positions: the index (int64)
+        L.save("emb.positions", c.s * 8)
     if c.embedding_norm:
         _norm(L, c, "emb.n", "emb.sum")
     if c.hidden_dropout:
@@ -378,39 +398,6 @@ def _head(L: _Ledger, c: _Dims, x: str) -> int:
     return tokens * c.vocab_t * (c.w + 4)
 
 
-def backward_working(c: _Dims) -> tuple[int, int]:
-    """(bytes, of them the weight gradient's) a block's backward holds beyond the tensors kept for it, at its
-    first GEMM, the MLP's output projection (every tensor its blocks kept still alive; the head's are gone):
-    the incoming gradient of the stream (w·sbh/r), under SP its all-gather (w·sbh, RowParallelLinear's
-    backward), without SP the hidden dropout's new gradient (w·sbh), the projection's input gradient
-    (w·sb·f_t) and its weight gradient (w·h·f_t, a new tensor until autograd accumulates it; zero bubble
-    defers it to W). An MoE MLP's expert backward is not counted (0)."""
-    if c.moe is not None:
-        return 0, 0
-    gathered = c.s * c.b * c.h * c.w if c.r > 1 else 0
-    dropped = c.stream if c.hidden_dropout and c.r == 1 else 0  # the dropout's backward: a new gradient
-    weight = c.h * c.f_t * c.w
-    return c.stream + gathered + dropped + c.s * c.b * c.f_t * c.w + weight, weight
-
-
-def _wgrad(c: _Dims, kind: str, other_params: int, all_params: int) -> int:
-    """Bytes zero bubble's B leaves for W (tensor_parallel/weight_grad.py, pipeline/executor.py): each
-    deferred GEMM's (input, output gradient), the region input once (under SP the re-gathered (s, b, h)),
-    and the gradients of the other parameters B computed (`other_params`: vectors, and an MoE MLP's,
-    whose GEMMs are not deferred; the head's GEMM is not deferred)."""
-    if kind != "block":
-        return all_params * c.w
-    full, inner = c.s * c.b * c.h * c.w, c.s * c.b * c.f_t * c.w
-    attn = full + (c.q_bytes + 2 * c.kv_bytes) + (c.q_bytes + full)  # q/k/v: x once, three grads; out
-    if c.moe is not None:
-        mlp = 0
-    elif c.activation == "swiglu":
-        mlp = full + 2 * inner + (inner + full)
-    else:
-        mlp = full + inner + (inner + full)
-    return attn + mlp + other_params * c.w
-
-
 def activation_chunks(spec, layout, chunks, device: str, param_counts: dict) -> list[Chunk]:
     """One `Chunk` per model chunk of a stage (`chunks`: [[(kind, unit)]], see stages.pipeline_layers;
     `param_counts`: {kind: (elements of its parameters whose weight GEMMs zero bubble does not defer:
@@ -424,7 +411,7 @@ def activation_chunks(spec, layout, chunks, device: str, param_counts: dict) -> 
         sizes = segment_sizes(len(blocks), layout.every_k_layers, layout.number_checkpoints) if blocks else []
         starts = {blocks[sum(sizes[:i])]: blocks[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))}
         for kind, unit in chunk:
-            wgrad += _wgrad(c, kind, *param_counts[kind])
+            wgrad += pending_wgrad(c, kind, *param_counts[kind])
             if kind == "embedding":
                 x = _embedding(L, c)
             elif kind == "block" and policy == "full":
@@ -438,8 +425,25 @@ def activation_chunks(spec, layout, chunks, device: str, param_counts: dict) -> 
                 logits = _head(L, c, x)
         working = backward_working(c) if blocks else (0, 0)
         out.append(Chunk(L.saved, L.backward_peak(), dict(L.shared), logits, wgrad, L.host, *working,
-                         L.first_block_backward()))
+                         L.first_block_backward(), _core_transient(c, policy) if blocks else 0))
     return out
+
+
+def _core_transient(c: _Dims, policy: str) -> int:
+    """`Chunk.core`: a context-parallel core's backward working set (`cp_ledger.core_working`), with the core's
+    tensors a selective recompute rebuilt, less the last block's MLP tensors (its second norm's, the MLP's
+    input and intermediates), released before its attention's backward; 0 without context parallelism."""
+    if c.cp == 1:
+        return 0
+    mlp = _Ledger()
+    _norm(mlp, c, "n2", "mid")
+    mlp.save("xn2", c.stream)
+    for i in range(intermediates(c.activation)):
+        mlp.save(f"mlp{i}", c.s * c.b * c.f_t * c.w)
+    attn = _Ledger()
+    _attention(attn, c, "u", policy)
+    rebuilt = sum(n for kind, n in attn.items if kind == "region")
+    return max(0, core_working(c) + rebuilt - mlp.saved)
 
 
 def layer_bytes(spec, layout, device: str = "cuda") -> dict[str, int]:

@@ -1,10 +1,13 @@
 """The cost of one transformer block and of the embedding and head, one micro-batch on one TP rank
 (pure: no torch), as the step-time model (speed.py, whose docstring states the model) times them;
-an MoE block's MLP from moe_cost.py."""
+an MoE block's MLP from moe_cost.py. With context parallelism every token-wise term is over this rank's
+b·s/cp tokens and the attention core is cp_cost.py's (ring or Ulysses, its exposed sends as ``cp_comm``)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from megazero.planner.cp_cost import cp_core_cost, moe_sums_cost
 from megazero.planner.machine import Implementation, Machine, add_parts
 from megazero.planner.moe_cost import moe_cost
 from megazero.planner.moe_plan import moe_shape
@@ -59,7 +62,7 @@ def _elementwise(spec, layout, mc: Machine) -> float:
     """Bytes the forward's memory-bound kernels move: two norms (4 B per (s, b, h) element), two residual
     adds (6, and 1 more for a dropout mask), the MLP activation (4 B, SwiGLU 6, per (s, b, f/t)
     element; an MoE MLP's in moe_cost.py), RoPE on q and k (4 B per element)."""
-    t, tokens = layout.tp, layout.micro_batch * spec.seq_len
+    t, tokens = layout.tp, layout.micro_batch * spec.seq_len // layout.cp
     x = tokens * spec.hidden / (t if layout.sequence_parallel else 1)
     y = tokens * spec.ffn / t if spec.moe is None else 0
     act = (3 if spec.activation == "swiglu" else 2) * mc.act * y
@@ -93,14 +96,17 @@ def host_ops(spec, layout) -> tuple[float, float, float]:
 def block_cost(spec, layout, mc: Machine, impl: Implementation) -> BlockCost:
     """The `BlockCost` of one block of `spec` (speed.py's model; an MoE MLP's as moe_cost.py's, its
     backward TP all-reduces exposed)."""
-    t, tokens = layout.tp, layout.micro_batch * spec.seq_len
+    t, tokens = layout.tp, layout.micro_batch * spec.seq_len // layout.cp
     shape = moe_shape(spec, layout)
     gemms = block_gemms(spec, t, impl)
     fwd_gemm = sum(mc.gemm(tokens, out, inp) for _, out, inp in gemms)
     dgrad = {r: sum(mc.gemm(tokens, inp, out) for rr, out, inp in gemms if rr == r) for r in ("attn", "mlp", None)}
     wgrad = {r: sum(mc.gemm(out, inp, tokens) for rr, out, inp in gemms if rr == r) for r in ("attn", "mlp", None)}
     params = sum(out * inp for _, out, inp in gemms)
-    attn_f, attn_b = _attention(spec, layout, mc)
+    if layout.cp > 1:  # ring or Ulysses: {"attention", "cp_comm"} forward and backward
+        core_f, core_b = cp_core_cost(spec, layout, mc)
+    else:
+        core_f, core_b = ({"attention": x} for x in _attention(spec, layout, mc))
     elem = _elementwise(spec, layout, mc)
     # TP: two all-reduces of (s, b, h) forward and two backward; sequence parallelism: an all-gather
     # and a reduce-scatter (each half an all-reduce's time) per all-reduce, plus backward's re-gather
@@ -115,12 +121,14 @@ def block_cost(spec, layout, mc: Machine, impl: Implementation) -> BlockCost:
         exposed = len(regions) * ar
         hidden = sum(max(0.0, ar - wgrad[r]) for r in regions)
     ops_f, ops_b, ops_r = host_ops(spec, layout)
-    fwd = {"gemm": fwd_gemm, "attention": attn_f, "elementwise": mc.mem(elem, 6) + mc.host(ops_f),
-           "tp_comm": len(regions) * ar}
-    recompute = {"full": sum(v for k, v in fwd.items() if k != "tp_comm"),
-                 "selective": attn_f + mc.host(ops_r)}.get(layout.recompute, 0.0)
-    recompute_comm = {"tp_comm": fwd["tp_comm"]} if layout.recompute == "full" else {}
-    bwd = {"gemm": sum(dgrad.values()), "attention": attn_b, "elementwise": mc.mem(2 * elem, 8) + mc.host(ops_b)}
+    fwd = add_parts({"gemm": fwd_gemm, "elementwise": mc.mem(elem, 6) + mc.host(ops_f),
+                     "tp_comm": len(regions) * ar}, core_f)
+    comm = ("tp_comm", "cp_comm")
+    recompute = {"full": sum(v for k, v in fwd.items() if k not in comm),
+                 "selective": core_f["attention"] + mc.host(ops_r)}.get(layout.recompute, 0.0)
+    recompute_comm = {"full": {k: v for k, v in fwd.items() if k in comm},  # the recompute forward's sends
+                      "selective": {k: v for k, v in core_f.items() if k in comm}}.get(layout.recompute, {})
+    bwd = add_parts({"gemm": sum(dgrad.values()), "elementwise": mc.mem(2 * elem, 8) + mc.host(ops_b)}, core_b)
     wgrad_parts = {"gemm": sum(wgrad.values()), "elementwise": mc.mem(accumulate_bytes(layout, mc) * params, len(gemms))}
     if shape is None:
         return BlockCost(fwd=fwd, bwd=bwd, wgrad=wgrad_parts, tp_bwd=exposed,
@@ -128,6 +136,11 @@ def block_cost(spec, layout, mc: Machine, impl: Implementation) -> BlockCost:
                          params=params, recompute_comm=recompute_comm)
     moe = moe_cost(shape, layout, mc)
     moe_tp = moe.bwd.get("tp_comm", 0.0)
+    sums_f, sums_b = moe_sums_cost(spec, layout, mc)  # context parallel: the load-balancing sums over cp
+    if sums_f or sums_b:
+        moe = dataclasses.replace(moe, fwd=add_parts(moe.fwd, {"cp_comm": sums_f}),
+                                  bwd=add_parts(moe.bwd, {"cp_comm": sums_b}),
+                                  recompute_comm=add_parts(moe.recompute_comm, {"cp_comm": sums_f}))
     return BlockCost(fwd=add_parts(fwd, moe.fwd), bwd=add_parts(bwd, {k: v for k, v in moe.bwd.items() if k != "tp_comm"}),
                      wgrad=add_parts(wgrad_parts, moe.wgrad), tp_bwd=exposed + moe_tp,
                      tp_bwd_overlapped=(hidden if impl.tp_overlap else exposed) + moe_tp,
@@ -142,7 +155,7 @@ def embedding_head_cost(spec, layout, mc: Machine) -> tuple[dict, ...]:
     vocabulary-parallel embedding all-reduces its output; the head's input grad is all-reduced (f); the loss all-reduces
     three fp32 values per token; the logits cost 10 bytes per element forward and 6 backward (the
     16-bit logits read, fp32 softmax statistics, the 16-bit grad written)."""
-    t, tokens, h = layout.tp, layout.micro_batch * spec.seq_len, spec.hidden
+    t, tokens, h = layout.tp, layout.micro_batch * spec.seq_len // layout.cp, spec.hidden
     vocab = spec.padded_vocab(t) // t
     x = tokens * h
     ar = mc.ring("all_reduce", x * mc.act, t, mc.link(1, t))

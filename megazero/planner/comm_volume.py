@@ -1,9 +1,10 @@
-"""Bytes each rank moves over its data-parallel groups in one step, and the part that leaves its node
-(pure: no torch), counted as megazero's ``runtime/comm.py`` counts them in `CommStats`, from the same
-flat groups and buckets the memory plan builds (`memory_plan.flat_groups`).
+"""Bytes each rank moves over its data-parallel and context-parallel groups in one step, and the part that
+leaves its node (pure: no torch), counted as megazero's ``runtime/comm.py`` counts them in `CommStats`, from
+the same flat groups and buckets the memory plan builds (`memory_plan.flat_groups`).
 
-Per bucket of P padded elements over a group of n ranks (dp; the routed experts' dp / ep), fp32
-gradients and w-byte parameters, m micro-batches:
+Per bucket of P padded elements over a group of n ranks (dp, axis ``dp``; with context parallelism the dp x cp
+ranks holding the same parameters, axis ``dp_cp``; the routed experts' dp / ep), fp32 gradients and w-byte
+parameters, m micro-batches:
 
 * zero 0: one all-reduce of 4P (2(n−1)/n·4P bytes); with 1-bit Adam past its warm-up instead the
   compressed average of ``zero/onebit.py``: P padded to P' (a multiple of 8n), S scales (one per
@@ -18,7 +19,7 @@ gradients and w-byte parameters, m micro-batches:
   first gather of a bucket goes over dp; the other 2m − 1 all-gather the kept parts over the hpz
   group of k consecutive dp ranks, (k−1)/k·w·P (never quantized). qgZ: the reduce-scatter becomes two
   all-to-alls, int8 chunks and their scales: (n−1)·(S' + 4S'/256).
-* the loss's fp64 all-reduce over dp (one element); tied embedding / head gradients (pp > 1): an
+* the loss's fp64 all-reduce over dp (dp x cp; one element); tied embedding / head gradients (pp > 1): an
   all-reduce of their owned slices over the embedding group (first and last stage; in
   ``internode`` only, it is not a dp axis).
 
@@ -30,6 +31,13 @@ All-to-alls stay flat. What leaves a node: the inter-node level, all of it; in a
 whole figure when the next rank of the ring is on another node (N of the n ranks), in an all-to-all
 its rows for the other nodes' ranks. Figures are means over the ranks of a stage (the flat ring's
 crossing falls on N ranks of each group); a step's figure, the mean over every GPU.
+
+Context parallelism (axis ``cp``, the cp ranks of one sequence, tp apart), per block of the stage and
+micro-batch, `cp_cost.transfers`: the ring's key/value blocks (sends and receives, ``send`` / ``recv``: a rank's
+crossing when its next, or previous, cp rank is on another node) or Ulysses' all-to-alls, and an MoE layer's
+load-balancing sums (all-reduces); the recompute sends the forward's again (selective: the core's; full: the
+block's). `Volume.internode_bytes` leaves them out (data parallel and tied embeddings), `Volume.cp_internode_bytes`
+is their crossing.
 
 Not counted: TP collectives, pipeline transfers, MoE all-to-alls, the scalars of the global norm over
 every rank. A stage-3 bucket is gathered twice per micro-batch (``zero/stage3.py``: before its unit's
@@ -43,6 +51,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from megazero.planner.comm_memory import BLOCK, onebit_sizes
+from megazero.planner.cp_cost import transfers
 from megazero.planner.memory_plan import flat_groups
 from megazero.planner.stages import pipeline_layers
 
@@ -85,6 +94,10 @@ class GroupFamily:
         n = self.n
         if n == 1 or numel <= 0 or times == 0:
             return
+        if kind in ("send", "recv"):  # around the ring: to the next member, from the previous one
+            moved = times * numel * elem
+            out.add(self.axis, kind, moved, moved * self.ring_cross)
+            return
         if kind == "all_to_all":
             out.add(self.axis, kind, times * (n - 1) / n * numel * elem, times * self.a2a_away * numel * elem)
             return
@@ -119,31 +132,61 @@ class Volume:
 
     @property
     def dp_bytes(self) -> float:
-        """Bytes over the data-parallel axes (dp, edp, their levels, hpz)."""
-        return sum(v for k, v in self.moved.items() if k.split("/")[0].split(".")[0] in ("dp", "edp", "hpz"))
+        """Bytes over the data-parallel axes (dp or dp_cp, edp or edp_cp, their levels, hpz)."""
+        return sum(v for k, v in self.moved.items() if k.split("/")[0].split(".")[0] in DP_AXES)
 
     @property
     def internode_bytes(self) -> float:
-        return sum(self.crossed.values())
+        """Bytes that left the node over the data-parallel axes and the tied embeddings' group."""
+        return sum(v for k, v in self.crossed.items() if not k.startswith("cp/"))
+
+    @property
+    def cp_bytes(self) -> float:
+        """Bytes over the context-parallel group."""
+        return sum(v for k, v in self.moved.items() if k.startswith("cp/"))
+
+    @property
+    def cp_internode_bytes(self) -> float:
+        return sum(v for k, v in self.crossed.items() if k.startswith("cp/"))
+
+
+DP_AXES = ("dp", "dp_cp", "edp", "edp_cp", "hpz")
+"""The axes gradients and parameters travel over (CommStats' names; dp_cp is the dp x cp group, edp_cp the
+(dp / ep) x cp ranks holding the same experts)."""
 
 
 def _families(layout, stage: int, rpn: int) -> dict[str, GroupFamily]:
-    """dp, edp (routed experts), hpz and embedding groups of one stage; rank = (s·dp + d)·tp + t."""
-    dp, tp, s = layout.dp, layout.tp, stage
+    """dp (dp x cp with context parallelism), cp, edp (routed experts: (dp / ep) x cp), hpz and embedding groups
+    of one stage; rank = ((s·dp + d)·cp + c)·tp + t. (hpZ runs without context parallelism: its groups at c = 0.)"""
+    dp, cp, tp, s = layout.dp, layout.cp, layout.tp, stage
 
-    def rank(d, t, st=s):
-        return (st * dp + d) * tp + t
+    def rank(d, t, st=s, c=0):
+        return ((st * dp + d) * cp + c) * tp + t
 
     h = layout.hierarchical
-    out = {"dp": GroupFamily("dp", [[rank(d, t) for d in range(dp)] for t in range(tp)], rpn, h),
-           "edp": GroupFamily("edp", [[rank(d, t) for d in range(j, dp, layout.ep)] for t in range(tp)
-                                      for j in range(layout.ep)], rpn, h),
+    out = {"dp": GroupFamily("dp_cp" if cp > 1 else "dp", [[rank(d, t, c=c) for d in range(dp) for c in range(cp)]
+                                                           for t in range(tp)], rpn, h),
+           "cp": GroupFamily("cp", [[rank(d, t, c=c) for c in range(cp)] for d in range(dp) for t in range(tp)],
+                             rpn, False),
+           "edp": GroupFamily("edp_cp" if cp > 1 else "edp", [[rank(d, t, c=c) for d in range(j, dp, layout.ep)
+                                                              for c in range(cp)] for t in range(tp)
+                                                             for j in range(layout.ep)], rpn, h),
            "hpz": GroupFamily("hpz", [[rank(d, t) for d in range(a, a + layout.hpz)] for t in range(tp)
                                       for a in range(0, dp, layout.hpz)], rpn, False)}
     if layout.pp > 1 and s in (0, layout.pp - 1):
-        out["embedding"] = GroupFamily("embedding", [[rank(d, t, 0), rank(d, t, layout.pp - 1)]
-                                                     for d in range(dp) for t in range(tp)], rpn, False)
+        out["embedding"] = GroupFamily("embedding", [[rank(d, t, 0, c), rank(d, t, layout.pp - 1, c)]
+                                                     for d in range(dp) for c in range(cp) for t in range(tp)],
+                                       rpn, False)
     return out
+
+
+def cp_volume(spec, layout, blocks: int, fam: GroupFamily, vol: "Volume", w: int) -> None:
+    """Add one step's context-parallel traffic of a stage holding `blocks` blocks to `vol` (module docstring)."""
+    m = layout.num_microbatches
+    for t in transfers(spec, layout, w):
+        again = layout.recompute == "full" or (layout.recompute == "selective" and t.op != "all_reduce")
+        times = t.count * blocks * m * (2 if again and not t.backward else 1)
+        fam.op(t.op, t.numel, t.elem, vol, times)
 
 
 def _quantized(numel: int, n: int) -> tuple[float, float]:
@@ -193,7 +236,7 @@ def stage_volume(layout, groups, fam: dict, w: int) -> Volume:
                     f.op("reduce_scatter", p, 4, vol, m)
             if g.name == "tied" and "embedding" in fam:
                 fam["embedding"].op("all_reduce", p if g.stage == 0 else p // g.layout.dp_size, 4, vol)
-    fam["dp"].op("all_reduce", 1, 8, vol)  # the step's loss, fp64, averaged over dp
+    fam["dp"].op("all_reduce", 1, 8, vol)  # the step's loss, fp64, averaged over dp (x cp)
     return vol
 
 
@@ -206,5 +249,8 @@ def predict_volume(spec, layout, hardware=None, param_persistence_threshold: int
     out = []
     for s, chunks in enumerate(pipeline_layers(spec, layout)):
         groups = flat_groups(spec, layout, chunks, param_persistence_threshold)
-        out.append(stage_volume(layout, groups, _families(layout, s, rpn), w))
+        fam = _families(layout, s, rpn)
+        vol = stage_volume(layout, groups, fam, w)
+        cp_volume(spec, layout, sum(kind == "block" for chunk in chunks for kind, _ in chunk), fam["cp"], vol, w)
+        out.append(vol)
     return out

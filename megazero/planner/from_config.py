@@ -28,7 +28,9 @@ def expert_tp_of(cfg) -> int | None:
 
 
 def layout_of(cfg) -> tuple[Layout | None, str]:
-    """(the Layout of resolved config `cfg`, "") or (None, why the planner cannot model it)."""
+    """(the Layout of resolved config `cfg`, "") or (None, why the planner cannot model it). Context parallelism:
+    ``parallel.cp`` and ``parallel.cp_method`` (dp is already the config's derived world / (pp x tp x cp)); the
+    planner places the cp ranks just outside tp, the default ``parallel.order``."""
     pl, ac, z, t = cfg.pipeline, cfg.activation_checkpointing, cfg.zero, cfg.train
     layout = Layout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp, ep=cfg.parallel.ep,
                     expert_tp=expert_tp_of(cfg), micro_batch=t.micro_batch_size,
@@ -41,7 +43,8 @@ def layout_of(cfg) -> tuple[Layout | None, str]:
                     offload_optimizer=z.offload_optimizer.device == "cpu", offload_param=z.offload_param.device == "cpu",
                     precision=cfg.precision, reduce_bucket_size=z.reduce_bucket_size,
                     allgather_bucket_size=z.allgather_bucket_size, prefetch_bucket_size=z.prefetch_bucket_size,
-                    overlap_comm=z.overlap_comm, **comm_options_of(cfg))
+                    overlap_comm=z.overlap_comm, cp=getattr(cfg.parallel, "cp", 1),
+                    cp_method=getattr(cfg.parallel, "cp_method", "ring"), **comm_options_of(cfg))
     return layout, ""
 
 

@@ -66,8 +66,8 @@ def layer_params(spec, kind: str, t: int, layout=None) -> list[Param]:
     attn = linear(q, h, q) + linear(kv, h, kv) + linear(kv, h, kv) + linear(h, q, h)  # out's bias: replicated
     if spec.moe is not None:
         # without a layout: ep 1, experts split over the t ranks (the parameters depend only on ep and etp;
-        # moe_shape reads these four fields)
-        ranks = layout if layout is not None else SimpleNamespace(micro_batch=1, ep=1, moe_imbalance=1.0, etp=t)
+        # moe_shape reads these five fields)
+        ranks = layout if layout is not None else SimpleNamespace(micro_batch=1, ep=1, moe_imbalance=1.0, etp=t, cp=1)
         mlp = _moe_mlp(spec, ranks)
     elif spec.activation == "swiglu":
         mlp = linear(f, h, f) + linear(f, h, f) + linear(h, f, h)

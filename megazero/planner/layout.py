@@ -14,6 +14,7 @@ from megazero.core.schedules import check_sizes, get_schedule
 from megazero.core.spec_partition import partition_problems
 
 RECOMPUTE = ("none", "selective", "full")
+CP_METHODS = ("ring", "ulysses")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 PRECISIONS = ("bf16", "fp16", "fp32")
 
@@ -24,9 +25,16 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """tp x pp x dp ranks; each step is `global_batch` sequences in micro-batches of `micro_batch`.
+    """tp x pp x dp x cp ranks; each step is `global_batch` sequences in micro-batches of `micro_batch`.
 
-    zero: the ZeRO stage over dp (0-3); recompute: activation recompute policy (none | selective:
+    Context parallelism (``parallel.cp``, ``parallel.cp_method``; megazero/context_parallel): `cp` ranks hold
+    s/cp tokens of every sequence each (a head and a tail chunk), attention sees the whole sequence by
+    `cp_method` (ring: key/value blocks passed around the cp group; ulysses: all-to-alls between the sequence
+    and the head split). The data is split over dp only (global_batch = micro_batch x micro-batches x dp); the
+    parameters are replicated over cp, so gradients are reduced and ZeRO shards over dp x cp (`dp_cp`). Ranks
+    are laid out pp, dp, cp, tp (outermost first): cp just outside tp, as `topology_of` puts it.
+
+    zero: the ZeRO stage over dp (x cp) (0-3); recompute: activation recompute policy (none | selective:
     the attention core | full: segments of transformer blocks from their input), and under full the
     ``activation_checkpointing`` options: `every_k_layers` / `number_checkpoints` (the segments),
     `partition_activations` (a kept input split over the TP group, all-gathered for the recompute),
@@ -86,10 +94,18 @@ class Layout:
     quantized_weights: bool = False
     hpz: int = 1
     quantized_gradients: bool = False
+    cp: int = 1
+    cp_method: str = "ring"
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks holding the same parameters, dp x cp: what gradients are reduced over and ZeRO shards over
+        (`ParallelContext.dp_cp_group`; the dp group itself when cp = 1)."""
+        return self.dp * self.cp
 
     @property
     def num_microbatches(self) -> int:
@@ -109,6 +125,12 @@ class Layout:
     def edp(self) -> int:
         """Expert-data-parallel size: the dp ranks holding the same experts, dp / ep."""
         return self.dp // self.ep
+
+    @property
+    def edp_cp(self) -> int:
+        """The ranks holding the same experts, (dp / ep) x cp: what expert gradients are reduced and ZeRO shards
+        them over (`ParallelContext.edp_cp_group`; the edp group itself when cp = 1)."""
+        return self.edp * self.cp
 
     @property
     def custom_schedule(self) -> bool:
@@ -133,8 +155,8 @@ class Layout:
         return replace(self, **changes)
 
     def describe(self) -> str:
-        """One line: tp2 pp4 dp8 mb1 zero1 recompute=selective 1f1b (MoE: ep4 after dp, expert-tp1 when it
-        is not tp, imbalance=1.2 when not 1)."""
+        """One line: tp2 pp4 dp8 mb1 zero1 recompute=selective 1f1b (context parallel: cp16-ring after dp; MoE:
+        ep4 after dp, expert-tp1 when it is not tp, imbalance=1.2 when not 1)."""
         sched = f"interleaved:{self.chunks}" if self.schedule == "interleaved" else self.schedule
         if self.partition != "uniform":
             part = self.partition if isinstance(self.partition, str) else ",".join(map(str, self.partition))
@@ -152,13 +174,14 @@ class Layout:
                                 (f"ranks-per-node={self.ranks_per_node}", self.ranks_per_node is not None),
                                 ("onebit-adam", self.onebit), ("qwZ", self.quantized_weights),
                                 (f"hpZ{self.hpz}", self.hpz != 1), ("qgZ", self.quantized_gradients)) if on]
-        return " ".join([f"tp{self.tp} pp{self.pp} dp{self.dp}"] + moe + [f"mb{self.micro_batch} zero{self.zero}",
+        cp = [f"cp{self.cp}-{self.cp_method}"] if self.cp != 1 else []
+        return " ".join([f"tp{self.tp} pp{self.pp} dp{self.dp}"] + cp + moe + [f"mb{self.micro_batch} zero{self.zero}",
                          f"recompute={self.recompute} {sched}"] + extras + comm)
 
     def problems(self, spec) -> list[str]:
         """Every reason this layout cannot run `spec` (a `megazero.core.spec.ModelSpec`), one line each."""
         errs = []
-        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "chunks", "ep"):
+        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "chunks", "ep", "cp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 errs.append(f"{name}={v!r} must be a positive integer")
@@ -189,6 +212,7 @@ class Layout:
             errs.append(f"sequence_parallel needs seq_len={spec.seq_len} divisible by tp={self.tp}")
         errs += self._moe_problems(spec)
         errs += self._comm_problems()
+        errs += self._cp_problems(spec)
         if self.global_batch % (self.micro_batch * self.dp):
             errs.append(f"global_batch={self.global_batch} is not divisible by micro_batch x dp = "
                         f"{self.micro_batch} x {self.dp}")
@@ -261,6 +285,35 @@ class Layout:
         elif self.dp % self.hpz:
             errs.append(f"hpz={self.hpz} does not divide the data-parallel size dp={self.dp}: the secondary "
                         f"partition is over runs of that many dp ranks")
+        return errs
+
+    def _cp_problems(self, spec) -> list[str]:
+        """What context parallelism refuses (`megazero.engine.factories._check_context_parallel`, config checks):
+        a sequence that does not cut into 2·cp chunks (each split over tp again under sequence parallelism),
+        Ulysses with heads per tp rank not a multiple of cp, dropout, an MoE capacity factor, ZeRO++ hpZ."""
+        errs = []
+        if self.cp_method not in CP_METHODS:
+            errs.append(f"cp_method={self.cp_method!r} is not one of {', '.join(CP_METHODS)}")
+        if self.cp == 1:
+            return errs
+        chunk = 2 * self.cp * (self.tp if self.sequence_parallel else 1)
+        if spec.seq_len % chunk:
+            errs.append(f"cp={self.cp} needs seq_len={spec.seq_len} divisible by 2 x cp"
+                        + (" x tp (sequence parallel)" if self.sequence_parallel else "") + f" = {chunk}: each cp "
+                        f"rank holds a head and a tail chunk of every sequence")
+        if self.cp_method == "ulysses" and (spec.heads // self.tp) % self.cp:
+            errs.append(f"cp_method=ulysses needs the {spec.heads // self.tp} heads per tp rank (heads={spec.heads} "
+                        f"/ tp={self.tp}) divisible by cp={self.cp}; use cp_method=ring")
+        if spec.dropout or spec.attention_dropout:
+            errs.append(f"cp={self.cp} with dropout {max(spec.dropout, spec.attention_dropout)}: dropout masks are "
+                        f"drawn per whole sequence, which no cp rank holds")
+        moe = getattr(spec, "moe", None)
+        if moe is not None and moe.capacity_factor is not None:
+            errs.append(f"cp={self.cp} with moe_capacity_factor={moe.capacity_factor}: an expert's capacity is "
+                        f"counted over each whole sequence, which no cp rank holds")
+        if self.hpz != 1:
+            errs.append(f"hpz={self.hpz} with cp={self.cp}: ZeRO++'s secondary partition is over dp ranks alone, "
+                        f"not dp x cp")
         return errs
 
     def check(self, spec) -> None:

@@ -2,7 +2,8 @@
 (`Efficiency`, two of them fitted, see speed.py), how the framework runs a block (`Implementation`), and
 `Machine`: the seconds of one GEMM, one memory-bound pass, one collective on a group of ranks.
 
-Rank order (megazero's `Topology`, pp outermost, tp innermost): rank = (pp·dp + d)·tp + t. A group of
+Rank order (megazero's `Topology`, pp outermost, tp innermost, cp just outside tp): rank = ((pp·dp + d)·cp +
+c)·tp + t, so the dp x cp group (ZeRO's) is dp·cp ranks tp apart and the cp group cp ranks tp apart. A group of
 ranks `stride` apart stays on NVLink inside a node; a ring that spans nodes has k = gpus_per_node /
 stride members per node, whose k rings leave each node through k NICs: bus bandwidth
 min(NVLink, k·inter-node). An all-to-all over such a group sends each GPU's share for the members in
@@ -99,6 +100,7 @@ class Machine:
         eff = hw.tuned(eff) if hasattr(hw, "tuned") else eff  # a calibrated machine's measured fractions
         self.hw, self.eff = hw, eff
         self.peak = hw.peak_tflops * 1e12 * (0.5 if layout.precision == "fp32" else 1.0)  # fp32: TF32 rate
+        self.peak32 = hw.peak_tflops * 1e12 * 0.5  # fp32 GEMMs in any precision (ring attention's blocks)
         self.hbm = hw.hbm_bandwidth_tbs * 1e12 * eff.hbm
         self.nvlink = hw.nvlink_gbs * 1e9 * eff.nvlink
         self.internode = hw.internode_gbs * 1e9 * eff.internode
@@ -119,11 +121,18 @@ class Machine:
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
         """One (m x k)·(k x n) GEMM (`batch` of them in one batched kernel)."""
+        return self._gemm(m, n, k, batch, self.peak, self.act)
+
+    def gemm32(self, m: float, n: float, k: float, batch: float = 1) -> float:
+        """`gemm` in fp32 whatever the layout's precision (4-byte elements at the fp32 rate, `peak32`)."""
+        return self._gemm(m, n, k, batch, self.peak32, 4)
+
+    def _gemm(self, m: float, n: float, k: float, batch: float, peak: float, elem: int) -> float:
         e = self.eff.gemm_max * k / (k + self.eff.gemm_k_half)
         if self.eff.gemm_mn_half:  # a small output is fewer tiles than the cores / threads take at once
             e *= m * n / (m * n + self.eff.gemm_mn_half)
-        compute = 2.0 * m * n * k * batch / (e * self.peak)
-        memory = self.act * (m * k + k * n + m * n) * batch / self.hbm
+        compute = 2.0 * m * n * k * batch / (e * peak)
+        memory = elem * (m * k + k * n + m * n) * batch / self.hbm
         return (max(compute, memory) + self.eff.kernel_us * 1e-6) * self.in_step
 
     def flops(self, flops: float, fraction: float) -> float:

@@ -8,10 +8,12 @@ same), the bytes megazero holds by the categories `megazero.run.memory.memory_re
   `megazero.zero.grouping.make_groups` builds them, from the per-parameter shapes of megazero's layers
   (`layer_params`; checked against the meta-device counts in `facts`), and laid out by the same
   `megazero.core.flat_buffer.build_layout`. A Mixture-of-Experts model's routed experts (E / ep per
-  layer on a rank, moe_plan.py) are a group of their own over the dp / ep ranks holding the same
+  layer on a rank, moe_plan.py) are a group of their own over the (dp / ep) x cp ranks holding the same
   experts (stages 0-2 at min(stage, 2); stage 3 sharded per unit); router and shared experts go with
-  the dense parameters. Per group of padded size P elements over its n ranks (dp, or dp / ep for the
-  experts), owned slice S = P (stage 0) or P / n (stages 1-3), working dtype of w bytes:
+  the dense parameters. Per group of padded size P elements over its n ranks (dp x cp: with context
+  parallelism every cp rank holds the same parameters and `grouping.make_groups` shards over
+  ``dp_cp_group``; (dp / ep) x cp for the experts), owned slice S = P (stage 0) or P / n (stages 1-3),
+  working dtype of w bytes:
   params P·w (stage-3 sharded groups: S·w, the gathered buckets are empty between steps); grads fp32 as
   megazero accumulates them: P·4 at stages 0-1, S·4 at 2-3; master S·4 when the working dtype is not
   fp32 or the group is offloaded (otherwise the master is a view of the params); optimizer_states
@@ -35,7 +37,9 @@ moment it is alive in the walked program (`program_peaks.walk_program`): ``logit
 and their fp32 shifted copy while the loss runs), ``backward_working`` (at a chunk's last block's first GEMM in
 backward: the incoming gradient, its SP all-gather or the hidden dropout's gradient, the MLP output
 projection's input and weight gradients,
-`activation_ledger.backward_working`), ``wgrad_pending`` (zero bubble: the inputs and output
+`activation_ledger.backward_working`; with context parallelism the attention core's backward working set when
+higher, `cp_ledger.core_working`: on a GPU the ring's fp32 scores of one chunk pair), ``wgrad_pending`` (zero
+bubble: the inputs and output
 gradients kept between B and W, and the small weight gradients B computed and holds) and ``zero_buffers``
 (ZeRO's gradient reduce-scatter outputs after each backward, MAX_INFLIGHT of them with overlap_comm, on a
 CPU with gloo's copy of each reduce-scatter's input, and ZeRO-3's gathered last unit and the units its
@@ -123,14 +127,14 @@ def flat_groups(spec, layout, chunks, persistence_threshold: int) -> list[_Group
     ordered = [x for x in ordered if not x[0].expert]
     tied = [x for x in ordered if layout.pp > 1 and x[0].tied]
     rest = [x for x in ordered if not (layout.pp > 1 and x[0].tied)]
-    dp, bucket, opt = layout.dp, layout.reduce_bucket_size, layout.offload_optimizer
+    dp, bucket, opt = layout.dp_cp, layout.reduce_bucket_size, layout.offload_optimizer  # dp x cp replicas
     groups = []
     if experts and layout.zero == 3:
         experts, cuts = _by_unit(experts)
-        lay = build_layout([x[0].numel for x in experts], layout.edp, bucket, cuts)
+        lay = build_layout([x[0].numel for x in experts], layout.edp_cp, bucket, cuts)
         groups.append(_Group("experts", lay, 3, True, layout.offload_param or opt, None, _units(experts, lay)))
     elif experts:
-        groups.append(_Group("experts", build_layout([x[0].numel for x in backward_order(experts)], layout.edp,
+        groups.append(_Group("experts", build_layout([x[0].numel for x in backward_order(experts)], layout.edp_cp,
                                                      bucket), min(layout.zero, 2), False, opt))
     if layout.zero == 3:
         sharded, cuts = _by_unit([x for x in rest if x[0].numel >= persistence_threshold])
@@ -325,7 +329,7 @@ def _check_facts(spec, layout, facts, stages) -> None:
     if len(facts.stages) != layout.pp:
         raise PlanError(f"model facts have {len(facts.stages)} stages, the layout pp={layout.pp}")
     for s, (fs, chunks) in enumerate(zip(facts.stages, stages)):
-        built = layout.replace(dp=1, zero=1, ep=1, moe_imbalance=1.0,
+        built = layout.replace(dp=1, cp=1, zero=1, ep=1, moe_imbalance=1.0,
                                expert_tp=getattr(fs, "expert_tp", 1) if spec.moe is not None else None)
         groups = flat_groups(spec, built, chunks, 0)
         experts = sum(sum(g.layout.numels) for g in groups if g.name == "experts")

@@ -72,7 +72,7 @@ def moe_cost(m: MoEShape, layout, mc: Machine) -> MoECost:
     per_act = m.mats * act
     elem = (per_act * (M * m.ffn + R * m.shared) + 16 * R * m.num_experts + 2 * act * N * h
             + (4 * act * M * h if P > 1 else 0) + 6 * act * N * h)
-    stride = layout.tp  # ep ranks are consecutive dp ranks: tp apart
+    stride = layout.tp * layout.cp  # ep ranks are consecutive dp ranks: cp·tp apart
     rows = (mc.all_to_all(N * (P - 1) / P * h * act, P, stride)
             + mc.all_to_all(M * (P - 1) / P * h * act, P, stride))
     counts = mc.all_to_all(m.num_experts // P * (P - 1) * 8, P, stride)

@@ -96,7 +96,8 @@ def moe_shape(spec, layout) -> MoEShape | None:
     moe = getattr(spec, "moe", None)
     if moe is None:
         return None
-    E, k, s, b, P = moe.num_experts, moe.top_k, spec.seq_len, layout.micro_batch, layout.ep
+    # with context parallelism each rank routes its s/cp tokens of every sequence (no capacity then: refused)
+    E, k, s, b, P = moe.num_experts, moe.top_k, spec.seq_len // layout.cp, layout.micro_batch, layout.ep
     cap = moe.capacity(s)
     cap_rows = math.inf if cap is None else E * cap
     sent = b * min(k * s, cap_rows)

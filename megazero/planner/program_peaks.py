@@ -1,7 +1,8 @@
 """A stage's memory peaks over its pipeline program (pure: no torch): each micro-batch chunk's `Chunk` ledger
 (activation_ledger.py) added at its forward, rebuilt and released at its backward, with the transients that
-rise above it at their moments (the loss's logits, the backward's working set, zero bubble's pending W data,
-ZeRO's gathered and reduced buffers). memory_plan.py turns the levels into its transient categories."""
+rise above it at their moments (the loss's logits, the backward's working set or a context-parallel attention
+core's, zero bubble's pending W data, ZeRO's gathered and reduced buffers). memory_plan.py turns the levels into its
+transient categories."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ def walk_program(program, chunks: list[Chunk], pool: int = 0, pool_host: bool = 
             during = alive - ch.saved + ch.backward_peak + shared
             work = ch.working - (ch.working_wgrad if isinstance(ins, BackwardInput) else 0)
             first = alive - ch.saved + ch.first_backward + shared + work  # at the last block's first GEMM
+            first = max(first, alive - ch.saved + ch.first_backward + shared + ch.core)  # its cp core's backward
             metered, with_logits = max(metered, during), max(with_logits, during)
             working = max(working, with_logits, first)
             real = max(real, working, during + pending, first + pending)

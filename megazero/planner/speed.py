@@ -46,10 +46,19 @@
   stages' ranks share a node, else on each GPU's inter-node link; a stage waits for its run's
   transfers together.
 * Precision: 16-bit at `peak_tflops`; fp32 runs its GEMMs as TF32 at half of it, with 4-byte elements.
-* Rank order (megazero's `Topology`, pp outermost, tp innermost): rank = (pp·dp + d)·tp + t. A group of
-  ranks `stride` apart stays on NVLink inside a node; one that spans nodes has k = gpus_per_node / stride
-  members per node, whose k rings leave each node through k NICs: bus bandwidth min(NVLink, k·inter-node).
-  Pipeline neighbours are dp·tp ranks apart.
+* Rank order (megazero's `Topology`, pp outermost, tp innermost, cp just outside tp): rank = ((pp·dp + d)·cp
+  + c)·tp + t. A group of ranks `stride` apart stays on NVLink inside a node; one that spans nodes has k =
+  gpus_per_node / stride members per node, whose k rings leave each node through k NICs: bus bandwidth
+  min(NVLink, k·inter-node). Pipeline neighbours are dp·cp·tp ranks apart.
+* Context parallelism (cp ranks per sequence, cp_cost.py): every token-wise term above (GEMMs, elementwise,
+  TP collectives, embedding, head and loss, pipeline transfers, checkpoints) is over this rank's b·s/cp tokens;
+  the attention core is the ring's (2·cp + 1 chunk pairs, in fp32 plain PyTorch on a GPU, the fused flash
+  kernel on a calibrated CPU; each key/value block's transfer overlapped with the block's pairs: exposed
+  max(0, transfer − compute)) or Ulysses' (SDPA over the whole sequence on
+  a/(t·cp) heads, four all-to-alls forward and four backward, exposed), its communication on NVLink when the
+  cp group (cp ranks tp apart) is inside a node, ``cp_comm`` in the breakdown; the recompute forward pays it
+  again. Gradients are reduced and ZeRO shards over dp x cp (dp·cp ranks tp apart); the data over dp. Model
+  FLOPs stay Megatron's (the whole square of every sequence); MFU is over tp·pp·dp·cp GPUs.
 * Data parallel, as megazero's `zero/optimizer.py` communicates: stages 0-1 reduce once per step,
   launched during the last micro-batch's backward with overlap_comm (exposed: what the last backward
   does not hide, at least the last bucket), else after it; stage 2 reduce-scatters every micro-batch's
@@ -116,7 +125,7 @@ from megazero.planner.moe_plan import active_mlp_params
 from megazero.planner.programs import schedule_programs
 from megazero.planner.stage_costs import StageCosts, tuning
 
-CATEGORIES = ("gemm", "attention", "elementwise", "tp_comm", "all_to_all", "recompute", "embedding_head",
+CATEGORIES = ("gemm", "attention", "elementwise", "tp_comm", "all_to_all", "cp_comm", "recompute", "embedding_head",
               "dp_comm", "optimizer", "p2p", "pipeline_bubble")
 """The breakdown's names, in order."""
 
@@ -127,7 +136,8 @@ class StepPlan:
     (they sum to step_time_s); stage_costs: per stage (F, B, W) seconds of one micro-batch through
     all its chunks (W = 0 when backward is not split); dp_bytes, internode_bytes: the bytes one GPU
     sends per step over its data-parallel groups (mean over the GPUs) and of them those that leave its
-    node, the tied embedding's reduction included (comm_volume.py)."""
+    node, the tied embedding's reduction included (comm_volume.py); cp_bytes, cp_internode_bytes: the same over
+    the context-parallel group (the ring's key/value blocks and partials, Ulysses' all-to-alls)."""
 
     step_time_s: float
     tokens_per_s: float
@@ -140,6 +150,8 @@ class StepPlan:
     stage_costs: tuple = field(default=())
     dp_bytes: float = 0.0
     internode_bytes: float = 0.0
+    cp_bytes: float = 0.0
+    cp_internode_bytes: float = 0.0
 
 
 
@@ -200,7 +212,9 @@ def predict_step(spec, layout, hardware, facts=None, efficiency: Efficiency = DE
         mfu=model / (step * gpus * mc.peak), bubble_fraction=sim.bubble_fraction, breakdown=breakdown,
         critical_stage=crit, stage_costs=tuple(costs.per_stage(s, layout.chunks) for s in range(layout.pp)),
         dp_bytes=sum(v.dp_bytes for v in volumes) / layout.pp,
-        internode_bytes=sum(v.internode_bytes for v in volumes) / layout.pp)
+        internode_bytes=sum(v.internode_bytes for v in volumes) / layout.pp,
+        cp_bytes=sum(v.cp_bytes for v in volumes) / layout.pp,
+        cp_internode_bytes=sum(v.cp_internode_bytes for v in volumes) / layout.pp)
 
 
 COMPUTE = ("gemm", "attention", "elementwise", "recompute", "embedding_head", "optimizer")

@@ -75,11 +75,13 @@ INT8 = 1 + 4 / 256
 
 def _shards(layout, mc: Machine, dense: float, experts: float) -> list[tuple[float, int, int, bool]]:
     """(parameters, ranks, stride, ZeRO++ applies) of each data-parallel group a stage's gradients are
-    reduced over: the dense ones over dp (ranks tp apart), an MoE model's routed experts over the dp / ep
-    ranks holding the same experts (ranks ep·tp apart; ZeRO++ leaves them alone, as the runtime does)."""
-    out = [(dense, layout.dp, layout.tp, True)]
+    reduced over: the dense ones over dp x cp (every replica: the dp ranks and their cp ranks, dp·cp ranks tp
+    apart), an MoE model's routed experts over the (dp / ep) x cp ranks holding the same experts (ranks ep·tp
+    apart on average: runs of cp ranks tp apart, ep·cp·tp between the runs; ZeRO++ leaves them alone, as the
+    runtime does)."""
+    out = [(dense, layout.dp_cp, layout.tp, True)]
     if experts:
-        out.append((experts, layout.edp, layout.ep * layout.tp, False))
+        out.append((experts, layout.edp_cp, layout.ep * layout.tp, False))
     return out
 
 
@@ -152,7 +154,7 @@ def _reduce_and_step(layout, mc: Machine, impl, shards, tied: float, last_backwa
     """({category: s} of ReduceGrads, of OptimizerStep) on one stage whose gradients are reduced over
     the groups of `shards` ((parameters, ranks, stride, ZeRO++)). 1-bit Adam (zero 0, past its warm-up):
     no gradient reduction; the step averages the momentum in 1 bit (`_onebit_average`)."""
-    dp, z = layout.dp, layout.zero
+    dp, z = layout.dp_cp, layout.zero  # the replicas: dp x cp
     psi = sum(sh[0] for sh in shards)
     reduce, onebit = 0.0, 0.0
     if z <= 1 and layout.onebit:
@@ -164,7 +166,7 @@ def _reduce_and_step(layout, mc: Machine, impl, shards, tied: float, last_backwa
         overlaps = layout.overlaps and not any(mc.two_level(st, n) for _, n, st, _ in shards)
         reduce = _hidden(total, last_backward, layout.reduce_bucket_size / max(psi, 1.0)) if overlaps else total
     if tied and layout.pp > 1:  # embedding and head copies (their dp shards at stages 1-3), first and last
-        tied_bytes = tied * impl.grad_bytes / (dp if z >= 1 else 1)  # stage: ranks (pp-1)·dp·tp apart
+        tied_bytes = tied * impl.grad_bytes / (dp if z >= 1 else 1)  # stage: ranks (pp-1)·dp·cp·tp apart
         reduce += mc.ring("all_reduce", tied_bytes, 2, mc.link((layout.pp - 1) * dp * layout.tp, 2))
     shard = sum(p / n for p, n, _, _ in shards) if z >= 1 else psi
     if layout.offload_optimizer:
@@ -188,7 +190,7 @@ def _checkpoint_io(spec, layout, mc: Machine, blocks: int) -> tuple[float, float
         return 0.0, 0.0, 0.0
     segments = len(segment_sizes(blocks, layout.every_k_layers, layout.number_checkpoints))
     t = layout.tp
-    full = layout.micro_batch * spec.seq_len * spec.hidden * mc.act / (t if layout.sequence_parallel else 1)
+    full = layout.micro_batch * spec.seq_len // layout.cp * spec.hidden * mc.act / (t if layout.sequence_parallel else 1)
     kept = full / t if layout.partition_activations else full
     fwd = bwd = 0.0
     if layout.partition_activations or layout.contiguous_checkpoints:
@@ -204,10 +206,11 @@ def _checkpoint_io(spec, layout, mc: Machine, blocks: int) -> tuple[float, float
 
 def _p2p_time(spec, layout, mc: Machine, impl, a: int, b: int) -> float:
     """One activation (or its grad) between pipeline ranks a and b: NVLink when all the ranks of
-    both stages share a node, else the inter-node link of each GPU."""
-    tokens, t, g = layout.micro_batch * spec.seq_len, layout.tp, mc.node
+    both stages share a node, else the inter-node link of each GPU. With context parallelism each rank
+    sends its s/cp tokens; a stage is dp·cp·tp ranks."""
+    tokens, t, g = layout.micro_batch * spec.seq_len // layout.cp, layout.tp, mc.node
     nbytes = tokens * spec.hidden * mc.act / (t if layout.sequence_parallel else 1)
-    ranks = layout.dp * t
+    ranks = layout.dp * layout.cp * t
     lo, hi = min(a, b), max(a, b)
     same_node = (lo * ranks) // g == ((hi + 1) * ranks - 1) // g  # nodes hold consecutive ranks
     bw = mc.nvlink if same_node else mc.internode

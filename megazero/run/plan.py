@@ -81,7 +81,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--tp", type=int)
     p.add_argument("--pp", type=int)
-    p.add_argument("--dp", type=int, help="default: gpus / (tp x pp)")
+    p.add_argument("--dp", type=int, help="default: gpus / (tp x pp x cp)")
+    p.add_argument("--cp", type=int, help="context parallel: ranks per sequence (parallel.cp; default 1; searched "
+                                          "from 16K tokens)")
+    p.add_argument("--cp-method", choices=("ring", "ulysses"), help="parallel.cp_method (default ring)")
     p.add_argument("--micro-batch", type=int)
     p.add_argument("--ep", type=int, help="MoE: expert-parallel ranks, carved out of dp (default 1; searched)")
     p.add_argument("--expert-tp", type=int, help="MoE: 1 (whole experts on every TP rank) or tp (default: tp)")
@@ -113,7 +116,8 @@ def parser() -> argparse.ArgumentParser:
 def fixed_choices(args) -> dict:
     """The Layout fields the command line sets."""
     fixed = {}
-    for arg, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("ep", "ep"), ("expert_tp", "expert_tp"),
+    for arg, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("cp_method", "cp_method"),
+                       ("ep", "ep"), ("expert_tp", "expert_tp"),
                        ("micro_batch", "micro_batch"), ("zero", "zero"),
                        ("recompute", "recompute"), ("sequence_parallel", "sequence_parallel"),
                        ("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param"),
@@ -133,15 +137,17 @@ def fixed_choices(args) -> dict:
 
 
 def one_layout(args, fixed: dict) -> Layout:
-    """The layout the flags describe (unset ones at their defaults), dp = gpus / (tp x pp)."""
-    tp, pp = fixed.get("tp", 1), fixed.get("pp", 1)
-    if args.gpus % (tp * pp):
-        raise PlanError(f"--gpus {args.gpus} is not divisible by tp x pp = {tp} x {pp}")
-    dp = args.gpus // (tp * pp)
+    """The layout the flags describe (unset ones at their defaults), dp = gpus / (tp x pp x cp)."""
+    tp, pp, cp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("cp", 1)
+    if args.gpus % (tp * pp * cp):
+        raise PlanError(f"--gpus {args.gpus} is not divisible by tp x pp = {tp} x {pp}" if cp == 1 else
+                        f"--gpus {args.gpus} is not divisible by tp x pp x cp = {tp} x {pp} x {cp}")
+    dp = args.gpus // (tp * pp * cp)
     if fixed.get("dp", dp) != dp:
-        raise PlanError(f"--dp {fixed['dp']}: tp x pp x dp must be --gpus {args.gpus}; with tp={tp}, pp={pp} dp is {dp}")
-    given = {k: v for k, v in fixed.items() if k not in ("tp", "pp", "dp")}
-    return Layout(tp=tp, pp=pp, dp=dp, global_batch=args.global_batch, precision=args.precision,
+        raise PlanError(f"--dp {fixed['dp']}: tp x pp x cp x dp must be --gpus {args.gpus}; with tp={tp}, pp={pp}, "
+                        f"cp={cp} dp is {dp}")
+    given = {k: v for k, v in fixed.items() if k not in ("tp", "pp", "dp", "cp")}
+    return Layout(tp=tp, pp=pp, dp=dp, cp=cp, global_batch=args.global_batch, precision=args.precision,
                   **{"micro_batch": 1, **given})
 
 
@@ -175,7 +181,8 @@ class Planner:
         tight = memory.tightest
         return {
             "layout": layout.describe(),
-            "layout_fields": {k: getattr(layout, k) for k in ("tp", "pp", "dp", "ep", "expert_tp", "moe_imbalance",
+            "layout_fields": {k: getattr(layout, k) for k in ("tp", "pp", "dp", "cp", "cp_method", "ep", "expert_tp",
+                                                              "moe_imbalance",
                                                               "micro_batch", "global_batch", "zero",
                                                               "recompute", "schedule", "chunks", "partition",
                                                               "sequence_parallel",
@@ -194,7 +201,8 @@ class Planner:
             "model_tflops_per_gpu": step.model_tflops_per_gpu, "hardware_tflops_per_gpu": step.hardware_tflops_per_gpu,
             "mfu": step.mfu, "bubble_fraction": step.bubble_fraction, "critical_stage": step.critical_stage,
             "breakdown": dict(step.breakdown), "dp_bytes_per_gpu": step.dp_bytes,
-            "internode_bytes_per_gpu": step.internode_bytes, "_memory": memory,
+            "internode_bytes_per_gpu": step.internode_bytes, "cp_bytes_per_gpu": step.cp_bytes,
+            "cp_internode_bytes_per_gpu": step.cp_internode_bytes, "_memory": memory,
         }
 
 
@@ -217,7 +225,9 @@ def describe(spec, hardware, result: dict) -> str:
              f"         breakdown on stage {result['critical_stage']}: " + ", ".join(
                  f"{k} {v:.3f} s" for k, v in result["breakdown"].items() if abs(v) > 5e-4),
              f"comm     {result['dp_bytes_per_gpu'] / GB:.3f} GB per GPU per step over data parallel; across nodes "
-             f"{result['internode_bytes_per_gpu'] / GB:.3f} GB (data parallel and tied embeddings)"]
+             f"{result['internode_bytes_per_gpu'] / GB:.3f} GB (data parallel and tied embeddings)"
+             + (f"; context parallel {result['cp_bytes_per_gpu'] / GB:.3f} GB, across nodes "
+                f"{result['cp_internode_bytes_per_gpu'] / GB:.3f} GB" if result["cp_bytes_per_gpu"] else "")]
     return "\n".join(lines)
 
 
