@@ -3,9 +3,9 @@
 Each of the cp ranks holds seq/cp tokens (`token_layout`: a head and a tail chunk) of q, k and v. The key/value
 blocks travel around the group (rank r sends to r+1, receives from r−1): at step j rank r holds the block of
 rank r−j, and while it computes its queries against that block the next block is already in flight (posted
-before the computation, waited after it). The blocks' partial results are merged exactly by the online
-softmax (running maximum, sum and weighted values per query row), so the output equals attention over the
-whole sequence within rounding. The mask comes from positions, not from block order: a query attends a key
+before the computation, waited after it). Each (query chunk, key chunk) pair gives its output and log-sum-exp;
+they are merged exactly by the online softmax, so the output equals attention over the whole sequence within
+rounding. The mask comes from positions, not from block order: a query attends a key
 at a position ≤ its own (and, with packed documents, of the same document); a (query chunk, key chunk) pair
 that is wholly masked is skipped, one wholly visible is computed without a mask.
 
@@ -18,9 +18,11 @@ key/value block, 2·b·kv·(s/cp)·d elements in the inputs' dtype; backward the
 block's dK/dV partials, 2·b·kv·(s/cp)·d fp32 elements. On NCCL each exchange is one `batch_isend_irecv`;
 elsewhere one isend and one irecv (never gloo's batched form, pytorch#132644).
 
-Grouped-query attention without repeating K/V: the query heads reading one KV head are laid out as extra
-rows of it, (b, kv, g·n, d). The block computations run in fp32 in plain PyTorch on any device (no fused
-kernel yet: the scores of one chunk pair, (b, kv, g·s/(2cp), s/(2cp)), are materialised, then freed).
+A pair is computed by one of two kernels (`_kernel`), both in fp32 with the same (out, lse) contract:
+`_FlashCpuPair`, torch's fused flash-attention kernel for CPU, for plain causal attention on CPU; `_MathPair`,
+plain PyTorch on any device with any mask (documents, ALiBi; GPUs for now: no fused CUDA kernel is wired yet),
+which lays the query heads reading one KV head out as extra rows of it, (b, kv, g·c, d), instead of repeating
+K/V, and materialises one pair's scores, (b, kv, g·c, c) with c = s/(2cp), at a time.
 """
 from __future__ import annotations
 
