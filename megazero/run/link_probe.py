@@ -16,7 +16,8 @@ unevenly: one probe of 3 round trips named a healthy link in 13 of 20 windows; 4
 named when slow in 3 of them, in 1 of 60 windows (2.4x, 2.6 ms over its peers' median); in all 4 rounds, in
 none of 100. A link throttled to 200 MB/s is 5-8x its peers' in every round.
 
-The probe's bytes are counted on the axes ``<axis>.probe`` of the groups' `CommStats`, apart from the step's.
+The probe's bytes are counted on the axes ``<axis>.probe`` of the groups' `CommStats`; the trainer leaves them out
+of the steps' per-step volumes.
 """
 from __future__ import annotations
 

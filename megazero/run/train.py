@@ -151,6 +151,7 @@ def run(cfg: Config, rank: int) -> int:
                 loss = _train_step(cfg, engine, data, rank)
         else:
             loss = _train_step(cfg, engine, data, rank)  # on the device: read when the pending steps are flushed
+        stepped = pctx.stats.snapshot()  # the step's own communication, before the straggler window's link probe
         slow = watch.end() if watch is not None else None  # every straggler_interval steps: over the world group
         if first:
             report = memory_report(optimizer, step_meter, checkpointer)
@@ -160,8 +161,8 @@ def run(cfg: Config, rank: int) -> int:
         info = engine.last_info
         record = {"step": step, "lr": info.get("lr"), "loss_scale": info.get("loss_scale"),
                   "skipped": info.get("skipped", False), "skipped_steps": info.get("skipped_steps", 0)}
-        now = pctx.stats.snapshot()
-        record["comm"], moved = comm_delta(moved, now), now  # this rank's bytes by axis/op, inter-node apart
+        record["comm"] = comm_delta(moved, stepped)  # this rank's bytes by axis/op, inter-node apart
+        moved = pctx.stats.snapshot() if slow is not None else stepped  # the probe's bytes are no step's
         if info.get("silent_error") is not None:  # a checked step's two passes differed (megazero.engine.silent_check)
             record["silent_error"] = info["silent_error"]
         if info.get("moe") is not None:  # MoE load balance of the step (megazero.moe.stats)
