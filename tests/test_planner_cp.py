@@ -280,9 +280,9 @@ def core_worker(cases) -> list[int]:
 @pytest.mark.parametrize("cp", [2, 4])
 def test_core_working_is_what_one_cores_backward_holds(cp):
     """`cp_ledger.core_working` (less the incoming gradient, allocated before) equals the bytes one ring or Ulysses
-    backward allocates at its peak on the busiest rank (the ranks hold different chunk pairs; two ranks' peaks
-    were seen to differ by 512 KB at cp 4): the ring's to the byte, on the plain PyTorch pairs a GPU runs (the scores of
-    one chunk pair materialised) and the CPU's fused flash pairs, fp32 and bf16, grouped-query g = 1, 2 and 16;
+    backward allocates at its peak on the busiest rank (the ranks hold different chunk pairs), up to one transfer
+    buffer that gloo releases late: the ring's to the byte otherwise, on the plain PyTorch pairs a GPU runs (the
+    scores of one chunk pair materialised) and the CPU's fused flash pairs, fp32 and bf16, grouped-query g = 1, 2 and 16;
     Ulysses' within one (b, heads/cp, s) fp32 buffer (exact at cp 2; that much high at cp 4, where K and V are
     repeated: 16 KB of 2.6 MB)."""
     from megazero.planner.activation_ledger import dims
@@ -296,10 +296,16 @@ def test_core_working_is_what_one_cores_backward_holds(cp):
                      global_batch=b, precision="fp32" if dtype == "float32" else "bf16")
         c = dims(spec, lay, "cuda" if path == "math" else "cpu")
         got, want = max(rank[i] for rank in measured), core_working(c) - c.q_bytes  # the busiest rank's
+        # gloo's threads may let go of a transfer's buffer just after the peak: the measured peak is the prediction
+        # or up to one transfer buffer more (seen: a key/value block, 512 KB, in the ring; a K-sized all-to-all
+        # buffer, 256 KB, in Ulysses; each in about 1 of 10 runs)
         if path == "ulysses":  # its (b, heads/cp, s) fp32 buffers (4·b·heads·n) are not counted
-            assert abs(want - got) <= 4 * b * heads * n, (path, b, heads, kv, n, d, dtype, got, want)
+            late = b * heads * n * d * 4  # the largest all-to-all buffer: q's, fp32
+            assert -4 * b * heads * n <= got - want <= 4 * b * heads * n + late, (path, b, heads, kv, n, d, dtype,
+                                                                               got, want)
         else:
-            assert want == got, (path, b, heads, kv, n, d, dtype)
+            late = 2 * b * kv * n * d * 4  # the largest transfer: a dK/dV partial, fp32
+            assert 0 <= got - want <= late, (path, b, heads, kv, n, d, dtype, got, want)
 
 
 # -- pure: the step-time model's cp communication ---------------------------------------------------------------
