@@ -43,26 +43,18 @@ def _seq_from_heads(y: torch.Tensor, group: comm.GroupHandle) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, cp * hl, s // cp, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Swap(torch.autograd.Function):
+    """`_heads_from_seq` (`to_heads`) or `_seq_from_heads` forward, the other one backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_from_seq(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_heads_from_seq if to_heads else _seq_from_heads)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_from_heads(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return _seq_from_heads(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_from_seq(grad.contiguous(), ctx.group), None
+        back = _seq_from_heads if ctx.to_heads else _heads_from_seq
+        return back(grad.contiguous(), ctx.group), None, None
 
 
 def kv_repeats(kv_heads: int, cp: int) -> int:
@@ -88,7 +80,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     gathered = layout.gathered_order(seq, cp).to(q.device)
 
     def whole(x):  # (b, h, n, d) -> (b, h/cp, seq, d) in position order
-        return _SeqToHeads.apply(x, group).index_select(2, order)
+        return _Swap.apply(x, group, True).index_select(2, order)
 
     qh, kh, vh = whole(q), whole(k), whole(v)
     hl = heads // cp
@@ -109,4 +101,4 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
-    return _HeadsToSeq.apply(out.index_select(2, gathered), group)  # (b, h/cp, seq, d) rank by rank -> mine
+    return _Swap.apply(out.index_select(2, gathered), group, False)  # (b, h/cp, seq, d) rank by rank -> mine

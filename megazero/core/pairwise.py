@@ -103,8 +103,8 @@ def _from_found(pair: Pair, allowed: _Cached, found: Iterable[Case]) -> Case | N
     model and a data-parallel size it divides, shares them with a found witness more often than a random
     case has them)."""
     (a, va), (b, vb) = pair
-    found = list(found)
-    for case in [c for c in found if c[a] == va or c[b] == vb] + [c for c in found if c[a] != va and c[b] != vb]:
+    holders, others = _split_by_holding(pair, found)
+    for case in holders + others:
         case = case | {a: va, b: vb}
         if allowed(case):
             return case
@@ -130,12 +130,19 @@ def find_witnesses(factors: Mapping[str, tuple], allowed: Callable[[Case], bool]
     return out
 
 
+def _split_by_holding(pair: Pair, found: Iterable[Case]) -> tuple[list[Case], list[Case]]:
+    """The found witnesses holding one of the pair's values, and the others."""
+    (a, va), (b, vb) = pair
+    found = list(found)
+    return [c for c in found if c[a] == va or c[b] == vb], [c for c in found if c[a] != va and c[b] != vb]
+
+
 def _near_found(pair: Pair, factors, allowed: _Cached, found: list[Case]) -> Case | None:
     """A found witness holding one of the pair's values, with the other set and one more factor changed, if
     allowed: a pair that needs three values together (the interleaved schedule with an expert-parallel size
     needs two pipeline stages, which no MoE witness may have had)."""
     (a, va), (b, vb) = pair
-    for case in [c for c in found if c[a] == va or c[b] == vb]:
+    for case in _split_by_holding(pair, found)[0]:
         for changed in _neighbours(case | {a: va, b: vb}, {a, b}, factors):
             if allowed(changed):
                 return changed
