@@ -3,7 +3,7 @@
     python benchmarks/planner_cpu.py [--layouts N] [--rounds R] [--steps K] [--only NAME ...] --json OUT.json
 
 R rounds (default 5), each:
-1. ``plan.py --calibrate`` on 1, 2, 4 and 8 ranks (`megazero.run.calibrate`): the hardware file each layout's
+1. ``plan.py --calibrate`` on 1, 2, 4 and 8 ranks (`megazero.toolbox.calibrate`): the hardware file each layout's
    rank count plans with (8 ranks share the 2 cores here; the probe measures what one rank gets when they do),
    measured again each round, as the machine's speed drifts over minutes.
 2. A generated set of layouts of the debug GPT and Llama (`layouts()`: every pp x tp x dp factorisation of
@@ -148,7 +148,7 @@ def layout_worker(config: dict, warmup: int, steps: int) -> dict:
 def calibrate(world: int, out_dir: Path, alone: dict | None = None) -> Path:
     """Run the probe on `world` ranks (`alone`: the one-rank figures, `calibrate.probe_alone`, when already
     measured this round); the hardware file's path."""
-    from megazero.run import calibrate as cal
+    from megazero.toolbox import calibrate as cal
 
     path = out_dir / f"cpu-{world}-ranks.yaml"
     cal.write(str(path), cal.probe(world, name=f"this CPU, {world} ranks (gloo)", alone=alone), world)
@@ -215,7 +215,7 @@ def main(argv=None) -> dict:
         if args.hardware_dir or args.predict_only:
             return {w: hw_dir / f"cpu-{w}-ranks.yaml" if (hw_dir / f"cpu-{w}-ranks.yaml").exists()
                     else calibrate(w, hw_dir) for w in worlds}
-        from megazero.run.calibrate import probe_alone
+        from megazero.toolbox.calibrate import probe_alone
 
         here = hw_dir / f"round{round_ + 1}"
         here.mkdir(parents=True, exist_ok=True)

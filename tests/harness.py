@@ -46,7 +46,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megazero.engine", "megazero.models", "megazero.run.parity"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megazero.engine", "megazero.models", "megazero.toolbox.parity"]
 """Imported once by the forkserver, so that no rank pays for them: torch, torch._dynamo (which
 torch.utils.checkpoint and torch's optimizers import on first use, 2-3 s each time) and megazero's
 engine stack (0.6 s). None of them starts a thread or holds state a test changes."""

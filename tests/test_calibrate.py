@@ -7,7 +7,7 @@ import pytest
 from megazero.planner.hardware import load_hardware
 from megazero.planner.layout import Layout, PlanError
 from megazero.planner.machine import DEFAULT_EFFICIENCY, Machine
-from megazero.run import calibrate, plan, probe_timing, step_probe
+from megazero.toolbox import calibrate, plan, probe_timing, step_probe
 
 
 def test_gemm_fit_recovers_the_curve():

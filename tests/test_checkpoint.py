@@ -1,4 +1,4 @@
-"""Sharded checkpoints (megazero/run/checkpoint.py) through the engine API, as a user's script uses it:
+"""Sharded checkpoints (megazero/checkpoint/sharded.py) through the engine API, as a user's script uses it:
 `engine.save_checkpoint(dir)`, new processes, `engine.load_checkpoint(dir)` (its `latest`), and the
 data from the loaded step (`megazero.engine.data_iterator`).
 
@@ -62,7 +62,7 @@ def train(cfg, steps, save_dir=None, load_dir=None, save_at=None, async_save=Fal
     if async_save:  # a slow disk: the next steps run while the background thread still writes
         import time
 
-        from megazero.run import safetensors_io
+        from megazero.checkpoint import safetensors_io
 
         write = safetensors_io.write
         safetensors_io.write = lambda *a, **k: (time.sleep(1.0), write(*a, **k))[1]
@@ -220,7 +220,7 @@ def save_then_die(cfg, path, kill_rank):
 
     import megazero
     import torch.distributed as dist
-    from megazero.run import safetensors_io
+    from megazero.checkpoint import safetensors_io
 
     engine, _, data, _ = megazero.initialize(config=cfg)
     for step in range(3):
@@ -270,7 +270,7 @@ def memory_worker(cfg, path):
     whole model's fp32 weights."""
     import megazero
     from megazero.core.shard_boxes import numel
-    from megazero.run.checkpoint import KINDS, _pieces
+    from megazero.checkpoint.sharded import KINDS, _pieces
     from tests.harness import mmap_large_allocations
 
     mmap_large_allocations()
@@ -293,7 +293,7 @@ def test_zero3_save_and_load_stay_within_the_shard(corpus, tmp_path):
     a new peak. Measured: save +4 MiB, load +17 MiB; shard 36 MiB, model 97 MiB."""
     model = dict(BASE["model"], layers=8, hidden=512, heads=8)
     cfg = config(corpus, 1, 1, 3, model=model, train=dict(BASE["train"], micro_batch_size=1))
-    slack, window = 8 << 20, 16 << 20  # window: megazero.run.checkpoint.Readers
+    slack, window = 8 << 20, 16 << 20  # window: megazero.checkpoint.read.Readers
     for rank, (saving, loading, shard, box, full) in enumerate(run_ranks(memory_worker, 8, cfg, str(tmp_path),
                                                                           timeout=300)):
         print(f"rank {rank}: save +{saving / 2**20:.1f} MiB, load +{loading / 2**20:.1f} MiB, shard "
@@ -315,7 +315,7 @@ def test_checkpoint_info_prints_the_manifest(saved):
 
 
 def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
-    from megazero.run.checkpoint import _prune
+    from megazero.checkpoint.sharded import _prune
 
     for step in (2, 4, 6, 8):
         (tmp_path / f"step{step}").mkdir()
@@ -351,7 +351,7 @@ def test_hf_export_loads_in_transformers_with_megazero_logits(saved, tmp_path):
     transformers = pytest.importorskip("transformers")
     from megazero.core.spec import ModelSpec
     from megazero.models import CausalLM
-    from megazero.run.checkpoint import resolve
+    from megazero.checkpoint.sharded import resolve
     from megazero.runtime.comm import single_rank_group
     from megazero.tensor_parallel import load_full_params
 
@@ -472,7 +472,7 @@ def _snapshot_copies(stage):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import megazero
-    from megazero.run import checkpoint
+    from megazero.checkpoint import sharded
 
     class Copies(TorchDispatchMode):
         def __init__(self):
@@ -487,9 +487,9 @@ def _snapshot_copies(stage):
         "data.path=null", "parallel.pp=1", f"zero.stage={stage}"])
     engine.train_batch(data)
     with Copies() as copies:
-        layout, tensors, entries, _ = checkpoint._snapshot(engine.module, opt, engine.pctx, checkpoint.KINDS,
-                                                           copy=True)
-    slices = sum(len(getattr(g, kind)) for g in opt.groups for kind in checkpoint.KINDS)
+        layout, tensors, entries, _ = sharded._snapshot(engine.module, opt, engine.pctx, sharded.KINDS,
+                                                        copy=True)
+    slices = sum(len(getattr(g, kind)) for g in opt.groups for kind in sharded.KINDS)
     return copies.n, slices, len(entries)
 
 

@@ -224,7 +224,7 @@ def test_context_parallel_refuses_a_built_module():
 def test_dry_run_checks_the_cp_ring_and_all_to_alls():
     """The meta-device dry run of pp 2 x tp 2 x cp 2 (ring) simulates both cp ranks of the first and last stage,
     matches their ring sends and receives, and finds no problem; Ulysses at cp 4 the same with all-to-alls."""
-    from megazero.run.dry_run import dry_run
+    from megazero.toolbox.dry_run import dry_run
 
     out = dry_run("configs/debug_llama.yaml", ["parallel.pp=2", "parallel.tp=2", "parallel.cp=2", "data.path=null"], 8)
     assert out["problems"] == [] and {0, 2, 4, 6} <= set(out["ranks"]), out["problems"]

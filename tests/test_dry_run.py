@@ -1,10 +1,10 @@
-"""The dry run (megazero/run/dry_run.py): one step of a layout on the meta device under a recording process
+"""The dry run (megazero/toolbox/dry_run.py): one step of a layout on the meta device under a recording process
 group. Its per-rank peak agrees with what a real run measures, and what NCCL would reject is reported with
 the rank, the group and the call site."""
 import pytest
 import torch
 
-from megazero.run.dry_run import dry_run, format_report
+from megazero.toolbox.dry_run import dry_run, format_report
 from tests.harness import run_ranks
 
 DEBUG = "configs/debug_llama.yaml"  # pp 2 x tp 2, here with dp 2: 8 ranks
@@ -61,7 +61,7 @@ def test_a_cpu_tensor_in_a_collective_is_reported_with_rank_group_and_site(monke
 
 
 def test_diverging_members_and_unmatched_sends_are_named():
-    from megazero.run.dry_run import Recorder, compare_collectives, compare_p2p
+    from megazero.toolbox.dry_run import Recorder, compare_collectives, compare_p2p
 
     a, b = Recorder(0), Recorder(1)
     for rec, buckets in ((a, (0, 1, 2)), (b, (0, 2))):  # rank 1 skips bucket 1

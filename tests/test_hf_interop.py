@@ -149,7 +149,7 @@ def test_mixtral_logits_export_and_from_pretrained(tmp_path):
     # a Mixtral directory (what save_pretrained writes) imports as a megazero checkpoint of the same tensors
     from safetensors.torch import load_file
 
-    from megazero.run.checkpoint_convert import consolidate, import_hf
+    from megazero.checkpoint.convert import consolidate, import_hf
     ckpt = import_hf(str(tmp_path), hf.config, str(tmp_path / "ckpt"))
     consolidate(ckpt, str(tmp_path / "whole.safetensors"))
     whole = load_file(str(tmp_path / "whole.safetensors"))

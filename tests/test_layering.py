@@ -6,8 +6,8 @@ The folder a module lives in is its layer:
     L1 megazero/runtime/         process groups, collectives, kernel dispatch
     L2 megazero/tensor_parallel/, pipeline/, zero/, activation_checkpoint/
     L3 megazero/models/
-    L4 megazero/engine/, run/, data/, compat/ (DeepSpeed's names over the engine), and the package
-       __init__ (the top-level API); the DeepSpeed import paths that only re-export (accelerator/,
+    L4 megazero/engine/, checkpoint/, resilience/, toolbox/, run/, data/, compat/ (DeepSpeed's names
+       over the engine), and the package __init__ (the top-level API); the DeepSpeed import paths that only re-export (accelerator/,
        comm/, checkpointing/, pipe/, utils/, ops/, runtime/pipe/, runtime/utils/, runtime/zero/, profiling/, monitor/) are L4 too: a
        folder inside a layer's folder may be listed with its own layer (the longest listed prefix wins)
 
@@ -15,6 +15,9 @@ A module may import its own layer and the layers below, never above; megazero ne
 model_specs/, tools/ or benchmarks/. Every import counts, also those inside functions, and the
 imports between megazero's modules must form no cycle (an import inside a function hides a cycle
 from Python, not from this test). No two modules share a file name.
+
+Inside L4, the engine is a part the trainer is built from: no module of megazero/engine/ imports
+megazero/run/, directly or through other modules (`APART`).
 """
 from __future__ import annotations
 
@@ -31,11 +34,15 @@ LAYERS = {
     "core": 0, "planner": 0, "viz": 0, "runtime": 1,
     "tensor_parallel": 2, "context_parallel": 2, "pipeline": 2, "zero": 2, "activation_checkpoint": 2, "moe": 2,
     "models": 3,
-    "engine": 4, "run": 4, "data": 4, "ops": 4, "pipe": 4, "utils": 4, "": 4,
+    "engine": 4, "checkpoint": 4, "resilience": 4, "toolbox": 4, "run": 4, "data": 4, "ops": 4, "pipe": 4, "utils": 4, "": 4,
     "compat": 4, "accelerator": 4, "comm": 4, "checkpointing": 4, "runtime.pipe": 4, "runtime.utils": 4,
     "runtime.zero": 4, "profiling": 4, "monitor": 4,
 }
 FORBIDDEN = ("model_specs", "tools", "benchmarks")
+# (importer folder, folder): no module of the first reaches a module of the second, directly or through
+# other modules, though their layers would allow it; APART_EXCEPT lists the modules still allowed.
+APART = (("engine", "run"),)
+APART_EXCEPT = ("run.launch",)  # removed when launch.py moves to runtime/ (launcher branch)
 
 
 def layer_of(mod: str) -> int:
@@ -124,6 +131,26 @@ def import_graph(pkg: pathlib.Path = PKG) -> nx.DiGraph:
     return graph
 
 
+def apart_violations(pkg: pathlib.Path = PKG, apart=APART, allowed=APART_EXCEPT) -> list[str]:
+    """Every module of an `apart` importer folder that reaches a module of the folder it stays apart from
+    (any import chain, function-level imports included), as readable lines with the chain."""
+    graph = import_graph(pkg)
+
+    def folder(node: str) -> str:
+        return node[len("megazero."):].split(".")[0] if node.startswith("megazero.") else ""
+
+    bad = []
+    for importer, kept_out in apart:
+        for node in sorted(n for n in graph if folder(n) == importer):
+            for target in sorted(nx.descendants(graph, node)):
+                rel = target[len("megazero."):]
+                if folder(target) == kept_out and rel not in allowed:
+                    chain = " -> ".join(nx.shortest_path(graph, node, target))
+                    bad.append(f"{node} reaches {target} ({chain}): megazero/{importer}/ never imports "
+                               f"megazero/{kept_out}/")
+    return bad
+
+
 def cycles(pkg: pathlib.Path = PKG) -> list[list[str]]:
     """Import cycles, each as its modules in order. A package's __init__ re-exporting its own
     submodules is not a cycle unless a submodule imports the package back."""
@@ -154,6 +181,10 @@ def test_imports_respect_layers(path):
 
 def test_no_import_cycles():
     assert cycles() == []
+
+
+def test_engine_never_imports_run():
+    assert apart_violations() == []
 
 
 def _plant(tmp_path, files: dict[str, str]) -> pathlib.Path:
@@ -189,3 +220,20 @@ def test_rule_catches_a_function_level_cycle(tmp_path):
     assert cycles(pkg) == [["megazero.core.spec", "megazero.models.lm"]]
     (pkg / "core" / "spec.py").write_text("def build():\n    return None\n")
     assert cycles(pkg) == []
+
+
+def test_rule_catches_engine_reaching_run(tmp_path):
+    pkg = _plant(tmp_path, {
+        "__init__.py": "", "engine/__init__.py": "", "run/__init__.py": "", "checkpoint/__init__.py": "",
+        "run/launch.py": "", "run/train.py": "from megazero.engine import factories\n",
+        "engine/factories.py": "from megazero.run import launch\n",
+        "engine/checkpointing.py": "def save():\n    from megazero.checkpoint import sharded\n",
+        "checkpoint/sharded.py": "import megazero.run.train\n",
+    })
+    found = apart_violations(pkg)  # engine -> run.launch is allowed; through checkpoint it reaches run.train
+    assert len(found) == 1, found
+    assert found[0].startswith("megazero.engine.checkpointing reaches megazero.run.train (megazero.engine."
+                               "checkpointing -> megazero.checkpoint.sharded -> megazero.run.train)")
+    (pkg / "checkpoint" / "sharded.py").write_text("")
+    assert apart_violations(pkg) == []
+    assert len(apart_violations(pkg, allowed=())) == 1  # without the exception, engine -> run.launch counts

@@ -1,4 +1,4 @@
-"""`megazero.run.model_facts`: per-rank facts of a layout from the meta-device build of every rank.
+"""`megazero.toolbox.model_facts`: per-rank facts of a layout from the meta-device build of every rank.
 
 (a) Dry runs of GPT-3 175B at tp=8 x pp=16 and Llama-3 405B at tp=8 x pp=18 (with sequence
 parallelism): the shards of every rank put the full model back together (TP shards of a logical
@@ -22,8 +22,8 @@ from megazero.core.spec_partition import block_counts_to_layer_counts
 from megazero.models import CausalLM, count_params, layer_builders
 from megazero.models.pipeline_from_spec import build_pipeline_model
 from megazero.planner.facts import ModelFacts, StageFacts
-from megazero.run.model_facts import build_ranks, facts_of, fake_tp_group, model_facts, rank_shards
 from megazero.runtime.comm import single_rank_group
+from megazero.toolbox.model_facts import build_ranks, facts_of, fake_tp_group, model_facts, rank_shards
 from tests.test_spec import SPECS
 
 VOCAB = ("embedding.word.weight", "head.weight")  # the split dim of these is the padded vocabulary

@@ -6,10 +6,10 @@ pp ∈ {1, 2} × ZeRO 0-3 × model (Mixtral-style debug-moe, top-2 softmax, no d
 debug-deepseek, 16 fine-grained experts top-4 with sigmoid scores, a shared expert and capacity 1.25,
 so tokens are dropped) × MLP biases (the experts' too) or none, on at most 8 ranks; dp is 2·ep where
 that fits (every expert on 2 ranks, its gradient reduced over them), else ep.
-Each runs 3 steps of the engine (megazero.run.parity.run_layout: aux and z losses in the gradient, the
+Each runs 3 steps of the engine (megazero.toolbox.parity.run_layout: aux and z losses in the gradient, the
 experts' gradients reduced over the expert-data-parallel group) and is compared with one process
 training the same global batch: losses, grad norms, first-step gradients and final parameters, at the
-fp32 tolerances of megazero.run.parity (1e-5).
+fp32 tolerances of megazero.toolbox.parity (1e-5).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from megazero.core.config import ConfigError
 from megazero.engine import load_run_config
 from megazero.models.hf import spec_from_hf_config
 from megazero.planner.from_config import spec_of
-from megazero.run.parity import compare, format_rows, merge_reports, run_layout, serial_overrides
+from megazero.toolbox.parity import compare, format_rows, merge_reports, run_layout, serial_overrides
 from tests.harness import run_ranks
 
 FACTORS = {"ep": (1, 2, 4), "tp": (1, 2, "2/etp1"), "pp": (1, 2), "zero": (0, 1, 2, 3),
@@ -260,8 +260,8 @@ def test_moe_checkpoint_consolidates_by_logical_shape_and_refuses_hf_export(save
     Mixtral has not."""
     from safetensors import safe_open
 
-    from megazero.run.checkpoint import CheckpointError
-    from megazero.run.checkpoint_convert import consolidate, export_hf
+    from megazero.checkpoint.convert import consolidate, export_hf
+    from megazero.checkpoint.sharded import CheckpointError
 
     path = saved_at_ep2[0]
     step = sorted(d for d in __import__("os").listdir(path) if d.startswith("step"))[0]
@@ -284,9 +284,9 @@ def test_a_mixtral_style_checkpoint_exports_to_hugging_face(corpus, tmp_path):
     """debug-moe trained 2 steps at ep 2 over 2 ranks: `export_hf` writes a MixtralForCausalLM directory
     that transformers loads, holding the checkpoint's tensors, with megazero's logits."""
     transformers = pytest.importorskip("transformers")
+    from megazero.checkpoint.convert import consolidate, export_hf
     from megazero.models import CausalLM
     from megazero.models.hf import hf_to_logical
-    from megazero.run.checkpoint_convert import consolidate, export_hf
     from megazero.runtime.comm import single_rank_group
     from megazero.tensor_parallel import load_full_params
     from safetensors.torch import load_file

@@ -158,10 +158,10 @@ def _packed_config(corpus, extra):
 @pytest.mark.parametrize("name,extra", PARITY_LAYOUTS, ids=[n for n, _ in PARITY_LAYOUTS])
 def test_packed_documents_train_like_one_process(name, extra, short_documents):
     """Real text in short documents, packed: each layout's per-step losses, gradient norms, first-step gradients
-    and parameters equal the serial run's within the fp32 tolerances (megazero.run.parity)."""
+    and parameters equal the serial run's within the fp32 tolerances (megazero.toolbox.parity)."""
     from megazero.core.config import topology_of
     from megazero.engine import load_run_config
-    from megazero.run.parity import compare, format_rows, merge_reports, run_layout, serial_overrides
+    from megazero.toolbox.parity import compare, format_rows, merge_reports, run_layout, serial_overrides
 
     cfg = _packed_config(short_documents, extra)
     samples = [TokenSampleDataset(IndexedTokens(short_documents), 32, documents=True)[i] for i in range(8)]

@@ -1,5 +1,5 @@
-"""The generated parity matrix (megazero/run/parity_matrix.py): its generator, and every case of its
-all-pairs covering set trained against the serial run (megazero/run/parity.py says what is compared
+"""The generated parity matrix (megazero/toolbox/parity_matrix.py): its generator, and every case of its
+all-pairs covering set trained against the serial run (megazero/toolbox/parity.py says what is compared
 and with which tolerance).
 
 The generator tests are pure: the same seed gives the same cases, every pair of factor values that
@@ -9,8 +9,8 @@ with their reason, and each of those is refused by the validation a user gets, w
 import pytest
 
 from megazero.core import pairwise
-from megazero.run import parity_matrix as pm
-from megazero.run.parity import compare, format_rows, merge_reports, run_layout, serial_key, serial_overrides
+from megazero.toolbox import parity_matrix as pm
+from megazero.toolbox.parity import compare, format_rows, merge_reports, run_layout, serial_key, serial_overrides
 from tests.harness import run_ranks
 
 STEPS = 2

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megazero.run import plan
+from megazero.toolbox import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HW, SPECS = os.path.join(ROOT, "configs", "hardware"), os.path.join(ROOT, "model_specs")

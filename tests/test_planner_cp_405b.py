@@ -21,7 +21,7 @@ from megazero.planner.hardware import load_hardware
 from megazero.planner.layout import Layout
 from megazero.planner.memory_plan import predict_memory
 from megazero.planner.speed import predict_step
-from megazero.run import plan as plan_cli
+from megazero.toolbox import plan as plan_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = load_hardware("h100-80gb", os.path.join(ROOT, "configs", "hardware"))

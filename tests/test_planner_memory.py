@@ -123,7 +123,7 @@ def measured():
 
 
 def facts_of(name: str, ranks: list) -> ModelFacts:
-    """The model facts of the real run (what megazero.run.model_facts makes from the meta-device model)."""
+    """The model facts of the real run (what megazero.toolbox.model_facts makes from the meta-device model)."""
     per_stage = {}
     for rank in ranks:
         stage, _, (params, tied, blocks) = rank[name]

@@ -127,7 +127,7 @@ def measured():
 
 
 def plan_of(name: str):
-    from megazero.run.model_facts import model_facts
+    from megazero.toolbox.model_facts import model_facts
 
     model, lay, threshold = CASES[name]
     spec = spec_of(model)
@@ -255,7 +255,7 @@ def test_model_flops_count_active_parameters_as_the_trainer_does():
 
 def test_mixtral_param_counts_are_the_published_ones():
     from megazero.planner.moe_plan import active_params
-    from megazero.run.model_facts import model_facts
+    from megazero.toolbox.model_facts import model_facts
 
     total = model_facts(MIXTRAL_8X7B, 8, 1).total_params
     assert round(total / 1e9, 1) == 46.7 and round(active_params(MIXTRAL_8X7B, total) / 1e9, 1) == 12.9

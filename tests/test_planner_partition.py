@@ -24,7 +24,7 @@ from megazero.planner.hardware import load_hardware
 from megazero.planner.layout import Layout
 from megazero.planner.memory_plan import predict_memory
 from megazero.planner.speed import predict_step
-from megazero.run.model_facts import build_ranks, facts_of, model_facts
+from megazero.toolbox.model_facts import build_ranks, facts_of, model_facts
 from tests.test_spec import SPECS
 
 A100 = load_hardware("a100-80gb", "configs/hardware")

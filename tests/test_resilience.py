@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from megazero.engine.silent_check import first_difference, origins
-from megazero.run.parity import TOLERANCES
-from megazero.run.link_probe import find_slow_links, ring_phases
-from megazero.run.stragglers import find_stragglers
+from megazero.resilience.link_probe import find_slow_links, ring_phases
+from megazero.resilience.silent_check import first_difference, origins
+from megazero.resilience.stragglers import find_stragglers
+from megazero.toolbox.parity import TOLERANCES
 from tests.faults import Job, bit_flip_env, slow_rank_env
 from tests.harness import free_port
 
@@ -317,8 +317,8 @@ def test_the_ranks_left_alive_save_the_failed_step(corpus, tmp_path, uninterrupt
 def test_promote_makes_a_checkpoint_only_of_complete_parts(tmp_path):
     """Two ranks each held half of every kind of a (4, 2) tensor (a ZeRO shard): with both parts the folder
     becomes step7 and `latest`; with one rank's part missing it stays, reported."""
-    from megazero.run.checkpoint import FORMAT, KINDS
-    from megazero.run.failure_save import promote
+    from megazero.checkpoint.failure_save import promote
+    from megazero.checkpoint.sharded import FORMAT, KINDS
 
     meta = {"format": FORMAT, "step": 7, "layout": {"pp": 1, "tp": 1, "dp": 2, "order": ["pp", "dp", "tp"],
                                                     "zero_stage": 1}, "kinds": list(KINDS), "rng": True}

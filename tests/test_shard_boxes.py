@@ -15,8 +15,8 @@ import random
 import pytest
 import torch
 
+from megazero.checkpoint.read import copy_overlaps
 from megazero.core.shard_boxes import flat_range_boxes, numel, slice_boxes
-from megazero.run.checkpoint_read import copy_overlaps
 
 
 def _index(box):
@@ -75,7 +75,7 @@ def test_a_shards_flat_range_lands_on_the_logical_elements(full, splits, shard):
 
 
 class _Readers:
-    """Stored tensors in memory, read like `megazero.run.checkpoint.Readers`."""
+    """Stored tensors in memory, read like `megazero.checkpoint.sharded.Readers`."""
 
     def __init__(self, tensors):
         self.tensors = tensors

@@ -216,7 +216,7 @@ def test_vocab_parallel_cross_entropy_peak_bytes_are_its_formula(dtype, smoothin
     now one fp32 (tokens, V) buffer is made, saved as the softmax and turned into the gradient in
     place: peak 4 bytes per logit (+ the gradient's copy in a 16-bit dtype), on meta tensors of a
     realistic size, counted by the dry run's live-bytes meter."""
-    from megazero.run.dry_run import LiveBytes
+    from megazero.toolbox.dry_run import LiveBytes
     from megazero.runtime.comm import single_rank_group
     from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 

@@ -251,13 +251,13 @@ def test_expert_tp_all_reduces_run_with_zero_rows():
 
 
 def skewed_run_layout(config: dict, overrides=(), steps: int = 2, record: bool = False):
-    """`megazero.run.parity.run_layout` with every router's logits lowered by 30 for the upper half of
+    """`megazero.toolbox.parity.run_layout` with every router's logits lowered by 30 for the upper half of
     the experts (a constant: the gradients are unchanged), so that no token is routed to them: at ep=2
     the experts of ep rank 1 get 0 rows. With `record`: (collectives issued, rows each GroupedExperts
     call ran, report); else the report."""
     from megazero.moe.experts import GroupedExperts
     from megazero.moe.layer import MoELayer
-    from megazero.run.parity import run_layout
+    from megazero.toolbox.parity import run_layout
 
     calls = record_collectives() if record else []
     logits_of, run_experts, rows = MoELayer.router_logits, GroupedExperts.forward, []
@@ -289,7 +289,7 @@ def test_spec_moe_with_expert_tp_and_an_ep_rank_without_rows_matches_serial():
     """debug-moe at ep=2, tp=2 with the experts' ffn split over TP, routed so that ep rank 1's experts get
     no token: their TP all-reduces run with 0 rows, every group's members issue the same collectives,
     and the run equals the serial one."""
-    from megazero.run.parity import compare, merge_reports, serial_overrides
+    from megazero.toolbox.parity import compare, merge_reports, serial_overrides
 
     cfg = spec_moe_config()
     results = run_ranks(skewed_run_layout, 4, cfg, (), 2, True, timeout=120)

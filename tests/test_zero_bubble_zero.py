@@ -1,6 +1,6 @@
 """Zero bubble (ZB-H1: backward split into B and W) with every ZeRO stage, in 3D layouts, equals the
 single-process run (fp32, debug GPT, 3 AdamW steps, clipping at 1.0) in the sense of
-`megazero/run/parity.py:compare`: per-step losses and gradient norms within 1e-5 relative, every
+`megazero/toolbox/parity.py:compare`: per-step losses and gradient norms within 1e-5 relative, every
 first-step gradient within 1e-5 of its tensor's largest, final parameters within 1e-5 absolute. The
 cases are an all-pairs covering set (`megazero/core/pairwise.py`) of ZeRO 1-3 x {pp2 x tp2 x dp2,
 pp2 x dp4} x {overlap_comm off, on, offload (the optimizer; at stage 3 the parameters too)}: every
@@ -20,7 +20,7 @@ exactly as for ZB-H1 at pp2 x tp2 x dp2 (measured); with 1e-6 the largest differ
 import pytest
 
 from megazero.core.pairwise import covering_set
-from megazero.run.parity import compare, format_rows, merge_reports, run_layout, serial_overrides
+from megazero.toolbox.parity import compare, format_rows, merge_reports, run_layout, serial_overrides
 from tests.harness import run_ranks
 
 STEPS = 3

@@ -6,23 +6,23 @@
 
 A layout is PPxTPxDP, counting ranks: with parallel.cp=c (context parallelism) the DP part holds the c x dp
 ranks of each pipeline and tensor-parallel position (``--layouts 1x2x4 parallel.cp=2`` is dp 2, cp 2). Every layout, and the serial reference, is a `torchrun` launch of
-`python -m megazero.run.parity` (a user's script: `megazero.initialize`, `train_batch`) with the same
+`python -m megazero.toolbox.parity` (a user's script: `megazero.initialize`, `train_batch`) with the same
 overrides, seed and global batch. The reference is always the serial run: one process, with the
 options that only several ranks can use reset (sequence parallelism, pipeline schedule / chunks /
 partition, ZeRO with its offload and overlap, axis order) and without activation checkpointing
-(`megazero.run.parity.serial_overrides`), so ``--layouts 1x4x2 parallel.sequence_parallel=true``
+(`megazero.toolbox.parity.serial_overrides`), so ``--layouts 1x4x2 parallel.sequence_parallel=true``
 just works. Each layout is judged on its per-step losses, per-step gradient norms, every parameter's
-first-step gradient and the final parameters, with the tolerances of `megazero.run.parity`; a failure
+first-step gradient and the final parameters, with the tolerances of `megazero.toolbox.parity`; a failure
 names the quantity, the worst parameter and the step.
 
 An Adam eps below 1e-6 is raised to 1e-6 in every run (and said): with eps = 1e-8, fp32
 reduction-order noise on an element whose gradient is ~0 becomes an lr-sized update of random sign
-(`megazero.run.parity` explains); --keep-eps keeps the config's. Tolerances are never widened.
+(`megazero.toolbox.parity` explains); --keep-eps keeps the config's. Tolerances are never widened.
 
 If the config's data.path does not exist (a fresh clone: `make demo` creates data/stdlib), the check
 runs on synthetic tokens and says so.
 
---matrix runs the generated parity matrix (`megazero.run.parity_matrix`): its all-pairs covering
+--matrix runs the generated parity matrix (`megazero.toolbox.parity_matrix`): its all-pairs covering
 set, or the full product of the allowed cases (millions: use --limit), each case against its serial
 run; --list prints the cases without running them. Exit status: 0 all equal, 1 a mismatch, 2 a run
 failed.
@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 
-ADAM_EPS = 1e-6  # the smallest Adam eps the parameter check is judged with (megazero.run.parity)
+ADAM_EPS = 1e-6  # the smallest Adam eps the parameter check is judged with (megazero.toolbox.parity)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout without an install
 
@@ -53,13 +53,13 @@ def parse_layout(text: str) -> tuple[int, int, int]:
 
 
 def launch(config: str, overrides: list[str], world: int, steps: int, out: str, timeout: int) -> dict:
-    """One torchrun of megazero.run.parity; the merged report of its ranks."""
+    """One torchrun of megazero.toolbox.parity; the merged report of its ranks."""
     import torch
 
-    from megazero.run.parity import merge_reports
+    from megazero.toolbox.parity import merge_reports
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           "-m", "megazero.run.parity", config, "--steps", str(steps), "--out", out] + overrides
+           "-m", "megazero.toolbox.parity", config, "--steps", str(steps), "--out", out] + overrides
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     reports = sorted(glob.glob(os.path.join(out, "rank*.pt")))
@@ -79,7 +79,7 @@ def layout_overrides(layout, global_batch: int) -> list[str]:
 
 def check_config(args) -> int:
     from megazero.engine import load_run_config
-    from megazero.run.parity import compare, format_rows, serial_overrides
+    from megazero.toolbox.parity import compare, format_rows, serial_overrides
 
     overrides = list(args.overrides)
     cfg = load_run_config(args.config, overrides + layout_overrides(args.layouts[0], 1)[:3],
@@ -119,8 +119,8 @@ def check_config(args) -> int:
 
 
 def check_matrix(args) -> int:
-    from megazero.run import parity_matrix as pm
-    from megazero.run.parity import compare, format_rows, serial_key, serial_overrides
+    from megazero.toolbox import parity_matrix as pm
+    from megazero.toolbox.parity import compare, format_rows, serial_key, serial_overrides
 
     cases = pm.pairwise_cases(pm.SEED if args.seed is None else args.seed) if args.matrix == "pairwise" else pm.full_cases()
     cases = itertools.islice(cases, args.limit) if args.limit else cases
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--matrix", choices=("pairwise", "full"))
     ap.add_argument("--list", action="store_true", help="with --matrix: print the cases, run nothing")
     ap.add_argument("--limit", type=int, default=None, help="with --matrix: the first N cases only")
-    ap.add_argument("--seed", type=int, default=None, help="with --matrix pairwise: the generator's seed (default: the matrix's, megazero.run.parity_matrix.SEED)")
+    ap.add_argument("--seed", type=int, default=None, help="with --matrix pairwise: the generator's seed (default: the matrix's, megazero.toolbox.parity_matrix.SEED)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--keep-eps", action="store_true", help=f"do not raise an Adam eps below {ADAM_EPS:g}")
     ap.add_argument("--global-batch", type=int, default=None,

@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tensors", action="store_true")
     args = ap.parse_args(argv)
     from megazero.core.shard_boxes import numel
-    from megazero.run.checkpoint import resolve
+    from megazero.checkpoint.sharded import resolve
 
     path = resolve(args.dir)
     mpath = os.path.join(path, "manifest.json")

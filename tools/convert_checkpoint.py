@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 
 def main(argv=None) -> int:
-    from megazero.run import checkpoint_convert as cc
+    from megazero.checkpoint import convert as cc
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from megazero.core.spec import SpecError
-    from megazero.run.checkpoint import CheckpointError, resolve
+    from megazero.checkpoint.sharded import CheckpointError, resolve
 
     try:
         if args.command == "to-safetensors":

@@ -8,7 +8,7 @@ the `zero_to_fp32.py` that every `save_checkpoint` leaves next to its checkpoint
     python zero_to_fp32.py <checkpoint_dir> <output_dir> [--safe_serialization] [-t TAG]
 
 A megazero checkpoint of any layout (ZeRO stage, dp, tp, pp) holds every parameter's fp32 master
-in boxes; each tensor is assembled from the boxes it is made of (`megazero.run.checkpoint_convert`).
+in boxes; each tensor is assembled from the boxes it is made of (`megazero.checkpoint.convert`).
 Names are those the checkpoint records: a user module's `named_parameters` names, a megazero
 model's logical names. Frozen parameters are not trained by the ZeRO optimizer and not saved.
 """
@@ -20,10 +20,10 @@ import os
 
 import torch
 
-from megazero.run import safetensors_io
-from megazero.run.checkpoint import read_manifest, resolve
-from megazero.run.checkpoint_convert import full_tensor
-from megazero.run.checkpoint_read import Readers
+from megazero.checkpoint import safetensors_io
+from megazero.checkpoint.convert import full_tensor
+from megazero.checkpoint.read import Readers
+from megazero.checkpoint.sharded import read_manifest, resolve
 
 SCRIPT = '''#!/usr/bin/env python
 """Written by megazero's save_checkpoint, as DeepSpeed writes its zero_to_fp32.py: the checkpoints in

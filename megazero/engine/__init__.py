@@ -30,7 +30,7 @@ from megazero.engine.factories import (build_model, build_optimizer, build_sched
 from megazero.engine.kernel_plan import load_kernels
 from megazero.engine.module_engine import ModuleEngine
 from megazero.engine.pipeline_engine import PipelineEngine
-from megazero.engine.silent_check import SilentCheck
+from megazero.resilience.silent_check import SilentCheck
 from megazero.moe.user_layer import MoE
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.run.launch import detect, init_distributed, local_device, nccl_environment
@@ -147,7 +147,7 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     ZeRO optimizer (taking over `client_optimizer` if given), the LR schedule and the engine.
     `on_instruction(ins, start_s, end_s)` sees every pipeline instruction (timers, traces).
     `device` (default: the launcher's, `init_distributed`) and `order` (what every group posts its
-    operations to, see `ParallelContext`) are for the dry run (`megazero.run.dry_run`: meta, a recorder)."""
+    operations to, see `ParallelContext`) are for the dry run (`megazero.toolbox.dry_run`: meta, a recorder)."""
     moe_layers = _user_moe_layers(model)
     if moe_layers:
         cfg = _with_expert_parallel(cfg, moe_layers, model)

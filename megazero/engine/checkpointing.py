@@ -1,5 +1,5 @@
 """DeepSpeed's `save_checkpoint` / `load_checkpoint` / `save_16bit_model`, shared by both engines
-(`megazero.run.checkpoint` and `megazero.run.checkpoint_convert` do the work). An engine has
+(`megazero.checkpoint.sharded` and `megazero.checkpoint.convert` do the work). An engine has
 `module`, `optimizer`, `pctx`, `lr_scheduler`, `global_steps` and `pending_save` (None, or the
 asynchronous save in flight)."""
 from __future__ import annotations
@@ -23,16 +23,16 @@ class CheckpointMethods:
         `wait_for_checkpoint()` waits for it (and raises its error, agreed by every rank).
         """
         from megazero.compat.zero_to_fp32 import write_script
-        from megazero.run import checkpoint
+        from megazero.checkpoint import sharded
 
         self.wait_for_checkpoint()
         if self.pctx.global_rank == 0:  # DeepSpeed's recovery script next to the checkpoints
             os.makedirs(save_dir, exist_ok=True)
             write_script(save_dir)
-        saved = checkpoint.save(save_dir, tag or f"step{self.global_steps}", self.global_steps, self.module,
-                                self.optimizer, self.pctx, self.lr_scheduler, config=config, client_state=client_state,
-                                engine_state={"global_steps": self.global_steps}, save_latest=save_latest,
-                                keep_last=keep_last, async_save=async_save)
+        saved = sharded.save(save_dir, tag or f"step{self.global_steps}", self.global_steps, self.module,
+                             self.optimizer, self.pctx, self.lr_scheduler, config=config, client_state=client_state,
+                             engine_state={"global_steps": self.global_steps}, save_latest=save_latest,
+                             keep_last=keep_last, async_save=async_save)
         if async_save:
             self.pending_save = saved
             return saved.path
@@ -49,12 +49,12 @@ class CheckpointMethods:
         """Load `load_dir/tag` (default: `load_dir`'s ``latest``, or `load_dir` itself), written by any
         layout, into this one; returns (path, client_state). `load_module_strict` is accepted for
         DeepSpeed scripts: every parameter must be in the checkpoint. Collective over the world group."""
-        from megazero.run import checkpoint
+        from megazero.checkpoint import sharded
 
         self.wait_for_checkpoint()
-        path = checkpoint.resolve(load_dir, tag)
-        manifest = checkpoint.load(path, self.module, self.optimizer, self.pctx, self.lr_scheduler,
-                                   load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        path = sharded.resolve(load_dir, tag)
+        manifest = sharded.load(path, self.module, self.optimizer, self.pctx, self.lr_scheduler,
+                                load_optimizer_states, load_lr_scheduler_states, load_module_only)
         if not load_module_only:
             self.global_steps = manifest["engine"].get("global_steps", manifest["step"])
         return path, manifest["client_state"]
@@ -65,15 +65,15 @@ class CheckpointMethods:
         pytorch_model.bin). No rank gathers the model: every rank writes its slices of the masters to
         a scratch checkpoint, then rank 0 streams them into the file tensor by tensor and removes it.
         Collective over the world group; returns the file's path."""
-        from megazero.run import checkpoint, checkpoint_convert
+        from megazero.checkpoint import convert, sharded
 
         self.wait_for_checkpoint()
         dtype = next(self.module.parameters()).dtype
-        scratch = checkpoint.save(save_dir, ".16bit-shards", self.global_steps, self.module, self.optimizer,
-                                  self.pctx, kinds=("master",), save_latest=False)
+        scratch = sharded.save(save_dir, ".16bit-shards", self.global_steps, self.module, self.optimizer,
+                               self.pctx, kinds=("master",), save_latest=False)
         out = os.path.join(save_dir, save_filename)
         if self.pctx.global_rank == 0:
-            checkpoint_convert.consolidate(scratch, out, dtype)
+            convert.consolidate(scratch, out, dtype)
             shutil.rmtree(scratch)
         comm.barrier(self.pctx.world_group)
         return out

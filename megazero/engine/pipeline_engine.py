@@ -12,19 +12,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megazero.checkpoint.sharded import rng_states, set_rng_states
 from megazero.core import instructions as I
 from megazero.core.schedules import forward_only, get_schedule, splits_backward, with_loads_everywhere
 from megazero.core.simulate import peaks
-from megazero.engine.checkpointing import CheckpointMethods
 from megazero.data.repeating import RepeatingLoader
-from megazero.engine.silent_check import SilentCheck, SilentError
+from megazero.engine.checkpointing import CheckpointMethods
 from megazero.engine.surface import EngineSurface
 from megazero.moe.layer import set_aux_loss_scale
 from megazero.moe.stats import step_stats
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipeP2P
 from megazero.pipeline.pipeline_module import PipelineModule
-from megazero.run.checkpoint import rng_states, set_rng_states
+from megazero.resilience.silent_check import SilentCheck, SilentError
 from megazero.runtime import comm
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.runtime.stall_watch import StallWatch, limit_for
@@ -53,8 +53,8 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
                  monitor=None, silent_check: SilentCheck | None = None, keep_step_rng: bool = False):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
         self.monitor = monitor  # DeepSpeed's engine.monitor (megazero.compat.monitor.MonitorMaster), or None
-        self.silent_check = silent_check  # checked steps run twice (megazero.engine.silent_check), or None
-        self.keep_step_rng, self.step_rng = keep_step_rng, None  # checkpoint.save_on_failure (run/failure_save.py)
+        self.silent_check = silent_check  # checked steps run twice (megazero.resilience.silent_check), or None
+        self.keep_step_rng, self.step_rng = keep_step_rng, None  # checkpoint.save_on_failure (checkpoint/failure_save.py)
         self.p2p_ready = False  # a first step has run (its boundaries' shapes are known)
         self.num_microbatches, self.chunks = num_microbatches, chunks
         self.micro_batch_size, self.local_rank = micro_batch_size, local_rank
@@ -125,7 +125,7 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
         return loss
 
     def _checked_step(self, data_iter, check: SilentCheck):
-        """A step checked for silent errors (`megazero.engine.silent_check`): the program's forwards and
+        """A step checked for silent errors (`megazero.resilience.silent_check`): the program's forwards and
         backwards run twice on the same micro-batches and random states with no reduction launched, each rank's
         communication and gradients fingerprinted; every rank's verdict is gathered over the world group; then
         the program's reduction and update run once (or, on a mismatch, every rank stops, skips or warns alike).

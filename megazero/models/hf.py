@@ -9,7 +9,7 @@ dicts and config objects, so megazero does not import `transformers`:
     load_hf_state_dict(model, hf_model.state_dict(), spec)  # each rank copies its shards
     hf_state = export_hf_state_dict(model, spec, tp_group)  # all-gathers over the TP group
 
-For converting files tensor by tensor (`megazero.run.checkpoint_convert`), `hf_export_plan` and
+For converting files tensor by tensor (`megazero.checkpoint.convert`), `hf_export_plan` and
 `hf_import_plan` give, for each output tensor, the input tensors it is made of and how;
 `hf_config_dict` writes the ``config.json`` of a spec.
 

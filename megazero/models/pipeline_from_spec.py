@@ -39,7 +39,7 @@ def build_pipeline_model(spec: ModelSpec, pctx, *, seed: int = 0, sequence_paral
     schedules that split backward into B and W. `partition`: a `megazero.core.partition` method name,
     or the number of transformer blocks of each virtual stage (as ``pipeline.partition`` in a config;
     the embedding joins the first stage, the head the last). `layer_infos`: `pipeline_layer_infos(spec)`
-    computed once, for callers that build many ranks of one model (megazero.run.model_facts); by
+    computed once, for callers that build many ranks of one model (megazero.toolbox.model_facts); by
     default each call computes it (one meta-device build of every layer). `expert_tp`: MoE experts
     split over the TP group (the TP size, the default) or whole on every TP rank (1); the experts are
     split over ``pctx.ep_group`` (when pctx has one). With context parallelism (``pctx.cp_group`` of more than

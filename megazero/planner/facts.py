@@ -1,6 +1,6 @@
 """`ModelFacts`: what the planner needs to know of a model on a layout, as plain numbers.
 
-Made by `megazero.run.model_facts.model_facts(spec, tp, pp, chunks)` from the model built on the
+Made by `megazero.toolbox.model_facts.model_facts(spec, tp, pp, chunks)` from the model built on the
 meta device (so the counts are those of megazero's real layers: padded vocabulary, biases, norms,
 tied embeddings), and handed to the planner, which never imports torch.
 """

@@ -1,6 +1,6 @@
 """The parameters of one pipeline layer of a spec model on one TP rank, as megazero's layers register them
 (pure: no torch). memory_plan.py lays them out in the ZeRO flat groups; stages.py counts them for the
-``parameters`` partition; `megazero.run.model_facts` checks them against the layers built on meta."""
+``parameters`` partition; `megazero.toolbox.model_facts` checks them against the layers built on meta."""
 from __future__ import annotations
 
 from dataclasses import dataclass

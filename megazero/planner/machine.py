@@ -115,7 +115,7 @@ class Machine:
         # a CPU's step takes longer than the planner's sum of its kernels timed alone (a profile of a debug GPT:
         # its GEMMs as predicted, attention, the elementwise kernels, the head, loss and optimizer slower):
         # ``in_step``, measured by --calibrate as one probe model's whole step over its prediction, host time
-        # included (`megazero.run.calibrate.probe_in_step`), scales every compute second below, GEMMs and host
+        # included (`megazero.toolbox.calibrate.probe_in_step`), scales every compute second below, GEMMs and host
         # time too: an empirical correction from one model, not a per-kernel rate (1 on a GPU and the presets)
         self.in_step = eff.in_step
 

@@ -8,7 +8,7 @@ from megazero.core.simulate import Costs
 
 def schedule_programs(name: str, p: int, m: int, v: int, costs: Costs | None = None, cache: dict | None = None):
     """`megazero.core.schedules.get_schedule(name, p, m, v, costs)`, from `cache` (a dict the caller
-    owns, e.g. `megazero.run.plan.Planner`'s) when it holds them, else built and stored there."""
+    owns, e.g. `megazero.toolbox.plan.Planner`'s) when it holds them, else built and stored there."""
     if cache is None:
         return get_schedule(name, p, m, v, costs)
     key = (name, p, m, v, costs)

@@ -17,8 +17,8 @@ Communication beyond the engine's: the per-step metrics are already agreed on ev
 `train_batch` (loss) and the optimizer (grad norm, loss scale); after the first step every rank's
 measured memory is gathered to rank 0 over the world group, which prints it next to the planner's
 prediction for each pipeline stage; with resilience.straggler_interval, every that many steps each
-rank's step times are gathered over the world group (`megazero.run.stragglers`), after a ping-pong over
-each link of the pp, dp and tp groups (`megazero.run.link_probe`). A rank whose step
+rank's step times are gathered over the world group (`megazero.resilience.stragglers`), after a ping-pong over
+each link of the pp, dp and tp groups (`megazero.resilience.link_probe`). A rank whose step
 fails prints why and ends at once (under torchrun --max-restarts the job restarts and resumes from
 the newest complete checkpoint).
 """
@@ -29,6 +29,7 @@ import signal
 import sys
 
 import megazero
+from megazero.checkpoint import failure_save, sharded
 from megazero.core.config import Config, ConfigError, to_dict, topology_of
 from megazero.core.schedules import bubble_fraction
 from megazero.core.spec import SpecError
@@ -36,12 +37,11 @@ from megazero.engine import data_iterator, initialize_from_config, load_run_conf
 from megazero.models import count_params
 from megazero.planner.from_config import memory_lines, predicted_memory
 from megazero.planner.layout import PlanError
-from megazero.run import checkpoint, failure_save
+from megazero.resilience.link_probe import LinkProbe
+from megazero.resilience.stragglers import StragglerWatch, describe
 from megazero.run.memory import SavedActivationMeter, memory_report
 from megazero.run.metrics import (MetricsWriter, PendingSteps, Timers, comm_delta, format_bytes,
                                   mlp_forward_flops, model_flops_per_step)
-from megazero.run.link_probe import LinkProbe
-from megazero.run.stragglers import StragglerWatch, describe
 from megazero.run.trace import Tracer
 from megazero.runtime import comm
 from megazero.viz.compare import compare
@@ -113,7 +113,7 @@ def run(cfg: Config, rank: int) -> int:
         if promoted:
             print(f"the ranks left alive by the last failure saved {promoted}", flush=True)
         comm.barrier(pctx.world_group)  # every rank looks for `latest` after the promotion
-    source = cfg.checkpoint.dir if checkpoint.has_checkpoint(cfg.checkpoint.dir) else cfg.checkpoint.load
+    source = cfg.checkpoint.dir if sharded.has_checkpoint(cfg.checkpoint.dir) else cfg.checkpoint.load
     if source:  # this run's own latest checkpoint (a restart), else checkpoint.load (any layout)
         path, _ = engine.load_checkpoint(source)
         start_step = resumed = engine.global_steps
@@ -163,7 +163,7 @@ def run(cfg: Config, rank: int) -> int:
                   "skipped": info.get("skipped", False), "skipped_steps": info.get("skipped_steps", 0)}
         record["comm"] = comm_delta(moved, stepped)  # this rank's bytes by axis/op, inter-node apart
         moved = pctx.stats.snapshot() if slow is not None else stepped  # the probe's bytes are no step's
-        if info.get("silent_error") is not None:  # a checked step's two passes differed (megazero.engine.silent_check)
+        if info.get("silent_error") is not None:  # a checked step's two passes differed (megazero.resilience.silent_check)
             record["silent_error"] = info["silent_error"]
         if info.get("moe") is not None:  # MoE load balance of the step (megazero.moe.stats)
             record["moe"] = info["moe"]
@@ -209,7 +209,7 @@ def _terminated(signum, frame):
 
 def _train_step(cfg: Config, engine, data, rank: int):
     """`engine.train_step`; when it fails (a peer died) with checkpoint.save_on_failure, this rank first writes
-    its state on its own, if it is a step's end (`megazero.run.failure_save`), then re-raises."""
+    its state on its own, if it is a step's end (`megazero.checkpoint.failure_save`), then re-raises."""
     try:
         return engine.train_step(data)
     except Exception:

@@ -31,7 +31,7 @@ ones in another order, stop with one error instead of hanging or summing the wro
 
 The handle's `CommStats` also keeps, per axis, the host seconds this rank spent inside synchronous calls
 (`CommStats.waits`): what the trainer's straggler watch subtracts from a step to get the rank's own
-compute (`megazero.run.stragglers`).
+compute (`megazero.resilience.stragglers`).
 
 Point-to-point uses blocking `send`/`recv` (or single `isend`/`irecv`) on gloo, never
 `batch_isend_irecv`, which can hang there (pytorch#132644). `batch_isend_irecv` is for NCCL
@@ -262,7 +262,7 @@ def wait(work, group: GroupHandle, received: torch.Tensor | None = None) -> None
 
 
 def note(group: GroupHandle, direction: str, t: torch.Tensor | None) -> None:
-    """While the group's stats record fingerprints (the silent-error check, `megazero.engine.silent_check`):
+    """While the group's stats record fingerprints (the silent-error check, `megazero.resilience.silent_check`):
     append (`direction` "out" or "in", axis, `checksum(t)`). Callers that wait for an asynchronous
     collective note what it received ("in") when they wait."""
     rec = group.stats.fingerprints

@@ -290,7 +290,7 @@ class CheckpointConfig:
     load: Optional[str] = None  # start from this checkpoint (any layout) unless dir already has one to resume
     keep_last: int = 0  # keep the newest N complete checkpoints in dir; 0 = keep all
     async_save: bool = False  # copy to host memory, write in a background thread while training goes on
-    save_on_failure: bool = False  # a failed step: each rank still alive writes its state, no collective (megazero.run.failure_save)
+    save_on_failure: bool = False  # a failed step: each rank still alive writes its state, no collective (megazero.checkpoint.failure_save)
 
 
 @dataclass(frozen=True)
@@ -365,8 +365,8 @@ class CommConfig:
 
 @dataclass(frozen=True)
 class ResilienceConfig:
-    """Weeks-long runs (README "Running for weeks"): slow ranks named (`megazero.run.stragglers`), silent
-    errors caught (`megazero.engine.silent_check`). Both off by default; off, they cost nothing."""
+    """Weeks-long runs (README "Running for weeks"): slow ranks named (`megazero.resilience.stragglers`), silent
+    errors caught (`megazero.resilience.silent_check`). Both off by default; off, they cost nothing."""
 
     straggler_interval: int = 0  # every N steps gather each rank's step times over the world group and name consistently slow ranks; 0 = off
     straggler_ratio: float = 1.5  # slow at a step: compute above this factor times the median of the other ranks of its pipeline stage; a slow link: its transfer time above this factor times its axis's median

@@ -1,12 +1,12 @@
 """The probes that time megazero's own training step on this machine, for ``plan.py --calibrate``
-(`megazero.run.calibrate`, whose one rank alone runs them): the host time per dispatched operator (`probe_host`)
+(`megazero.toolbox.calibrate`, whose one rank alone runs them): the host time per dispatched operator (`probe_host`)
 and a probe model's step against the planner's prediction of it (`probe_in_step`), with the single-process
 engines they run (`tiny_engine`) and the operator count (`OpCount`)."""
 from __future__ import annotations
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megazero.run.probe_timing import median_seconds
+from megazero.toolbox.probe_timing import median_seconds
 
 
 def _debug_spec(name: str) -> str | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from megazero.run.link_probe import LinkProbe, describe_links, find_slow_links
+from megazero.resilience.link_probe import LinkProbe, describe_links, find_slow_links
 from megazero.runtime import comm
 
 
@@ -55,7 +55,7 @@ class StragglerWatch:
     steps `end` gathers the window over `world` (every rank calls it at the same steps) and returns
     {"stragglers": [...], "compute_s": summary, "wait_s": {axis: summary}} on every rank, else None.
     `stats`: this rank's CommStats (ParallelContext.stats); `stage`: its pipeline stage. With a `links` probe
-    (`megazero.run.link_probe`), each window also times every link of the grid first (point to point inside
+    (`megazero.resilience.link_probe`), each window also times every link of the grid first (point to point inside
     the pp, dp and tp groups) and adds "links" (the median link time by axis) and "slow_links" (named)."""
 
     def __init__(self, stats: comm.CommStats, world: comm.GroupHandle, stage: int, interval: int,

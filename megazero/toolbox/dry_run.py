@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 from megazero.run.memory import LiveTensorBytes
 from megazero.runtime.order_check import COMM_FILES, call_site
 
-_COMM_FILES = COMM_FILES + ("run/dry_run.py",)  # call sites are the first frame outside these
+_COMM_FILES = COMM_FILES + ("toolbox/dry_run.py",)  # call sites are the first frame outside these
 STAND_IN = {"int": 0, "bool": False, "float": 1.0}
 """What a host read (``.item()``, ``bool(t)``) of a meta tensor returns in the dry run, by dtype kind."""
 

@@ -2,7 +2,7 @@
 
 What a layout will cost before launch: memory per GPU for every pipeline stage (the tightest named)
 and the step time with its breakdown, from `megazero.planner` (memory_plan.py, speed.py) and the
-parameters of the model built on the meta device (`megazero.run.model_facts`). ``--search`` ranks
+parameters of the model built on the meta device (`megazero.toolbox.model_facts`). ``--search`` ranks
 every layout that fits the GPUs and the batch by predicted throughput and says why each other one
 does not fit; ``--json`` prints one object instead of text.
 
@@ -12,7 +12,7 @@ just ``gpt:gpt3-175b``; key=value pairs override spec fields (a generic GPT or L
 layout does not fit (or nothing fits), 2 for bad input (one line on stderr naming the argument).
 
 ``python tools/plan.py --calibrate OUT.yaml [--ranks N]`` measures this machine instead (GEMMs, memory
-bandwidth, collectives over N ranks; `megazero.run.calibrate`) and writes the hardware file to plan with.
+bandwidth, collectives over N ranks; `megazero.toolbox.calibrate`) and writes the hardware file to plan with.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from megazero.planner.memory_plan import GB, predict_memory
 from megazero.planner.moe_plan import active_params
 from megazero.planner.search import CHUNKS, candidates
 from megazero.planner.speed import estimate_step_time, predict_step
-from megazero.run.model_facts import model_facts
+from megazero.toolbox.model_facts import model_facts
 
 SCHEDULE_HELP = ("1f1b | gpipe | interleaved[:V] (V chunks per stage; without V the planner tries V = "
                  "2, 3, 4, 6, 8 where the layers allow and keeps the fastest that fits) | zb-h1")
@@ -282,7 +282,7 @@ def search(planner: Planner, args, fixed: dict) -> tuple[list[dict], list[tuple[
 
 
 def calibrate_main(argv) -> int:
-    """``plan.py --calibrate OUT.yaml [--ranks N] [--repeats R]``: measure this machine (megazero.run.calibrate)."""
+    """``plan.py --calibrate OUT.yaml [--ranks N] [--repeats R]``: measure this machine (megazero.toolbox.calibrate)."""
     p = argparse.ArgumentParser(prog="python tools/plan.py --calibrate",
                                 description="measure this machine and write the hardware file to plan with")
     p.add_argument("--calibrate", required=True, metavar="OUT.yaml", help="the hardware file to write")
@@ -293,7 +293,7 @@ def calibrate_main(argv) -> int:
     if args.ranks < 1 or args.repeats < 1:
         print(f"error: --ranks and --repeats must be >= 1, got {args.ranks} and {args.repeats}", file=sys.stderr)
         return 2
-    from megazero.run import calibrate
+    from megazero.toolbox import calibrate
 
     name = args.name or f"{platform.processor() or platform.machine()} x {args.ranks} ranks (calibrated)"
     content = calibrate.probe(args.ranks, args.repeats, name)

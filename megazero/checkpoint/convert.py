@@ -4,7 +4,7 @@ and import. `tools/convert_checkpoint.py` is the command line; `engine.save_16bi
 
 Everything here runs in one process without torch.distributed. It reads the manifest and then, per
 output tensor, only the stored boxes that tensor is made of, and streams the result to the output
-file (`megazero.run.safetensors_io`). Memory is bounded by one output tensor and its inputs (GPT-2's
+file (`megazero.checkpoint.safetensors_io`). Memory is bounded by one output tensor and its inputs (GPT-2's
 fused ``c_attn`` needs q, k and v at once), never by the model.
 
 - `consolidate(path, out_file, dtype)`: {logical name: full tensor} as one safetensors file.
@@ -22,11 +22,11 @@ import os
 
 import torch
 
+from megazero.checkpoint import safetensors_io
+from megazero.checkpoint.read import CheckpointError, Readers, copy_overlaps
+from megazero.checkpoint.sharded import FORMAT, read_manifest, write_and_commit
 from megazero.core.spec import ModelSpec, SpecError
 from megazero.models.hf import hf_config_dict, hf_export_plan, hf_import_plan, run_plan, spec_from_hf_config
-from megazero.run import safetensors_io
-from megazero.run.checkpoint import FORMAT, read_manifest, write_and_commit
-from megazero.run.checkpoint_read import CheckpointError, Readers, copy_overlaps
 from megazero.runtime.comm import single_rank_group
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -43,10 +43,10 @@ import threading
 import torch
 from safetensors import safe_open
 
+from megazero.checkpoint import safetensors_io
+from megazero.checkpoint.read import CheckpointError, Readers, copy_overlaps
 from megazero.core.shard_boxes import numel, slice_boxes
 from megazero.moe.user_layer import global_expert_name
-from megazero.run import safetensors_io
-from megazero.run.checkpoint_read import CheckpointError, Readers, copy_overlaps
 from megazero.runtime import comm
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # FlatGroup attributes: per-bucket owned fp32 slices

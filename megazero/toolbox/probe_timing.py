@@ -1,5 +1,5 @@
-"""How ``plan.py --calibrate``'s probes time what they measure (`megazero.run.calibrate`,
-`megazero.run.step_probe`): medians of repeated samples, sized by the work so that ranks sharing cores compute
+"""How ``plan.py --calibrate``'s probes time what they measure (`megazero.toolbox.calibrate`,
+`megazero.toolbox.step_probe`): medians of repeated samples, sized by the work so that ranks sharing cores compute
 together, and kernels timed in turn round after round."""
 from __future__ import annotations
 

@@ -49,8 +49,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megazero.run.probe_timing import calls_for, interleaved, median_seconds, medians
-from megazero.run.step_probe import probe_host, probe_in_step
+from megazero.toolbox.probe_timing import calls_for, interleaved, median_seconds, medians
+from megazero.toolbox.step_probe import probe_host, probe_in_step
 
 GEMM_SHAPES = ([(1024, 1024, k) for k in (32, 64, 128, 256, 512, 1024, 2048)] + [(n, n, n) for n in (256, 512)]
                + [(m, n, k) for m, n in ((256, 256), (256, 1024), (128, 512)) for k in (64, 256, 1024)])

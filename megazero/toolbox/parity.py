@@ -1,6 +1,6 @@
 """Layout parity: train one config in a layout and compare it with the serial run of the same config.
 
-    torchrun --nproc_per_node=N -m megazero.run.parity CONFIG --steps K --out DIR [key=value ...]
+    torchrun --nproc_per_node=N -m megazero.toolbox.parity CONFIG --steps K --out DIR [key=value ...]
 
 `run_layout(config, overrides, steps)` runs on every rank of a layout (as a user's script does:
 `megazero.initialize`, then `engine.train_batch`) and returns this rank's `report`: the per-step losses
@@ -214,7 +214,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     """torchrun entry: run_layout on every rank, each rank's report saved to OUT/rank<r>.pt."""
-    ap = argparse.ArgumentParser(prog="python -m megazero.run.parity", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m megazero.toolbox.parity", description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--steps", type=int, default=3)

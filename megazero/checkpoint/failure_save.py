@@ -22,10 +22,10 @@ import json
 import os
 import shutil
 
+from megazero.checkpoint import safetensors_io
+from megazero.checkpoint.sharded import (FORMAT, KINDS, _fsync, _meta, _snapshot, _write_atomic, read_manifest,
+                                         resolve, tensor_records)
 from megazero.core.shard_boxes import numel
-from megazero.run import safetensors_io
-from megazero.run.checkpoint import (FORMAT, KINDS, _fsync, _meta, _snapshot, _write_atomic, read_manifest,
-                                     resolve, tensor_records)
 
 
 def save_parts(directory: str, engine, config=None) -> str | None:

@@ -28,12 +28,12 @@ The values, as config:
 - expert_tp: parallel.expert_tp, tp (the default: each expert's ffn split over the TP group) | 1 (whole
   experts on every TP rank); 1 changes only the moe model at tp > 1, so the matrix runs it there only.
 - dropout: model.dropout and attention_dropout (masks injected so they do not depend on the layout,
-  see `megazero.run.parity`).
+  see `megazero.toolbox.parity`).
 - data: synthetic (random tokens, data.path unset) | stdlib (real text: a slice of the Python standard
   library, byte tokens, `megazero.data.demo_corpus`; its skewed token statistics once showed a grad-norm
   error that uniform tokens hid).
 
-Every case: AdamW (lr 1e-3, eps 1e-6: see `megazero.run.parity` for why not 1e-8), weight decay 0.01,
+Every case: AdamW (lr 1e-3, eps 1e-6: see `megazero.toolbox.parity` for why not 1e-8), weight decay 0.01,
 gradient clipping 1.0, micro-batch 1, seed 1234, ZeRO buckets of 5000 elements (several per stage).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Reading a sharded checkpoint's stored boxes (`megazero.run.checkpoint`'s format): the rank files
+"""Reading a sharded checkpoint's stored boxes (`megazero.checkpoint.sharded`'s format): the rank files
 opened lazily with a bounded read window (`Readers`), and the overlap of any box of a logical tensor
 with the boxes stored for it (`copy_overlaps`), including the 2-D boxes the first MoE checkpoints
-wrote for 3-D tensors. Shared by loading and by the converters (`megazero.run.checkpoint_convert`).
+wrote for 3-D tensors. Shared by loading and by the converters (`megazero.checkpoint.convert`).
 """
 from __future__ import annotations
 
