@@ -42,8 +42,8 @@ Each stage writes <out>/<stage>.json as it goes and again at its end, also when 
 Step times: the trainer's (host time between steps; the trainer reads the loss every step at
 log.interval 1, so each is a whole step), the median after `warmup` steps. Tokens per step:
 global batch × sequence. MFU = FLOPs per step / step time / the dense bf16 peak of the hardware preset
-(989 TFLOP/s for the H200; none on CPU), FLOPs per token 6·N + 12·L·h·s with N the parameters that take part
-in matrix products (all but an untied input embedding): the same formula for megazero and the plain loop.
+(989 TFLOP/s for the H200; none on CPU), FLOPs per token `megazero.core.flops.model_flops_per_token` of the spec
+(the trainer's and the planner's count): the same for megazero and the plain loop.
 Peak memory: `torch.cuda.max_memory_allocated` and `max_memory_reserved` over the run (reset before it); on CPU
 the process' peak resident set over the run (VmHWM, reset through /proc/self/clear_refs).
 """
@@ -164,12 +164,6 @@ def _peak_tflops(cpu: bool) -> float | None:
     from megazero.planner.hardware import load_hardware
 
     return float(load_hardware(HARDWARE, str(ROOT / "configs" / "hardware")).peak_tflops)
-
-
-def _flops_per_token(model: dict, params: int, tied: bool) -> float:
-    """6·N + 12·L·h·s, N without an untied input embedding (a lookup, no matrix product)."""
-    matmul_params = params if tied else params - model["vocab"] * model["hidden"]
-    return 6 * matmul_params + 12 * model["layers"] * model["hidden"] * model["seq_len"]
 
 
 def _timing(step_times: list[float], tokens: int, flops_per_token: float, peak: float | None, warmup: int) -> dict:
@@ -504,6 +498,7 @@ def _train(cpu: bool, run_dir: str, steps: int, extra: list[str], instrument: bo
     instrumented, host synchronisations per step and by site, the attention ops and one profiled step."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from megazero.core.flops import model_flops_per_token
     from megazero.models import count_params
     from megazero.planner.from_config import spec_of
     from megazero.run import train
@@ -525,7 +520,7 @@ def _train(cpu: bool, run_dir: str, steps: int, extra: list[str], instrument: bo
     rows = [json.loads(line) for line in open(cfg.log.metrics_file) if line.strip()]
     params = count_params(spec)
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
-    fpt = _flops_per_token(shape["model"], params, spec.tie_embeddings)
+    fpt = model_flops_per_token(spec)
     result = {"exit_code": code, "instrumented": instrument, "config": [o for o in extra], "parameters": params,
               "steps": [r["step"] for r in rows], "losses": [r["loss"] for r in rows],
               "grad_norms": [r.get("grad_norm") for r in rows],
@@ -680,6 +675,7 @@ def stage_plain(out: Path, cpu: bool) -> dict:
     import transformers
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from megazero.core.flops import model_flops_per_token
     from megazero.engine.factories import synthetic_batches
 
     shape = _shape(cpu)
@@ -729,7 +725,7 @@ def stage_plain(out: Path, cpu: bool) -> dict:
                 result["host_syncs_step1"] = {"count": counter.count,
                                               "by_site": dict(counter.by_site().most_common(10))}
     params = sum(p.numel() for p in model.parameters())
-    fpt = _flops_per_token(shape["model"], params, spec.tie_embeddings)
+    fpt = model_flops_per_token(spec)
     result.update(parameters=params, losses=losses, memory=memory.result,
                   **_timing(times, t.global_batch_size * spec.seq_len, fpt, _peak_tflops(cpu), shape["warmup"]))
     rel = abs(losses[0] - mz_loss) / abs(mz_loss)

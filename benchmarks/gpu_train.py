@@ -12,8 +12,8 @@ is reported. The contestants alternate in windows of steps (A/B/A/B, after warm-
 Step times come from CUDA events (host time on CPU). Reported per contestant: median / min / max ms per step,
 tokens/s, MFU against both the datasheet's dense bf16 peak and the bf16 matmul rate measured in the same run,
 and the peak memory allocated during a step (torch.cuda.max_memory_allocated, reset before it).
-FLOPs per token: 6·N + 12·L·h·s (N parameters, the tied embedding counted once as the LM head's GEMM; L layers,
-h hidden, s sequence; causal attention counted in full, as Megatron's MFU formula does). Peak memory of a
+FLOPs per token: the model FLOPs of `megazero.core.flops.model_flops_per_token` (the trainer's and the planner's:
+the GEMMs and the attention core's whole s x s square, forward + backward = 3 forwards). Peak memory of a
 contestant: the most allocated during its windows, less what the other contestant holds between steps.
 """
 from __future__ import annotations
@@ -119,12 +119,8 @@ def matmul_tflops(device, n: int) -> float | None:
     return 2 * n ** 3 / best / 1e12
 
 
-def flops_per_token(spec, params: int) -> float:
-    """6·N (every parameter once: the tied embedding is also the LM head's GEMM) + 12·L·h·s."""
-    return 6 * params + 12 * spec.layers * spec.hidden * spec.seq_len
-
-
 def run(args) -> dict:
+    from megazero.core.flops import model_flops_per_token
     from megazero.core.spec import load_spec
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -170,7 +166,7 @@ def run(args) -> dict:
         pos += args.steps
 
     tokens_per_step = args.micro_batch * spec.seq_len
-    fpt = flops_per_token(spec, n_params)
+    fpt = model_flops_per_token(spec)
     measured = matmul_tflops(device, 8192)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     datasheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)

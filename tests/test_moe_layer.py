@@ -336,20 +336,20 @@ def test_an_ep_rank_that_receives_no_rows_with_expert_tensor_parallelism():
 def test_model_flops_count_what_a_token_runs():
     """MFU's model FLOPs: a dense 4h GeLU MLP gives Megatron's formula exactly; an MoE layer counts
     2 FLOPs per active parameter (router, top_k routed experts, shared experts), not every expert."""
+    from megazero.core.flops import block_forward, model_flops_per_step
     from megazero.core.spec import load_spec
-    from megazero.run.metrics import mlp_forward_flops, model_flops_per_step
 
     gpt = load_spec("model_specs/gpt.py:debug")
     b, s, l, h, v = 8, gpt.seq_len, gpt.layers, gpt.hidden, gpt.vocab
     megatron = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
-    assert model_flops_per_step(b, s, l, h, v, mlp_flops=mlp_forward_flops(gpt)) == pytest.approx(megatron, rel=1e-12)
+    assert model_flops_per_step(gpt, b) == pytest.approx(megatron, rel=1e-12)  # rel: float64 rounding only
     for flavor in ("debug-moe", "debug-deepseek", "mixtral-8x7b"):
         spec = load_spec(f"model_specs/llama.py:{flavor}")
         moe = spec.moe
         layer = MoELayer(moe, spec.hidden, single_rank_group("ep"), "layers.0.mlp", seed=0, device="meta")
         per_expert = sum(p[0].numel() for p in layer.experts.parameters())
         active = layer.router.numel() + moe.top_k * per_expert + sum(p.numel() for p in (layer.shared or nn.Module()).parameters())
-        assert mlp_forward_flops(spec) == 2 * active, flavor
+        assert block_forward(spec).mlp == 2 * active, flavor
 
 
 def _expert_tp_worker(spec_kw, ep, bias, seed):

@@ -5,7 +5,8 @@ A model built from a `ModelSpec` is L + 2 pipeline layers: the embedding, L tran
 split them with the same function here, so a layout the trainer runs is the layout the planner costs:
 
 * `layer_kinds(spec)`: ``["embedding", "block" x L, "head"]``;
-* `flops_per_token(spec, kind)`: what the ``flops`` method balances (Megatron's counting);
+* `layer_infos(spec, params)`: what the methods balance, the ``flops`` method each layer's forward +
+  backward FLOPs per token (`megazero.core.flops.layer_flops_per_token`: the embedding, a lookup, 0);
 * `block_counts_to_layer_counts`: ``pipeline.partition`` as a list counts transformer blocks per virtual
   stage; the embedding joins the first part, the head the last;
 * `spec_bounds(spec, num_stages, chunks, method, params)`: the boundaries of `megazero.core.partition.partition`
@@ -19,6 +20,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
+from megazero.core.flops import layer_flops_per_token
 from megazero.core.partition import NAMED_METHODS, LayerInfo, partition
 from megazero.core.suggest import did_you_mean
 
@@ -31,21 +33,10 @@ def layer_kinds(spec) -> list[str]:
     return ["embedding"] + ["block"] * spec.layers + ["head"]
 
 
-def flops_per_token(spec, kind: str) -> float:
-    """Forward+backward GEMM FLOPs per token of one layer (Megatron's counting, docs/reference.md):
-    a block 3·(24·h² + 4·s·h) = 72·h²·(1 + s/(6h)), the head 6·V·h, and the embedding a lookup
-    (given a token's 2·h so that it is not free)."""
-    h, s, v = spec.hidden, spec.seq_len, spec.vocab
-    if kind == "block":
-        return 3 * (24 * h * h + 4 * s * h)
-    if kind == "head":
-        return 6 * v * h
-    return 2 * h
-
-
 def layer_infos(spec, params: dict[str, int]) -> list[LayerInfo]:
-    """One `LayerInfo` per pipeline layer: type name, parameters (`params` by kind), FLOPs per token."""
-    return [LayerInfo(LAYER_TYPES[k], int(params[k]), float(flops_per_token(spec, k))) for k in layer_kinds(spec)]
+    """One `LayerInfo` per pipeline layer: type name, parameters (`params` by kind), forward + backward FLOPs
+    per token (`megazero.core.flops.layer_flops_per_token`)."""
+    return [LayerInfo(LAYER_TYPES[k], int(params[k]), layer_flops_per_token(spec, k)) for k in layer_kinds(spec)]
 
 
 def block_counts_to_layer_counts(blocks: Sequence[int], kinds: list[str]) -> list[int]:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from megazero.context_parallel import token_layout
+from megazero.core.flops import layer_flops_per_token
 from megazero.core.partition import LayerInfo
 from megazero.core.spec import ModelSpec
-from megazero.core.spec_partition import LAYER_TYPES, flops_per_token, method_of
+from megazero.core.spec_partition import LAYER_TYPES, method_of
 from megazero.models.embedding import EmbeddingLayer, HeadLayer
 from megazero.models.lm import causal_lm_loss, layer_builders
 from megazero.models.packed import PackedDocuments
@@ -102,7 +103,7 @@ def pipeline_layer_infos(spec: ModelSpec, builders=None) -> list[LayerInfo]:
     token. `builders` default to `layer_builders(spec)` on one TP rank."""
     if builders is None:
         builders = layer_builders(spec, single_rank_group("tp"))
-    return [LayerInfo(LAYER_TYPES[b.kind], b.num_params(), float(flops_per_token(spec, b.kind))) for b in builders]
+    return [LayerInfo(LAYER_TYPES[b.kind], b.num_params(), layer_flops_per_token(spec, b.kind)) for b in builders]
 
 
 def _wrap(builder, device, wrap_block):

@@ -20,6 +20,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from megazero.core import partition as part
+from megazero.core.flops import weight_flops
 from megazero.core.instructions import virtual_stage
 from megazero.runtime.seeding import set_random_seed
 
@@ -64,7 +65,8 @@ def _count_params(layer) -> int:
 def describe_layers(layers) -> list[part.LayerInfo]:
     """Per-layer (type name, parameter count, cost) for partitioning, read off the layers: a
     LayerSpec is built on the meta device to count; the cost is 2 x parameters (GEMM FLOPs per
-    token). Builders that know better pass `layer_infos` to `PipelineModule` instead."""
+    token, `megazero.core.flops.weight_flops`). Builders that know better pass `layer_infos` to
+    `PipelineModule` instead."""
     out = []
     for layer in layers:
         if isinstance(layer, LayerSpec):
@@ -74,7 +76,7 @@ def describe_layers(layers) -> list[part.LayerInfo]:
         else:
             name = getattr(layer, "__name__", "fn")  # a user's function or callable object
         n = _count_params(layer)
-        out.append(part.LayerInfo(name=name, params=n, flops=float(2 * n)))
+        out.append(part.LayerInfo(name=name, params=n, flops=weight_flops(n)))
     return out
 
 

@@ -25,7 +25,7 @@ sequence (`MoESpec.capacity`; none: unlimited).
   in all, the four all-to-alls of (P−1)/P·k·b·s·h each when balanced without drops. A full
   recompute reruns the forward's two row all-to-alls (it replays the forward's routing and counts).
 * Model FLOPs count the active parameters: per token the router 2·h·E, k routed experts and the
-  shared experts, 2·h·mats·(k·f + shared width) (as `megazero.run.metrics.mlp_forward_flops`).
+  shared experts, 2·h·mats·(k·f + shared width) (`megazero.core.flops.block_forward`, the trainer's too).
 """
 from __future__ import annotations
 
@@ -109,12 +109,6 @@ def moe_shape(spec, layout) -> MoEShape | None:
                     score=moe.score, normalize=moe.normalize_topk, bias=spec.bias, capped=cap is not None)
 
 
-def active_mlp_params(spec) -> int:
-    """Parameters one token runs through in an MoE MLP: router, top-k routed experts, shared experts
-    (the whole widths, not a TP rank's)."""
-    return spec.moe.active_mlp_params(spec.hidden)
-
-
 def active_params(spec, total: int) -> int:
     """Parameters a token runs through, of a model of `total` (all of them for a dense model): an MoE
     model's total less the routed experts a token does not use, E − k of every layer's (with their
@@ -127,4 +121,4 @@ def active_params(spec, total: int) -> int:
     return total - spec.layers * (moe.num_experts - moe.top_k) * per_expert
 
 
-__all__ = ["MoEShape", "active_mlp_params", "active_params", "all_to_all_per_step", "moe_shape"]
+__all__ = ["MoEShape", "active_params", "all_to_all_per_step", "moe_shape"]

@@ -91,8 +91,8 @@
   parameter (fp32 grad down, 16-bit param up) over PCIe at `pcie_gbs` (not overlapped).
 
 Outputs (`StepPlan`): step time, tokens/s, model TFLOP/s per GPU (the GEMM-and-attention FLOPs of the
-model, Megatron's 72·B·s·l·h²·(1 + s/6h + V/12lh) for GPT), hardware TFLOP/s per GPU (plus the recompute
-forward: the 96·... formula under full recompute), MFU, the simulator's bubble fraction, and a
+model as `megazero.core.flops` counts them, the trainer's MFU too: Megatron's 72·B·s·l·h²·(1 + s/6h + V/12lh)
+for GPT), hardware TFLOP/s per GPU (plus the recompute forward: the 96·... formula under full recompute), MFU, the simulator's bubble fraction, and a
 breakdown of the slowest stage's step into named seconds that sum to the step time (p2p and
 pipeline_bubble are that stage's transfer and idle time in the simulation).
 
@@ -108,20 +108,19 @@ rows of the same table (`JUDGE`) and every other published run are predictions, 
 
 Code: machine.py (the hardware's rates: `Efficiency`, `Implementation`, `Machine`), block_cost.py (a
 block, the embedding and head), moe_cost.py (an MoE MLP), stage_costs.py (per stage: parameters, data
-parallel, optimizer, transfers; the simulator's cost function); this file: FLOPs and the prediction.
+parallel, optimizer, transfers; the simulator's cost function); this file: the prediction (its FLOPs from `megazero.core.flops`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+from megazero.core import flops as model_flops
 from megazero.core.instructions import P2P, LoadMicroBatch
 from megazero.core.simulate import simulate
-from megazero.planner.block_cost import block_gemms
 from megazero.planner.comm_volume import predict_volume
 from megazero.planner.machine import (DEFAULT_EFFICIENCY, MEGATRON_SC21, MEGAZERO, Efficiency, Implementation,  # noqa: F401
                                       Machine)
-from megazero.planner.moe_plan import active_mlp_params
 from megazero.planner.programs import schedule_programs
 from megazero.planner.stage_costs import StageCosts, tuning
 
@@ -156,20 +155,13 @@ class StepPlan:
 
 
 def step_flops(spec, layout) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one step: GEMMs and the attention core (the full s x s square,
-    Megatron's convention), forward + backward = 3 forwards; hardware adds the recompute forward (full:
-    the block; selective: the attention core). For GPT these are Megatron's 72·... and 96·... formulas.
-    An MoE MLP counts its active parameters, 2 FLOPs each per token: the router, the top-k routed
-    experts and the shared experts (`moe_plan.active_mlp_params`), not every expert it holds."""
-    tokens = layout.global_batch * spec.seq_len
-    block = 2 * sum(out * inp for _, out, inp in block_gemms(spec, 1, MEGAZERO))
-    if spec.moe is not None:
-        block += 2 * active_mlp_params(spec)
-    attn = 4 * spec.seq_len * spec.heads * spec.head_dim
-    head = 2 * spec.vocab * spec.hidden
-    model = 3 * tokens * (spec.layers * (block + attn) + head)
-    extra = {"full": block + attn, "selective": attn}.get(layout.recompute, 0)
-    return model, model + tokens * spec.layers * extra
+    """(model FLOPs, hardware FLOPs) of one step of `layout` (its global batch and recompute policy), as
+    `megazero.core.flops` counts them for the trainer's MFU too: GEMMs and the attention core (the full
+    s x s square, Megatron's convention), forward + backward = 3 forwards, an MoE MLP's active parameters;
+    hardware adds the recompute forward (full: the block; selective: the attention core). For GPT these
+    are Megatron's 72·... and 96·... formulas."""
+    return (model_flops.model_flops_per_step(spec, layout.global_batch),
+            model_flops.hardware_flops_per_step(spec, layout.global_batch, layout.recompute))
 
 
 def predicted_simulation(spec, layout, hardware, facts=None, efficiency: Efficiency = DEFAULT_EFFICIENCY,

@@ -1,5 +1,5 @@
-"""What a user sees while training: per-instruction timers (wall_clock_breakdown), FLOPs and MFU
-(docs/reference.md's Megatron formulas), the one-screen start summary, and the JSON-lines metrics file.
+"""What a user sees while training: per-instruction timers (wall_clock_breakdown), MFU (of the model FLOPs
+`megazero.core.flops` counts), the one-screen start summary, and the JSON-lines metrics file.
 """
 from __future__ import annotations
 
@@ -38,28 +38,6 @@ class Timers:
         out = {k: round(v * 1000, 2) for k, v in sorted(self.totals.items())}
         self.totals.clear()
         return out
-
-
-def model_flops_per_step(global_batch: int, seq: int, layers: int, hidden: int, vocab: int,
-                         recompute: bool = False, mlp_flops: float | None = None) -> float:
-    """Megatron's GEMM FLOPs per step: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)); with full activation
-    recompute 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (hardware FLOPs). Of the 72·h² per token and layer,
-    48·h² is the MLP's (3 passes of 16·h², a 4h MLP's forward); `mlp_flops`, one layer's MLP forward
-    FLOPs per token (`mlp_forward_flops`), replaces it: B·s·l·(24·h² + 12·s·h + 3·m) + 6·B·s·h·V
-    (recompute: 4 passes)."""
-    b, s, l, h, v = global_batch, seq, layers, hidden, vocab
-    m = 16 * h * h if mlp_flops is None else mlp_flops
-    passes = 4 if recompute else 3
-    return b * s * l * (passes * (8 * h * h + 4 * s * h + m)) + 6 * b * s * h * v
-
-
-def mlp_forward_flops(spec) -> float:
-    """One layer's MLP forward GEMM FLOPs per token of `spec` (a ModelSpec): 2·h·ffn per weight matrix
-    (SwiGLU has 3, others 2). A Mixture-of-Experts layer counts what a token runs, not what is held:
-    the router (2·h·E), its top_k routed experts and the shared experts."""
-    if spec.moe is None:
-        return 2 * spec.hidden * spec.ffn * (3 if spec.activation == "swiglu" else 2)
-    return 2 * spec.moe.active_mlp_params(spec.hidden)
 
 
 def comm_delta(before: dict, after: dict) -> dict:

@@ -30,6 +30,7 @@ import sys
 
 import megazero
 from megazero.checkpoint import failure_save, sharded
+from megazero.core import flops as model_flops
 from megazero.core.config import Config, ConfigError, to_dict, topology_of
 from megazero.core.schedules import bubble_fraction
 from megazero.core.spec import SpecError
@@ -40,8 +41,7 @@ from megazero.planner.layout import PlanError
 from megazero.resilience.link_probe import LinkProbe
 from megazero.resilience.stragglers import StragglerWatch, describe
 from megazero.run.memory import SavedActivationMeter, memory_report
-from megazero.run.metrics import (MetricsWriter, PendingSteps, Timers, comm_delta, format_bytes,
-                                  mlp_forward_flops, model_flops_per_step)
+from megazero.run.metrics import MetricsWriter, PendingSteps, Timers, comm_delta, format_bytes
 from megazero.run.trace import Tracer
 from megazero.runtime import comm
 from megazero.viz.compare import compare
@@ -125,8 +125,7 @@ def run(cfg: Config, rank: int) -> int:
     if rank == 0:
         print(_summary(cfg, engine, optimizer), flush=True)
     spec, t = engine.module.model_spec, cfg.train
-    flops = model_flops_per_step(t.global_batch_size, spec.seq_len, spec.layers, spec.hidden, spec.vocab,
-                                 mlp_flops=mlp_forward_flops(spec))
+    flops = model_flops.model_flops_per_step(spec, t.global_batch_size)  # MFU's numerator, as the planner's
     tokens = t.global_batch_size * spec.seq_len
     bar = _progress(cfg, rank, start_step)
     pending = PendingSteps(tokens, flops, pctx.topology.world_size, cfg.log.peak_tflops)

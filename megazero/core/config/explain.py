@@ -1,4 +1,4 @@
-"""`explain`: the resolved config and its derived values (dp size, micro-batches per flush, bubble).
+"""`explain`: the resolved config and its derived values (dp size, micro-batches per flush, bubble, model FLOPs).
 
 The bubble is the pipeline simulator's, measured from the schedule's own programs with unit costs
 (`megazero.core.schedules.bubble_fraction`), so that a .csv schedule has one too; the closed forms it
@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 from megazero.planner.from_config import memory_lines, predicted_memory, spec_of
 from megazero.planner.layout import PlanError
 
+from ..flops import hardware_flops_per_step, model_flops_per_step, model_flops_per_token
 from ..instructions import ScheduleError
 from ..spec import SpecError
 from ..schedules import bubble_fraction
@@ -32,6 +33,22 @@ def derived_values(cfg: Config) -> dict[str, object]:
         raise ConfigError(f"pipeline.schedule={pl.schedule!r}: {err}") from None
     return {"world_size": world, "dp_size": cfg.parallel.dp, "micro_batches_per_flush": m,
             "pipeline_schedule": pl.schedule, "bubble_fraction": bubble}
+
+
+def flops_lines(cfg: Config) -> list[str]:
+    """The model FLOPs of one step of resolved `cfg` (`megazero.core.flops`: what the trainer's MFU and the
+    planner's predicted MFU count) and the hardware FLOPs under its recompute policy; [] without a spec."""
+    if cfg.model.spec is None:
+        return []
+    try:
+        spec = spec_of(cfg)
+    except SpecError:
+        return []
+    batch, policy = cfg.train.global_batch_size, cfg.activation_checkpointing.policy
+    return [f"model_flops_per_step: {model_flops_per_step(spec, batch):.4g}  # {model_flops_per_token(spec):.4g} "
+            f"per token x {batch} x {spec.seq_len} tokens (the trainer's MFU counts these)",
+            f"hardware_flops_per_step: {hardware_flops_per_step(spec, batch, policy):.4g}  # the model's and what "
+            f"activation_checkpointing.policy={policy} recomputes"]
 
 
 def memory_prediction(cfg: Config) -> list[str]:
@@ -101,6 +118,7 @@ def explain(cfg: Config, world_size: Optional[int] = None, deepspeed_defaults: S
                   f"gradients averaged and ZeRO sharded over dp x cp = {d['dp_size'] * cp}"]
     lines += [f"micro_batches_per_flush: {m}  # = train.gradient_accumulation_steps",
               f"bubble_fraction: {d['bubble_fraction']}  # {cfg.pipeline.schedule}, p={p}, m={m}, v={v}"]
+    lines += flops_lines(cfg)
     lines += memory_prediction(cfg)
     lines += experts_lines(cfg, gpus_per_node)
     missing = unsupported(cfg)
