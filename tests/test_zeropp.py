@@ -208,12 +208,11 @@ def test_deepspeeds_zeropp_keys_map():
 def test_an_hpz_group_that_spans_nodes_is_refused_before_any_process_group():
     """tp 2 on nodes of 4 ranks: only 2 dp ranks share a node, so an hpZ group of 4 would span two."""
     from megazero.core.config import ConfigError
-    from megazero.engine import initialize_from_config, load_run_config
+    from megazero.engine import load_run_config
 
-    cfg = load_run_config(_zero(hpz_partition_size=4), ["parallel.tp=2"], world_size=8)
     with pytest.raises(ConfigError, match="zero.hpz_partition_size=4: its groups span nodes of 4 ranks .dp ranks are "
                                           "2 ranks apart.; use at most 2"):
-        initialize_from_config(cfg)
+        load_run_config(_zero(hpz_partition_size=4), ["parallel.tp=2"], world_size=8)
 
 
 def _gathered_under_qwz(modify: bool):

@@ -268,3 +268,13 @@ def load_spec(ref: str, overrides=None) -> ModelSpec:
         raise SpecError(f"{where}:{flavor} is a {type(spec).__name__}, not a ModelSpec")
     spec = dataclasses.replace(spec, name=f"{os.path.basename(where)}:{flavor}")
     return spec.replace(**coerce_overrides(overrides)) if overrides else spec
+
+
+def spec_of(cfg) -> ModelSpec:
+    """The ModelSpec a config names: ``model.spec`` with the config's architecture overrides (its typed
+    ``model.*`` keys, ``model.moe``, ``model.overrides``) and ``model.seq_len``. The engine builds from it,
+    the planner predicts from it, config validation checks it."""
+    overrides = cfg.model.architecture()
+    if cfg.model.seq_len is not None:
+        overrides["seq_len"] = cfg.model.seq_len
+    return load_spec(cfg.model.spec, overrides)

@@ -10,15 +10,12 @@ import torch
 from torch import nn
 
 from megazero.activation_checkpoint import ActivationCheckpointer
-from megazero.core.config import Config, ConfigError
-from megazero.core.instructions import ScheduleError
-from megazero.core.moe_spec import MoESpecError
+from megazero.core.config import Config
+from megazero.core.config.initialize_checks import client_update_rule
 from megazero.core.schedules import get_schedule, splits_backward
-from megazero.core.spec_partition import partition_problems, spec_bounds
+from megazero.core.spec import spec_of
 from megazero.models.pipeline_from_spec import build_pipeline_model
 from megazero.pipeline.pipeline_module import PipelineModule
-from megazero.planner.from_config import spec_of
-from megazero.planner.stages import logical_params
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.tensor_parallel.weight_grad import WeightGradStore
 from megazero.zero.loss_scaler import LossScaler
@@ -32,95 +29,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def compute_dtype(cfg: Config) -> torch.dtype:
     return DTYPES[cfg.precision]
-
-
-def check_model_and_schedule(cfg: Config) -> None:
-    """What `build_model` and the engine will need, checked before any process group exists: the
-    spec loads and splits over the TP group, ``pipeline.partition`` splits its layers (the planner's
-    `Layout` asks the same two functions), and the schedule builds for (pp, micro-batches, chunks).
-
-    Raises:
-        SpecError: naming the spec field; ConfigError: naming the config key of a schedule problem.
-    """
-    if cfg.model.spec is not None:
-        spec = spec_of(cfg)
-        _check_experts(spec.moe, cfg)  # first: its messages name the config keys
-        spec.validate_layout(cfg.parallel.tp, cfg.parallel.sequence_parallel)
-        _check_context_parallel(spec, cfg)
-        _check_partition(spec, cfg)
-    try:
-        get_schedule(cfg.pipeline.schedule, cfg.parallel.pp, cfg.train.gradient_accumulation_steps,
-                     cfg.pipeline.chunks)
-    except ScheduleError as err:
-        raise ConfigError(f"{err.key}: {err}") from None
-
-
-def _check_partition(spec, cfg: Config) -> None:
-    """``pipeline.partition`` against the spec's layers: a count list's length, sum and empty middle stages,
-    and a method's split of the L + 2 pipeline layers (every virtual stage needs one; the split itself is
-    the trainer's function, given the layers' parameter counts, which do not decide whether it exists)."""
-    parts, part = cfg.parallel.pp * cfg.pipeline.chunks, cfg.pipeline.partition
-    errs = partition_problems(part, parts, spec.layers)
-    if not errs:
-        try:
-            spec_bounds(spec, cfg.parallel.pp, cfg.pipeline.chunks, part, logical_params(spec))
-        except ValueError as err:
-            errs = [f"pipeline.partition: {err}"]
-    if errs:
-        raise ConfigError("; ".join(errs))
-
-
-def _check_context_parallel(spec, cfg: Config) -> None:
-    """What context parallelism (parallel.cp > 1) needs of the model: a sequence of 2·cp equal chunks (each
-    split again over tp under sequence parallelism); with Ulysses, query heads per tp rank divisible by cp; no
-    dropout (its masks are drawn per whole sequence); MoE without capacity (counted per whole sequence)."""
-    p = cfg.parallel
-    if p.cp < 2:
-        return
-    errs = []
-    chunk = 2 * p.cp * (p.tp if p.sequence_parallel else 1)
-    if spec.seq_len % chunk:
-        errs.append(f"model.seq_len: {spec.seq_len} must be a multiple of {chunk} = 2 x parallel.cp"
-                    + (" x parallel.tp (sequence parallel)" if p.sequence_parallel else "")
-                    + f": context parallelism gives each of the {p.cp} cp ranks a head and a tail chunk")
-    heads = spec.heads // p.tp
-    if p.cp_method == "ulysses" and heads % p.cp:
-        errs.append(f"parallel.cp_method=ulysses: the {heads} attention heads per tensor-parallel rank (model.heads="
-                    f"{spec.heads} / parallel.tp={p.tp}) must be a multiple of parallel.cp={p.cp}; use cp_method=ring")
-    if spec.dropout or spec.attention_dropout:
-        errs.append(f"model.dropout: {max(spec.dropout, spec.attention_dropout)} with parallel.cp={p.cp}: dropout "
-                    f"masks are drawn per whole sequence, which no cp rank holds; use 0 with context parallelism")
-    if spec.moe is not None and spec.moe.capacity_factor is not None:
-        errs.append(f"model.moe.capacity_factor={spec.moe.capacity_factor} with parallel.cp={p.cp}: an expert's "
-                    f"capacity is counted over each whole sequence, which no cp rank holds (not supported yet); "
-                    f"use no capacity (null) with context parallelism")
-    if errs:
-        raise ConfigError("; ".join(errs))
-
-
-def _check_experts(moe, cfg: Config) -> None:
-    """The MoE rules of a layout: ep > 1 needs experts, the experts split over ep, no sequence parallelism
-    (the router counts capacity per whole sequence)."""
-    ep = cfg.parallel.ep
-    if moe is None:
-        if ep > 1:
-            raise ConfigError(f"parallel.ep={ep}: expert parallelism needs a Mixture-of-Experts model; set "
-                              f"model.moe.num_experts (a multiple of {ep})")
-        return
-    try:
-        moe.check(ep)
-    except MoESpecError as err:
-        raise ConfigError(str(err)) from None
-    drop = cfg.model.moe.drop_tokens
-    if drop is False and cfg.model.moe.capacity_factor is not None:
-        raise ConfigError(f"model.moe.drop_tokens=false with model.moe.capacity_factor={cfg.model.moe.capacity_factor}: "
-                          f"no dropping has no capacity; set one of them")
-    if drop is True and moe.capacity_factor is None:
-        raise ConfigError("model.moe.drop_tokens=true: the spec has no capacity to drop past; set "
-                          "model.moe.capacity_factor (e.g. 1.25)")
-    if cfg.parallel.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel: not supported with model.moe yet (routing and capacity are "
-                          "per whole sequence); set parallel.sequence_parallel=false")
 
 
 def build_model(cfg: Config, pctx: ParallelContext, device=None, wrap_block=None) -> PipelineModule:
@@ -213,39 +121,19 @@ def take_over(client, params) -> tuple[OptimizerSpec, list[dict]]:
         if not isinstance(client, torch.optim.Optimizer):
             raise TypeError(f"initialize(optimizer=callable): it returned a {type(client).__name__}, not a "
                             "torch.optim.Optimizer")
-    name, groups = type(client).__name__, client.param_groups
-    first = groups[0]
-
-    def same(key, default=None):
-        values = {repr(g.get(key, default)) for g in groups}
-        if len(values) > 1:
-            raise ConfigError(f"initialize(optimizer={name}): parameter groups differ in {key} ({sorted(values)}); "
-                              f"the ZeRO optimizer runs one {key} for all groups")
-        return first.get(key, default)
-
-    for key in ("amsgrad", "maximize", "nesterov"):
-        if same(key, False):
-            raise ConfigError(f"initialize(optimizer={name}({key}=True)): not supported by the ZeRO optimizer; "
-                              f"use {key}=False")
+    groups = client.param_groups
     if isinstance(client, torch.optim.AdamW):
-        kind = "adamw"
+        family = "adamw"
     elif isinstance(client, torch.optim.Adam):
-        kind = "adamw" if same("decoupled_weight_decay", False) else "adam"
+        family = "adam"
     elif isinstance(client, torch.optim.SGD):
-        if same("dampening", 0.0):
-            raise ConfigError(f"initialize(optimizer=SGD(dampening={first['dampening']})): the ZeRO optimizer's SGD "
-                              "has no dampening; use dampening=0")
-        kind = "sgd"
-    elif "adamw_mode" in first:  # megazero.runtime.kernels.CPUAdam and megazero.ops.adam's classes
-        kind = "adamw" if same("adamw_mode") else "adam"
+        family = "sgd"
+    elif "adamw_mode" in groups[0]:  # megazero.runtime.kernels.CPUAdam and megazero.ops.adam's classes
+        family = "megazero"
     else:
-        raise ConfigError(f"initialize(optimizer={name}): the ZeRO optimizer can take over torch.optim.Adam, AdamW "
-                          f"and SGD, and megazero.ops.adam.FusedAdam / DeepSpeedCPUAdam; for {name}, use one of "
-                          f"those or set the config's optimizer section")
-    spec = OptimizerSpec(kind, lr=first["lr"], betas=tuple(first.get("betas", (0.9, 0.999))), eps=first.get("eps", 1e-8),
-                         weight_decay=first.get("weight_decay", 0.0), momentum=first.get("momentum", 0.0),
-                         bias_correction=bool(same("bias_correction", True)))
-    return spec, groups
+        family = None
+    kind, hyper = client_update_rule(type(client).__name__, family, groups)
+    return OptimizerSpec(kind, **hyper), groups
 
 
 def build_optimizer(cfg: Config, model: nn.Module, pctx: ParallelContext, params=None,

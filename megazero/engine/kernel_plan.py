@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from megazero.core.config import Config
+from megazero.core.spec import spec_of
 from megazero.pipeline.pipeline_module import PipelineModule
-from megazero.planner.from_config import spec_of
 from megazero.run.launch import detect
 from megazero.runtime.kernels import prepare
 

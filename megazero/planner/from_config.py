@@ -6,19 +6,11 @@ both start from the resolved `megazero.core.config.Config`. Every layout the tra
 """
 from __future__ import annotations
 
-from megazero.core.spec import load_spec
+from megazero.core.spec import spec_of
 from megazero.planner.layout import Layout
 from megazero.planner.memory_plan import predict_memory
 
 MIB = 2 ** 20
-
-
-def spec_of(cfg):
-    """The ModelSpec of model.spec with the config's architecture overrides (and seq_len)."""
-    overrides = cfg.model.architecture()
-    if cfg.model.seq_len is not None:
-        overrides["seq_len"] = cfg.model.seq_len
-    return load_spec(cfg.model.spec, overrides)
 
 
 def expert_tp_of(cfg) -> int | None:

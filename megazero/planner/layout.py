@@ -288,7 +288,7 @@ class Layout:
         return errs
 
     def _cp_problems(self, spec) -> list[str]:
-        """What context parallelism refuses (`megazero.engine.factories._check_context_parallel`, config checks):
+        """What context parallelism refuses (`megazero.core.config.spec_checks._check_context_parallel`, config checks):
         a sequence that does not cut into 2·cp chunks (each split over tp again under sequence parallelism),
         Ulysses with heads per tp rank not a multiple of cp, dropout, an MoE capacity factor, ZeRO++ hpZ."""
         errs = []

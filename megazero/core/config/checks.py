@@ -61,7 +61,7 @@ def check_data(cfg: Config) -> list[str]:
 
 def check_context_parallel(cfg: Config) -> list[str]:
     """What context parallelism (parallel.cp > 1) refuses before the model is known (the model's own rules:
-    `megazero.engine.factories.check_model_and_schedule`)."""
+    `megazero.core.config.spec_checks.check_model_and_schedule`)."""
     p, z = cfg.parallel, cfg.zero
     if not isinstance(p.cp, int) or p.cp < 2:
         return []
@@ -104,7 +104,7 @@ def check_model(cfg: Config) -> list[str]:
         errs.append(f"model.seq_len: {m.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallel)")
     errs += check_context_parallel(cfg)
     # whether the layers fill pp x chunks stages is the partition's rule (the embedding and the head are
-    # pipeline layers too): engine/factories.py:_check_partition, with the spec
+    # pipeline layers too): spec_checks.py:_check_partition, with the spec
     typed = [f.name for f in dataclasses.fields(m) if f.name not in ("spec", "overrides")]
     for key in m.overrides:
         if key in typed:

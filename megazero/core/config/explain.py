@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from megazero.planner.from_config import memory_lines, predicted_memory, spec_of
+from megazero.planner.from_config import memory_lines, predicted_memory
 from megazero.planner.layout import PlanError
 
 from ..flops import hardware_flops_per_step, model_flops_per_step, model_flops_per_token
 from ..instructions import ScheduleError
-from ..spec import SpecError
+from ..spec import SpecError, spec_of
 from ..schedules import bubble_fraction
 from .errors import ConfigError
 from .schema import Config
