@@ -71,9 +71,9 @@ def compare(result, reference, loss_rtol=1e-5, param_atol=1e-5, norm_rtol=1e-6, 
     `noise_atol` instead of `param_atol`. Returns the largest difference of the other parameters."""
     losses, norms, params = result
     ref_losses, ref_norms, ref_params = reference
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+    for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= loss_rtol * abs(b), f"step {i}: loss {a} vs {b}"
-    for i, (a, b) in enumerate(zip(norms, ref_norms)):
+    for i, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
         if a is not None and b is not None:
             assert abs(a - b) <= norm_rtol * abs(b), f"step {i}: grad norm {a} vs {b}"
     assert set(params) == set(ref_params), set(params) ^ set(ref_params)

@@ -138,7 +138,7 @@ def test_zero3_regathers_parameters_in_recompute():
         ref_losses, ref_params, ref_gathered = per_policy["none"]
         for name in names:
             losses, params, gathered = per_policy[name]
-            for a, b in zip(losses, ref_losses):
+            for a, b in zip(losses, ref_losses, strict=True):
                 assert abs(a - b) <= RTOL * abs(b), (rank, name, losses, ref_losses)
             for key, p_ref in ref_params.items():
                 assert (params[key] - p_ref).abs().max().item() <= RTOL * p_ref.abs().max().item(), (name, key)
@@ -193,7 +193,7 @@ def test_checkpoint_replays_dropout_and_global_rng_exactly(options):
     mod, fn = _tiny()
     ckpt = _checkpointer(**options)
     got = _run_twice(fn, mod, lambda f, x: ckpt.checkpoint(f, x, modules=[mod]))
-    for a, b in zip(ref[0] + sum(ref[1], []), got[0] + sum(got[1], [])):
+    for a, b in zip(ref[0] + sum(ref[1], []), got[0] + sum(got[1], []), strict=True):
         assert torch.equal(a, b)
     assert ckpt.stats.checkpoints == 2 and ckpt.stats.recomputes == 2
 
@@ -208,7 +208,7 @@ def test_injected_logical_masks_replay_and_other_mask_functions_are_refused():
     set_dropout_mask_fn(mod, LogicalMaskFn(3, 0.5))
     ckpt = _checkpointer()
     got = _run_twice(fn, mod, lambda f, x: ckpt.checkpoint(f, x, modules=[mod]))
-    assert all(torch.equal(a, b) for a, b in zip(sum(ref[1], []), sum(got[1], [])))
+    assert all(torch.equal(a, b) for a, b in zip(sum(ref[1], []), sum(got[1], []), strict=True))
     set_dropout_mask_fn(mod, lambda site, shape, shard: torch.ones(shape, dtype=torch.bool))
     with pytest.raises(ValueError, match="tiny.dropout: .*LogicalMaskFn"):
         ckpt.checkpoint(fn, torch.randn(4, 8, requires_grad=True), modules=[mod])
@@ -297,7 +297,7 @@ def test_transformer_blocks_in_segments_match_and_run_in_order():
     ref, _, _ = grads("none")
     for policy, kw in [("full", {"every_k_layers": 2}), ("full", {"number_checkpoints": 2}), ("selective", {})]:
         got, ckpt, blocks = grads(policy, **kw)
-        assert all(torch.equal(a, b) for a, b in zip(ref, got)), (policy, kw)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)), (policy, kw)
     _, ckpt, blocks = grads("full", every_k_layers=3)
     assert ckpt.report()["segments"] == ["layers.0-2"]
     with pytest.raises(RuntimeError, match="layers.0-2: block 1 ran without the segment's first block"):

@@ -60,7 +60,7 @@ def test_sdpa_core_equals_reference_core(case, short):
     (out, *grads), (ref_out, *ref_grads) = results
     assert out.shape == (2, spec.heads, seq, spec.head_dim)
     assert rel(out, ref_out) <= TOL, (case, rel(out, ref_out))
-    for name, g, r in zip("qkv", grads, ref_grads):
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         assert rel(g, r) <= TOL, (case, name, rel(g, r))
 
 

@@ -146,7 +146,7 @@ def test_another_layout_continues_the_run(saved, pp, tp, dp, stage, order, pipel
 
 def _close(losses, norms, whole, name):
     for got, want in ((losses, whole[0][STEPS:]), (norms, whole[1][STEPS:])):
-        worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
         print(f"{name}: worst relative {worst:.2e}")
         assert worst <= 1e-5, (worst, got, want)
 
@@ -463,9 +463,9 @@ def test_module_engine_checkpoint_reshards(tmp_path):
     model16 = _read_all(tmp_path / "model16" / "model.safetensors")  # fp32 here: the module's dtype
     names = ["0.weight", "0.bias", "2.weight", "2.bias"]  # the Sequential's named_parameters
     assert sorted(model16) == sorted(names)
-    assert all(torch.equal(model16[name], p) for name, p in zip(names, saved))
+    assert all(torch.equal(model16[name], p) for name, p in zip(names, saved, strict=True))
     resumed = run_ranks(module_worker, 1, 0, 3, None, str(tmp_path), 3, timeout=120)[0]  # ZeRO-2 x dp2 -> one rank
-    assert max((a - b).abs().max().item() for a, b in zip(resumed, whole)) <= 1e-6
+    assert max((a - b).abs().max().item() for a, b in zip(resumed, whole, strict=True)) <= 1e-6
 
 
 def _snapshot_copies(stage):

@@ -133,10 +133,10 @@ def test_batch_rule_uses_dp_not_world_size():
 def test_derive_batch_property(b, g, dp, mask):
     """Any subset of a consistent triple derives a triple that obeys the rule and keeps what was given."""
     full = (b, g, b * g * dp)
-    given_ = tuple(v if keep else None for v, keep in zip(full, mask))
+    given_ = tuple(v if keep else None for v, keep in zip(full, mask, strict=True))
     out = derive_batch(*given_, dp)
     assert out[0] * out[1] * dp == out[2]
-    assert all(v is None or v == o for v, o in zip(given_, out))
+    assert all(v is None or v == o for v, o in zip(given_, out, strict=True))
     if sum(mask) >= 2:
         assert out == full
 

@@ -68,7 +68,7 @@ def _cp_rank(method, b, heads, kv, seq, d, with_docs, with_alibi, seed=0):
     out = fn(*mine, group, seq, docs=docs, slopes=slopes)
     out.backward(layout.take(dout, 2, r, cp))
     errs = {"out": (out - layout.take(ref, 2, r, cp)).abs().max().item()}
-    for name, x, full_x in zip("qkv", mine, full):
+    for name, x, full_x in zip("qkv", mine, full, strict=True):
         errs["d" + name] = (x.grad - layout.take(full_x.grad, 2, r, cp)).abs().max().item()
     moved = pctx.stats.snapshot()
     pctx.destroy()

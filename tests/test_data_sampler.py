@@ -114,7 +114,7 @@ def test_resume_equals_continuing_and_reads_nothing_skipped():
     first = next(resumed_it)
     assert len(src.reads) == 2  # exactly the two samples of that micro-batch
     resumed = [first] + [next(resumed_it) for _ in range(5)]
-    for a, b in zip(continued, resumed):
+    for a, b in zip(continued, resumed, strict=True):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
     assert resumed_it.state_dict() == {"step": k + 2, "micro": 0, "seed": 3, "global_batch_size": 12}
 
@@ -123,8 +123,8 @@ def test_same_seed_same_batches_other_seed_differs():
     ds = TokenSampleDataset(stream_source(401), 4)
     run = [[next(it)["input_ids"] for _ in range(6)] for it in (MicroBatchIterator(ds, 2, 3, 0, 1, seed=s)
                                                                 for s in (11, 11, 12))]
-    assert all(torch.equal(a, b) for a, b in zip(run[0], run[1]))
-    assert not all(torch.equal(a, b) for a, b in zip(run[0], run[2]))
+    assert all(torch.equal(a, b) for a, b in zip(run[0], run[1], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(run[0], run[2], strict=True))
 
 
 @pytest.fixture

@@ -74,7 +74,7 @@ def test_parameter_groups_drive_each_step_like_torch():
                 o.zero_grad()
             s.step()
     assert engine.get_lr() == pytest.approx([g["lr"] for g in torch_opt.param_groups])
-    for a, b in zip(ref.parameters(), net.parameters()):
+    for a, b in zip(ref.parameters(), net.parameters(), strict=True):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
     with pytest.raises(NotImplementedError, match="flattened"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})

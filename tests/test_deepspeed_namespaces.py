@@ -229,7 +229,7 @@ def test_checkpoint_replays_both_generators_like_no_checkpoint():
         results.append((y.detach().clone(), x.grad.clone(), lin.weight.grad.clone(), torch.rand(2),
                         ckpt.get_cuda_rng_tracker().get_states()["model-parallel-rng"].clone()))
         x.grad, lin.weight.grad, lin.bias.grad = None, None, None
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
 
 

@@ -67,7 +67,7 @@ def classifier_reference(steps=6):
         x, y = classifier.global_batch(step, MICRO * GAS * DP)
         opt.zero_grad()
         total = 0.0
-        for xb, yb in zip(x.split(MICRO), y.split(MICRO)):  # rank r's micro-batches are rows [r·gas·micro, ...)
+        for xb, yb in zip(x.split(MICRO), y.split(MICRO), strict=True):  # rank r's micro-batches are rows [r·gas·micro, ...)
             loss = torch.nn.functional.cross_entropy(net(xb), yb) / (GAS * DP)
             loss.backward()
             total += loss.item()

@@ -57,7 +57,7 @@ def cnn_reference(dtype: str, dp: int = 2, epochs: int = 2, train_batch: int = 1
     master = cifar_cnn.Net()
     low = copy.deepcopy(master).to(torch.bfloat16) if dtype == "bf16" else master
     with torch.no_grad():  # DeepSpeed casts the module to bf16 first: its fp32 master starts from the bf16 values
-        for p, q in zip(master.parameters(), low.parameters()):
+        for p, q in zip(master.parameters(), low.parameters(), strict=True):
             p.copy_(q)
     opt = torch.optim.AdamW(master.parameters(), lr=0.001, betas=(0.8, 0.999), eps=1e-8, weight_decay=3e-7)
     sched = WarmupLR(opt, warmup_min_lr=0, warmup_max_lr=0.001, warmup_num_steps=1000)
@@ -66,7 +66,7 @@ def cnn_reference(dtype: str, dp: int = 2, epochs: int = 2, train_batch: int = 1
                               sampler=tud.DistributedSampler(data, num_replicas=dp, rank=r)) for r in range(dp)]
     losses = {r: [] for r in range(dp)}
     for _ in range(epochs):
-        for batches in zip(*loaders):
+        for batches in zip(*loaders, strict=True):
             grads = [torch.zeros_like(p) for p in master.parameters()]
             for r, (x, y) in enumerate(batches):
                 low.zero_grad()
@@ -74,16 +74,16 @@ def cnn_reference(dtype: str, dp: int = 2, epochs: int = 2, train_batch: int = 1
                 loss = torch.nn.functional.cross_entropy(out, y)
                 loss.backward()
                 losses[r].append(loss.item())
-                for g, p in zip(grads, low.parameters()):
+                for g, p in zip(grads, low.parameters(), strict=True):
                     g += p.grad.float()
-            for p, g in zip(master.parameters(), grads):
+            for p, g in zip(master.parameters(), grads, strict=True):
                 p.grad = g / dp
             torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
             opt.step()
             sched.step()
             if dtype == "bf16":
                 with torch.no_grad():
-                    for q, p in zip(low.parameters(), master.parameters()):
+                    for q, p in zip(low.parameters(), master.parameters(), strict=True):
                         q.copy_(p)
     probe = data.tensors[0][:4]
     with torch.no_grad():

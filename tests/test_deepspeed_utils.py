@@ -72,11 +72,11 @@ def test_safe_get_and_set_equal_pytorch_and_zero_to_fp32_recovers_the_weights(st
     got = run_ranks(_worker, 2, stage, save_dir, timeout=120)
     grads, after, states = _reference()
     for rank, r in enumerate(got):
-        for a, b in zip(r["grads"], grads):
+        for a, b in zip(r["grads"], grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        for a, b in zip(r["after"], after):
+        for a, b in zip(r["after"], after, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        for (m, v), (m0, v0) in zip(r["states"], states):
+        for (m, v), (m0, v0) in zip(r["states"], states, strict=True):
             torch.testing.assert_close(m, m0, rtol=1e-6, atol=1e-8)
             torch.testing.assert_close(v, v0, rtol=1e-6, atol=1e-10)
         assert torch.equal(r["zeroed"], torch.zeros(3, 10))
@@ -93,7 +93,7 @@ def test_safe_get_and_set_equal_pytorch_and_zero_to_fp32_recovers_the_weights(st
     from safetensors.torch import load_file
 
     saved = load_file(str(out / "model.safetensors"))
-    want = dict(zip(("0.weight", "0.bias", "2.weight", "2.bias"), after))
+    want = dict(zip(("0.weight", "0.bias", "2.weight", "2.bias"), after, strict=True))
     want["2.weight"] = torch.zeros(3, 10)
     assert sorted(saved) == sorted(want)
     for k, v in want.items():

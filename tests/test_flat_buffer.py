@@ -36,7 +36,7 @@ def test_layout_properties(numels, dp, bucket_size, cuts):
     lay = build_layout(numels, dp, bucket_size, sorted(cuts))
     # buckets tile the buffer, each a multiple of dp; params never straddle buckets
     assert lay.buckets[0].start == 0
-    for a, b in zip(lay.buckets, lay.buckets[1:]):
+    for a, b in zip(lay.buckets[:-1], lay.buckets[1:], strict=True):
         assert a.end == b.start
     assert all(b.numel % dp == 0 for b in lay.buckets)
     assert lay.total % dp == 0 and lay.total >= sum(numels)
@@ -47,7 +47,7 @@ def test_layout_properties(numels, dp, bucket_size, cuts):
             assert lay.bucket_of(i) == b.index
     # params do not overlap
     spans = sorted(lay.param_range(i) for i in range(len(numels)))
-    for (s1, e1), (s2, e2) in zip(spans, spans[1:]):
+    for (s1, e1), (s2, e2) in zip(spans[:-1], spans[1:], strict=True):
         assert e1 <= s2
     # shards: equal size, disjoint, together cover every parameter element exactly once
     covered = [0] * len(numels)

@@ -41,7 +41,7 @@ def test_serial_run_matches_golden_file(name):
     assert golden["overrides"] == OVERRIDES and golden["steps"] == STEPS
     now = serial_run(name)
     for key in ("loss", "grad_norm"):
-        for step, (a, b) in enumerate(zip(now[key], golden[key]), start=1):
+        for step, (a, b) in enumerate(zip(now[key], golden[key], strict=True), start=1):
             assert abs(a - b) <= RTOL * abs(b), (f"{name} step {step}: {key} {a!r}, golden {b!r} "
                                                  f"(relative {abs(a - b) / abs(b):.2e} > {RTOL})")
     assert len(now["loss"]) == len(golden["loss"]) == STEPS

@@ -96,7 +96,7 @@ def test_serial_megazero_trains_like_hugging_face_with_torch_adamw(kind, tmp_pat
     start = {k: v.clone() for k, v in hf.state_dict().items()}
     (mz_losses, mz_params), = run_ranks(megazero_worker, 1, str(spec_file), start, timeout=240)
     hf_losses, hf_params = train_hf(hf)
-    for step, (a, b) in enumerate(zip(mz_losses, hf_losses), 1):
+    for step, (a, b) in enumerate(zip(mz_losses, hf_losses, strict=True), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: megazero loss {a} vs HF {b}"
     assert set(mz_params) >= {k for k in hf_params if not k.endswith("attn.bias") and "masked_bias" not in k}
     worst, name = max(((mz_params[k] - hf_params[k]).abs().max().item(), k) for k in mz_params)

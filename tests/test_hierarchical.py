@@ -46,7 +46,7 @@ def test_two_level_collectives_equal_the_flat_ring_and_cross_nodes_less(numel):
     tiered = run_ranks(_collectives, 8, True, numel, timeout=120)
     ref_sum = sum(_inputs(r, numel) for r in range(8))
     for r in range(8):
-        for got, want in zip(tiered[r][:3], flat[r][:3]):
+        for got, want in zip(tiered[r][:3], flat[r][:3], strict=True):
             assert torch.allclose(torch.as_tensor(got), torch.as_tensor(want), rtol=1e-6, atol=1e-6)
         assert torch.allclose(torch.as_tensor(tiered[r][0]), ref_sum, rtol=1e-6, atol=1e-6)
     n = N * K
@@ -107,7 +107,7 @@ def test_zero_trains_the_same_with_two_level_reductions(stage):
     flat = run_ranks(_train, 8, cfg, timeout=300)
     overlapped = dict(cfg, zero=dict(cfg["zero"], overlap_comm=True))  # the two-level chains run behind backward
     tiered = run_ranks(_train, 8, dict(overlapped, comm={"hierarchical": True}), timeout=300)
-    for a, b in zip(tiered[0][0] + tiered[0][1], flat[0][0] + flat[0][1]):
+    for a, b in zip(tiered[0][0] + tiered[0][1], flat[0][0] + flat[0][1], strict=True):
         assert abs(a - b) <= 1e-6 * abs(b), (tiered[0][:2], flat[0][:2])
     worst = max(abs(tiered[0][2][k] - v).max() for k, v in flat[0][2].items())
     assert worst <= 1e-5, worst

@@ -55,7 +55,7 @@ def test_dense_2x2x2_step_waits_only_per_step(overrides):
     """The same syncs with 2 and 4 micro-batches (none per micro-batch), at most two per step."""
     few = run_ranks(_sites, 8, "configs/debug_gpt.yaml", overrides, 2, timeout=240)
     many = run_ranks(_sites, 8, "configs/debug_gpt.yaml", overrides, 4, timeout=240)
-    for rank, (a, b) in enumerate(zip(few, many)):
+    for rank, (a, b) in enumerate(zip(few, many, strict=True)):
         assert a == b, f"rank {rank}: syncs grow with micro-batches: {a} vs {b}"
         assert len(b) <= 2, f"rank {rank}: {b}"
         assert all(s.startswith(("megazero/zero/optimizer.py", "megazero/engine/pipeline_engine.py")) for s in b), b

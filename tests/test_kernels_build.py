@@ -197,7 +197,7 @@ def test_cuda_adam_without_kernels_runs_torch_fused_adam(monkeypatch):
             for i in range(len(sizes)):
                 reference.adam_step(twin[i], grads[i], states[2][i], states[3][i], step=step, lr=lrs[i],
                                     weight_decay=wds[i], **shared)
-        for p, t, c in zip(params, twin, copies):
+        for p, t, c in zip(params, twin, copies, strict=True):
             assert torch.allclose(p, t, rtol=rtol, atol=atol * t.abs().max().item())
             assert torch.equal(c, p.to(torch.bfloat16))
     shared["bias_correction"] = False  # torch's kernel always corrects: the caller runs the twin

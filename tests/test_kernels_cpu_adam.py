@@ -158,7 +158,7 @@ def test_every_isa_gives_the_same_bits(ops, monkeypatch, grad_dtype, copy_dtype,
         assert used == f"megazero_cpu_adam[{isa}]"
         results[isa] = (p, m, v) + ((copy,) if copy is not None else ())
     for isa, res in results.items():
-        for a, b in zip(res, results["scalar"]):
+        for a, b in zip(res, results["scalar"], strict=True):
             assert torch.equal(a, b), f"{isa} differs from scalar"
 
 
@@ -181,7 +181,7 @@ def test_threads_do_not_change_the_bits(ops):
         many = run_ours((600001,), 3, lr=1e-2, weight_decay=0.1)[:3]
     finally:
         torch.set_num_threads(before)
-    assert all(torch.equal(a, b) for a, b in zip(one, many))
+    assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))
 
 
 def test_lists_and_kernel_errors(ops):
@@ -250,7 +250,7 @@ def test_list_call_equals_single_calls_bit_for_bit(ops, monkeypatch, copy_dtype,
         finally:
             torch.set_num_threads(before)
         for name, ours, single in (("param", p, q), ("exp_avg", m, m2), ("exp_avg_sq", v, v2), ("copy", c, c2)):
-            for i, (a, b) in enumerate(zip(ours or [], single or [])):
+            for i, (a, b) in enumerate(zip(ours or [], single or [], strict=True)):
                 assert torch.equal(a, b), f"{isa}: {name}[{i}] (numel {a.numel()}) differs from the single call"
 
 
@@ -267,7 +267,7 @@ def test_list_call_on_one_thread_and_shared_values_equal_single_calls(ops):
         torch.set_num_threads(before)
     for i in range(len(LIST_SIZES)):
         ops.adam_step(q[i], g[i], m2[i], v2[i], None, 1e-2, 0.9, 0.99, 1e-8, 0.1, 3, True, True, False, -1)
-    assert all(torch.equal(a, b) for a, b in zip(p + m + v, q + m2 + v2))
+    assert all(torch.equal(a, b) for a, b in zip(p + m + v, q + m2 + v2, strict=True))
 
 
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
@@ -284,7 +284,7 @@ def test_list_call_with_per_tensor_hyper_matches_the_twin(ops, adamw):
             reference.adam_step(twin[0][i], g[i], twin[1][i], twin[2][i], step=step, lr=lrs[i], beta1=0.9,
                                 beta2=0.999, eps=1e-8, weight_decay=wds[i], adamw_mode=adamw, bias_correction=True)
     rtol, atol = reference.TOLERANCES["adam"][torch.float32]
-    for ours, ref in zip(p + m + v, twin[0] + twin[1] + twin[2]):
+    for ours, ref in zip(p + m + v, twin[0] + twin[1] + twin[2], strict=True):
         torch.testing.assert_close(ours, ref, rtol=rtol, atol=atol * float(ref.abs().max()))
 
 
@@ -335,12 +335,12 @@ def test_cpu_adam_steps_mixed_groups_like_adamw(ops):
     ref = torch.optim.AdamW([{"params": twins[:3], "weight_decay": 0.1}, {"params": twins[3:], "weight_decay": 0.0}],
                             lr=1e-2, foreach=False)
     for step in range(5):
-        for a, b in zip(ps, twins):
+        for a, b in zip(ps, twins, strict=True):
             a.grad = torch.randn_like(a) if step % 2 or a.numel() != 3 else None
             b.grad = None if a.grad is None else a.grad.clone()
         ours.step()
         ref.step()
-    for a, b in zip(ps, twins):
+    for a, b in zip(ps, twins, strict=True):
         assert_rel(a.detach(), b.detach(), 1e-6)
 
 
@@ -363,7 +363,7 @@ def test_cpu_adam_optimizer_matches_adamw_and_loads_its_state(ops):
             opt.zero_grad()
             net(x).square().mean().backward()
             opt.step()
-    for a, b in zip(model.parameters(), twin.parameters()):
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert_rel(a.detach(), b.detach(), 1e-5)  # 30 steps through a network: differences feed back into grads
     fresh = CPUAdam(model.parameters(), lr=1e-2, weight_decay=0.05, adamw_mode=False)
     fresh.load_state_dict(copy.deepcopy(ref.state_dict()))  # AdamW's groups: adamw_mode comes back True
@@ -373,7 +373,7 @@ def test_cpu_adam_optimizer_matches_adamw_and_loads_its_state(ops):
         opt.zero_grad()
         net(x).square().mean().backward()
         opt.step()
-    for a, b in zip(model.parameters(), twin.parameters()):
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert_rel(a.detach(), b.detach(), 1e-6)
 
 

@@ -141,7 +141,7 @@ class FakeAmpC:
     def multi_tensor_adam(self, chunk, noop, lists, lr, beta1, beta2, eps, step, mode, bias_correction, wd):
         grads, params, exp_avgs, exp_avg_sqs = lists
         self.calls.append((lr, wd, [p.numel() for p in params]))
-        for g, p, m, v in zip(grads, params, exp_avgs, exp_avg_sqs):
+        for g, p, m, v in zip(grads, params, exp_avgs, exp_avg_sqs, strict=True):
             reference.adam_step(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
                                 adamw_mode=bool(mode), bias_correction=bool(bias_correction))
 

@@ -74,7 +74,7 @@ def test_norms_match_twin(cols, dtype, wdt, rms):
         ours, ours_g = fwd_bwd(lambda a, c, d: K.layer_norm(a, c, d, 1e-5), [x, w, b])
         twin, twin_g = fwd_bwd(lambda a, c, d: reference.layer_norm(a, c, d, 1e-5), [x, w, b])
     close(ours, twin, op, dtype, "y")
-    for name, g, t in zip(["dx", "dw", "db"], ours_g, twin_g):
+    for name, g, t in zip(["dx", "dw", "db"], ours_g, twin_g, strict=True):
         close(g, t, op, dtype, name)
 
 
@@ -150,11 +150,11 @@ def test_multi_tensor_adam_equals_the_cpu_kernel_bit_for_bit(grad_dtype, copy_dt
         used_cpu = K.adam_step(cpu[0], grads, cpu[1], cpu[2], param_copy=copies["cpu"], **hyper)
     assert used_gpu == "megazero_cuda"
     assert used_cpu.startswith("megazero_cpu_adam"), "the CPU kernel is the bit-exact yardstick here"
-    for lst_c, lst_g in zip(cpu, gpu):
-        for c, g in zip(lst_c, lst_g):
+    for lst_c, lst_g in zip(cpu, gpu, strict=True):
+        for c, g in zip(lst_c, lst_g, strict=True):
             assert torch.equal(c, g.cpu())
     if copy_dtype is not None:
-        for c, cc, p in zip(copies["cuda"], copies["cpu"], gpu[0]):
+        for c, cc, p in zip(copies["cuda"], copies["cpu"], gpu[0], strict=True):
             assert torch.equal(c, p.to(copy_dtype)) and torch.equal(c.cpu(), cc)
 
 

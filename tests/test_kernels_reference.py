@@ -51,7 +51,7 @@ def test_layer_norm_fp32_matches_float64(cols, with_bias):
     ref, ref_grads = grads_of(lambda *t: ln64(t[0], t[1], t[2] if with_bias else None, 1e-5),
                               [t.double() for t in inputs])
     torch.testing.assert_close(out, ref.float(), **F64_TOL)
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r.float(), **F64_TOL)
 
 
@@ -68,7 +68,7 @@ def test_rms_norm_fp32_matches_float64(cols):
     out, grads = grads_of(lambda a, b: reference.rms_norm(a, b, 1e-6), [x, w])
     ref, ref_grads = grads_of(lambda a, b: rms64(a, b, 1e-6), [x.double(), w.double()])
     torch.testing.assert_close(out, ref.float(), **F64_TOL)
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r.float(), **F64_TOL)
 
 

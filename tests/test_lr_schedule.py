@@ -99,7 +99,7 @@ def torch_optimizer(case, params=None, **extra):
     lrs = case["group_lrs"]
     if params is None:
         params = [[torch.nn.Parameter(torch.zeros(2))] for _ in lrs]
-    groups = [{"params": p, "lr": lr} for p, lr in zip(params, lrs)]
+    groups = [{"params": p, "lr": lr} for p, lr in zip(params, lrs, strict=True)]
     if case["optimizer"] == "SGD":
         return torch.optim.SGD(groups, lr=lrs[0], momentum=0.9)
     return getattr(torch.optim, case["optimizer"])(groups, lr=lrs[0], betas=(0.9, 0.95), **extra)
@@ -120,7 +120,7 @@ def assert_groups_match(optimizer, case, k, momentum=True):
     """Every group's lr, betas and (unless `momentum` is false: the ZeRO optimizer's groups have a
     momentum whatever the rule) momentum at step k are the recorded ones."""
     for g, (group, lr, betas, mom) in enumerate(zip(optimizer.param_groups, case["lr"][k], case["betas"][k],
-                                                    case["momentum"][k])):
+                                                    case["momentum"][k], strict=True)):
         where = f"{case['name']} step {k} group {g}"
         assert_close(group["lr"], lr, where + " lr")
         assert_close(None if betas is None else list(group["betas"]), betas, where + " betas")
@@ -314,18 +314,18 @@ def test_the_zero_optimizer_trains_with_deepspeeds_lr_and_beta1(name):
           "gradient_clipping": 0.0}
     engine, opt, _, sched = megazero.initialize(
         model=model, config=ds, model_parameters=[{"params": p, "lr": lr} for p, lr in
-                                                  zip(groups(model), case["group_lrs"])])
+                                                  zip(groups(model), case["group_lrs"], strict=True)])
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
     for k in range(6):
         assert_groups_match(opt, case, k, momentum=False)
-        for group, lr, betas in zip(torch_opt.param_groups, case["lr"][k], case["betas"][k]):
+        for group, lr, betas in zip(torch_opt.param_groups, case["lr"][k], case["betas"][k], strict=True):
             group["lr"], group["betas"] = lr, tuple(betas)
         ref(x).pow(2).mean().backward()
         torch_opt.step()
         torch_opt.zero_grad()
         engine.backward(model(x).pow(2).mean())
         engine.step()
-    for a, b in zip(ref.parameters(), model.parameters()):
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
 
 

@@ -57,8 +57,8 @@ def test_low_precision_trains_like_one_process_and_tracks_fp32(corpus, precision
     serial = losses(corpus, precision, stage, 1)
     parallel = losses(corpus, precision, stage, 8)
     assert parallel[-1] < 0.6 * parallel[0]  # the model learns
-    worst = max(abs(a - b) / b for a, b in zip(parallel, serial))
-    floor = max(abs(a - b) / b for a, b in zip(serial, fp32))  # what 16-bit arithmetic alone moves a step's loss
+    worst = max(abs(a - b) / b for a, b in zip(parallel, serial, strict=True))
+    floor = max(abs(a - b) / b for a, b in zip(serial, fp32, strict=True))  # what 16-bit arithmetic alone moves a step's loss
     assert worst <= max(2e-2, floor), (worst, floor)
     assert abs(tail(parallel) - tail(serial)) <= 5e-3 * tail(serial)
     assert abs(tail(parallel) - tail(fp32)) <= 5e-2 * tail(fp32)

@@ -92,7 +92,7 @@ def _dropout_checks(pctx):
     for sp in (False, True):
         spec = spec_of("gpt", dropout=True)
         (l1, m1), (l2, m2) = train_step(spec, pctx.tp_group, sp), train_step(spec, pctx.tp_group, sp)
-        same = torch.equal(l1, l2) and all(torch.equal(a.grad, b.grad) for a, b in zip(m1.parameters(), m2.parameters()))
+        same = torch.equal(l1, l2) and all(torch.equal(a.grad, b.grad) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
         no_dropout, _ = train_step(spec_of("gpt"), pctx.tp_group, sp)
         out[f"bit-identical sp={sp}"] = same
         out[f"dropout active sp={sp}"] = not torch.equal(l1, no_dropout)

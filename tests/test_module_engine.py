@@ -80,7 +80,7 @@ def test_hf_model_under_zero_matches_torch_adamw(zero):
     ref_losses, ref_params = reference(2)
     for losses, params, steps in run_ranks(worker, 2, zero, timeout=180):
         assert steps == STEPS
-        for a, b in zip(losses, ref_losses):
+        for a, b in zip(losses, ref_losses, strict=True):
             assert abs(a - b) <= 1e-5 * b
         assert set(params) == set(ref_params)
         worst = max((params[n] - ref_params[n]).abs().max().item() for n in params)

@@ -474,7 +474,7 @@ def test_recompute_replays_the_forwards_routing(P):
         return run_ranks(_replay_worker, P, *args, timeout=120) if P > 1 else [_replay_worker(*args)]
 
     plain, replayed = run(False, True), run(True, True)
-    for (out_a, grads_a, _, chose), (out_b, grads_b, picked, replayed_choice) in zip(plain, replayed):
+    for (out_a, grads_a, _, chose), (out_b, grads_b, picked, replayed_choice) in zip(plain, replayed, strict=True):
         torch.testing.assert_close(out_b, out_a, rtol=0, atol=0)
         assert torch.equal(replayed_choice, chose) and len(picked) == 1
         assert (picked[0] != chose).any(dim=-1).all()  # the recompute's logits pick other experts for every token

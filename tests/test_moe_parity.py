@@ -152,7 +152,7 @@ def test_checkpoint_at_ep2_continues_at_another_ep(saved_at_ep2, world, ep, zero
     cfg = _ckpt_config(corpus, ep, zero, pp, tp, expert_tp)
     losses, norms = run_ranks(train, world, cfg, 3, None, path, timeout=300)[0]
     for got, want in ((losses, whole[0][3:]), (norms, whole[1][3:])):
-        worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
         assert worst <= 1e-5, (worst, got, want)
 
 

@@ -38,7 +38,7 @@ def _train(stage, spec, early, **kw):
         x, y = batch(s)
         xs, ys = x.chunk(n)[r], y.chunk(n)[r]
         total = torch.zeros(1)
-        for i, (xm, ym) in enumerate(zip(xs.chunk(GAS), ys.chunk(GAS))):
+        for i, (xm, ym) in enumerate(zip(xs.chunk(GAS), ys.chunk(GAS), strict=True)):
             opt.set_last_microbatch(i == GAS - 1)
             loss = torch.nn.functional.mse_loss(model(xm), ym) / GAS
             opt.scale_loss(loss).backward()
@@ -68,11 +68,11 @@ def overlap_worker(spec):
 def test_offloaded_adam_runs_during_backward_and_equals_the_step_after_it(spec):
     ref = reference(spec)
     for rank_result in run_ranks(overlap_worker, 2, spec, timeout=180):
-        for (stage, _), (early, late) in zip(CASES, rank_result):
+        for (stage, _), (early, late) in zip(CASES, rank_result, strict=True):
             *res, in_flight = early
             assert min(in_flight) >= 1, f"stage {stage}: no update started during backward ({in_flight})"
             _close(tuple(res), ref)
-            for a, b in zip(res[2], late[2]):  # bit for bit the update after backward
+            for a, b in zip(res[2], late[2], strict=True):  # bit for bit the update after backward
                 assert torch.equal(a, b), f"stage {stage}"
             assert res[0] == late[0]
 

@@ -132,7 +132,7 @@ def test_onebit_adam_runs_with_a_pipeline_and_counts_its_errors(corpus):
                     timeout=300)
     assert bit[0][0][:4] == pytest.approx(adam[0][0][:4], rel=1e-5)
     assert bit[0][0][-1] < bit[0][0][4] and all(math.isfinite(x) for x in bit[0][0])
-    for (_, states, padded, dp), (_, plain, _, _) in zip(bit, adam):
+    for (_, states, padded, dp), (_, plain, _, _) in zip(bit, adam, strict=True):
         assert states - plain == 4 * (padded + padded // dp)
 
 

@@ -302,12 +302,12 @@ def expected_batches(program, trace, log):
 def check_same_traffic(blocking, batched, net_blocking, net_batched):
     """Per stage: the same ops (kind, peer, tensor) in the same order on both paths, batched exactly
     as `expected_batches` says; the same losses, gradients and byte counts."""
-    for s, (a, b) in enumerate(zip(blocking, batched)):
+    for s, (a, b) in enumerate(zip(blocking, batched, strict=True)):
         program = a["program"]
         assert [ins for ins, _ in a["trace"]] == list(program) == [ins for ins, _ in b["trace"]]
         log_a, log_b = net_blocking.log[s], net_batched.log[s]
         assert len(log_a) == len(log_b)
-        for (ka, pa, ta), (kb, pb, tb) in zip(log_a, log_b):
+        for (ka, pa, ta), (kb, pb, tb) in zip(log_a, log_b, strict=True):
             assert (ka, pa) == (kb, pb) and ta.dtype == tb.dtype and torch.equal(ta, tb), (s, ka, pa)
         # the blocking path never batches nor joins a barrier; the batched one joins one barrier
         assert net_blocking.batches[s] == [] and net_blocking.barriers[s] == 0

@@ -95,7 +95,7 @@ def _per_token_losses(spec_name, method, cp_size, seq, lengths):
 
 def _compare(out, lengths, seq):
     start = 0
-    for n, alone in zip(lengths, out["alone"]):
+    for n, alone in zip(lengths, out["alone"], strict=True):
         got = out["packed"][start:start + n - 1]
         assert torch.allclose(got, alone, rtol=1e-5, atol=1e-5), (start, n, (got - alone).abs().max())
         start += n

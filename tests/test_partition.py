@@ -15,7 +15,7 @@ def gpt(blocks=10, embed_params=1000, block_params=300, head_params=1000):
 
 
 def sizes(bounds):
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def test_uniform_gives_extras_to_the_first_stages_and_allows_any_layer_count():
@@ -44,7 +44,7 @@ def test_flops_counts_embedding_and_head():
 def test_type_regex_balances_matching_layers_case_insensitively():
     layers = gpt(blocks=8)
     bounds = partition(layers, 4, "type:transformerblock")
-    counts = [sum(layer.name == "TransformerBlock" for layer in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    counts = [sum(layer.name == "TransformerBlock" for layer in layers[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     assert counts == [2, 2, 2, 2] and bounds[0] == 0 and bounds[-1] == 10
     assert sizes(partition(layers, 2, "type:Block|Head")) in ([5, 5], [4, 6], [6, 4])
 
@@ -54,7 +54,7 @@ def test_explicit_counts_and_virtual_stages():
     assert partition(layers, 2, [5, 7]) == (0, 5, 12)
     bounds = partition(layers, 2, "type:Block", chunks=3)
     assert len(bounds) == 7
-    counts = [sum(layer.name == "TransformerBlock" for layer in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    counts = [sum(layer.name == "TransformerBlock" for layer in layers[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     assert sorted(counts) == [1, 1, 2, 2, 2, 2]
     # chunk 1 of stage 0 is virtual stage 2 (Megatron layout chunk * p + stage)
     assert stage_layers(bounds, stage=0, num_stages=2, chunk=1) == range(bounds[2], bounds[3])
@@ -92,7 +92,7 @@ def brute_force_bottleneck(weights, parts):
     best = None
     for cuts in itertools.combinations(range(1, len(weights)), parts - 1):
         bounds = (0,) + cuts + (len(weights),)
-        worst = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        worst = max(sum(weights[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
         best = worst if best is None else min(best, worst)
     return best
 
@@ -104,5 +104,5 @@ def test_balance_is_optimal(weights, parts, use_flops):
         return
     layers = [LayerInfo(f"L{i}", params=w, flops=w / 7) for i, w in enumerate(weights)]
     bounds = partition(layers, parts, "flops" if use_flops else "parameters")
-    assert bounds[0] == 0 and bounds[-1] == len(weights) and all(a < b for a, b in zip(bounds, bounds[1:]))
+    assert bounds[0] == 0 and bounds[-1] == len(weights) and all(a < b for a, b in zip(bounds[:-1], bounds[1:], strict=True))
     assert max(part_weights(layers, bounds)) == brute_force_bottleneck(weights, parts)

@@ -76,7 +76,7 @@ def _named(model, stage, n_blocks):
     """Gradients by layer index: tied embedding under 'embed'."""
     out = []
     for c, (lo, hi) in enumerate(model.layer_ranges):
-        for idx, mod in zip(range(lo, hi), model.local_chunks[c]):
+        for idx, mod in zip(range(lo, hi), model.local_chunks[c], strict=True):
             for pname, p in mod.named_parameters():
                 key = "embed" if isinstance(mod, Embed) else f"{idx}.{pname}"
                 out.append((key, p))

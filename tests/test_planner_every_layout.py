@@ -53,7 +53,7 @@ def layouts(draw):
     chunks = draw(st.integers(2, 3)) if schedule == "interleaved" else 1
     parts = pp * chunks
     cuts = sorted(draw(st.lists(st.integers(0, layers), min_size=parts - 1, max_size=parts - 1)))
-    split = tuple(b - a for a, b in zip([0] + cuts, cuts + [layers]))  # blocks per part, summing to the layers
+    split = tuple(b - a for a, b in zip([0] + cuts, cuts + [layers], strict=True))  # blocks per part, summing to the layers
     partition = draw(st.one_of(st.sampled_from(["uniform", "parameters", "flops", "type:Block", "type:Embed"]),
                                st.just(split),
                                st.lists(st.integers(0, 3), min_size=parts, max_size=parts).map(tuple)))

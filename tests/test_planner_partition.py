@@ -73,7 +73,7 @@ def test_planner_and_trainer_split_alike(ref, over, pp, chunks, partition):
                     schedule="interleaved" if chunks > 1 else "1f1b", zero=1)
     assert layout.problems(spec) == []
     planned = stages.pipeline_layers(spec, layout)
-    for st, chunk_layers in zip(facts.stages, planned):
+    for st, chunk_layers in zip(facts.stages, planned, strict=True):
         kinds = [kind for chunk in chunk_layers for kind, _ in chunk]
         assert (kinds.count("block"), "embedding" in kinds, "head" in kinds) == (st.layers, st.embedding, st.head)
     predict_memory(spec, layout, facts, device="cpu")  # raises unless each stage's parameters equal the facts'

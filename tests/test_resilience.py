@@ -108,7 +108,7 @@ def test_elastic_job_continues_on_the_remaining_node(corpus, tmp_path, uninterru
     got, want = _metrics(tmp_path / "run" / "metrics.jsonl"), uninterrupted[0]
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     loss_rtol, norm_rtol = TOLERANCES["fp32"][:2]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert abs(g["loss"] - w["loss"]) <= loss_rtol * abs(w["loss"]), (g, w)
         assert abs(g["grad_norm"] - w["grad_norm"]) <= norm_rtol * abs(w["grad_norm"]), (g, w)
     same = [{k: v for k, v in r.items() if k != "comm"} for r in got[:resumed[0]]]  # comm: two nodes here, one there

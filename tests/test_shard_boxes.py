@@ -20,7 +20,7 @@ from megazero.core.shard_boxes import flat_range_boxes, numel, slice_boxes
 
 
 def _index(box):
-    return tuple(slice(o, o + n) for o, n in zip(*box))
+    return tuple(slice(o, o + n) for o, n in zip(*box, strict=True))
 
 
 SHAPES = [(), (7,), (3, 5), (4, 3, 5), (2, 3, 2, 4), (1, 6, 1), (3, 0, 2)]
@@ -92,7 +92,7 @@ def test_legacy_flattened_expert_boxes_still_load():
     flat = logical.view(4, 15)
     legacy, nd, tensors = [], [], {}
     cuts = [0, 7, 22, 38, 41, 60]
-    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
         for pos, box in flat_range_boxes((4, 15), a, b):
             key = f"old/{i}/{pos}"
             tensors[key] = flat[_index(box)].clone()

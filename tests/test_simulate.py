@@ -147,7 +147,7 @@ def test_critical_path_spans_the_step(name, p, m, v):
     result = simulate(S.get_schedule(name, p, m, v), Costs(forward=1, backward_input=1.5, backward_weight=0.5, p2p=0.1))
     path = result.critical_path()
     assert path[0][1].start == 0 and path[-1][1].end == pytest.approx(result.makespan)
-    for (_, a), (_, b) in zip(path, path[1:]):
+    for (_, a), (_, b) in zip(path[:-1], path[1:], strict=True):
         assert b.start == pytest.approx(a.end)  # no gap: each waits for the previous one
 
 

@@ -291,7 +291,7 @@ def test_tp1_region_is_plain_linears_without_communication():
     called = []
     mods["k"].register_forward_hook(lambda mod, args, out: called.append(mod))
     ys = column_parallel_region(x, (mods["q"], mods["k"]))
-    assert all(torch.equal(y, torch.nn.functional.linear(x, mods[n].weight, mods[n].bias)) for y, n in zip(ys, "qk"))
+    assert all(torch.equal(y, torch.nn.functional.linear(x, mods[n].weight, mods[n].bias)) for y, n in zip(ys, "qk", strict=True))
     assert called == [mods["k"]] and g.stats.snapshot() == {}
     with torch.autocast("cpu", dtype=torch.bfloat16), store.defer():
         ys = column_parallel_region(x, (mods["q"], mods["k"]))

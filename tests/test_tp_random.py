@@ -69,7 +69,7 @@ def test_injected_masks_are_slices_of_the_logical_mask():
         assert set_dropout_mask_fn(shard, LogicalMaskFn(3, p)) == 1
     x = torch.randn(2, 4, 6, 6)
     ref = full(x)
-    got = torch.cat([d(c) for d, c in zip(shards, x.chunk(2, dim=1))], dim=1)
+    got = torch.cat([d(c) for d, c in zip(shards, x.chunk(2, dim=1), strict=True)], dim=1)
     assert torch.equal(got, ref)
     assert 0.1 < (ref == 0).float().mean().item() < 0.4
     again = full(x)  # the second call at a site draws a new mask

@@ -169,6 +169,7 @@ def assert_same_sequences(recorded: list[list]) -> None:
         first = seqs[group[0]]
         for r, seq in seqs.items():
             if seq != first:
+                # zip-unequal: the two sequences differ and may differ in length; the shorter one's end is the default
                 pos = next((i for i, (a, b) in enumerate(zip(first, seq)) if a != b), min(len(first), len(seq)))
                 mine = first[pos] if pos < len(first) else "(nothing)"
                 theirs = seq[pos] if pos < len(seq) else "(nothing)"
@@ -213,7 +214,7 @@ def test_mixtral_style_unused_experts(zero, expected):
     results = run_ranks(mixtral_worker, 2, zero, timeout=90)
     hits = [r[2] for r in results]
     # the data really leave an expert unused on one rank that the other rank uses (same forward)
-    differ = [(layer, i) for layer in range(2) for i, (a, b) in enumerate(zip(hits[0][layer], hits[1][layer]))
+    differ = [(layer, i) for layer in range(2) for i, (a, b) in enumerate(zip(hits[0][layer], hits[1][layer], strict=True))
               if a != b]
     assert differ and any(len(h) < E for layer in hits[0] + hits[1] for h in layer), hits
     assert_same_sequences([r[0] for r in results])

@@ -150,7 +150,7 @@ def test_the_layer_equals_deepspeeds_layer_at_ep1():
             layers.append(cls(M, expert, num_experts=4, k=k, min_capacity=2, use_residual=residual))
         ours, theirs = layers
         assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
-        for (n, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+        for (n, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
             assert torch.equal(p, q), n  # the same initial values: created in DeepSpeed's order
         results = []
         for layer in (ours, theirs):
@@ -159,9 +159,9 @@ def test_the_layer_equals_deepspeeds_layer_at_ep1():
             out, l_aux, counts = layer(xi)
             (out.square().sum() + l_aux).backward()
             results.append((out, l_aux, counts, xi.grad, [p.grad for p in layer.parameters()]))
-        for a, b in zip(results[0][:4], results[1][:4]):
+        for a, b in zip(results[0][:4], results[1][:4], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same operations in the same order: equal bits
-        for a, b in zip(results[0][4], results[1][4]):
+        for a, b in zip(results[0][4], results[1][4], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -300,7 +300,7 @@ def moe_script_reference(argv, dp):
         for loader in loaders:  # each rank's iter() draws its loader's base seed
             torch.set_rng_state(state)
             iters.append(iter(loader))
-        for batches in zip(*iters):
+        for batches in zip(*iters, strict=True):
             state, total = torch.get_rng_state(), 0.0
             opt.zero_grad()
             for x, y in batches:

@@ -115,7 +115,7 @@ def train(pp: int, dp: int, schedule: str, chunks: int, zero: int, declare: bool
     params = {}
     if engine.pctx.dp_rank == 0:
         with optimizer.full_parameters():
-            for (lo, _), chunk in zip(module.layer_ranges, module.local_chunks):
+            for (lo, _), chunk in zip(module.layer_ranges, module.local_chunks, strict=True):
                 for j, layer in enumerate(chunk):
                     for name, p in layer.named_parameters():
                         params[f"{lo + j}.{name}"] = p.detach().clone()
@@ -136,12 +136,12 @@ def serial(tuples: bool = False):
 def assert_like_serial(results, ref_losses, ref_params):
     params = {}
     for losses, mine, _ in results:
-        for a, b in zip(losses, ref_losses):
+        for a, b in zip(losses, ref_losses, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
         params.update(mine)
     assert set(params) == set(ref_params)
     worst = max((params[k] - ref_params[k]).abs().max().item() for k in params)
-    rel = max(abs(a - b) / abs(b) for losses, _, _ in results for a, b in zip(losses, ref_losses))
+    rel = max(abs(a - b) / abs(b) for losses, _, _ in results for a, b in zip(losses, ref_losses, strict=True))
     print(f"losses within {rel:.1e} relative, final parameters within {worst:.1e}")
     assert worst <= 1e-5, worst
 

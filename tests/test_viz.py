@@ -102,7 +102,7 @@ def test_svg_shows_the_simulated_blocks_and_bubbles(name, p, m, v, costs):
     stats = [t for t in root.iter(f"{NS}text") if t.get("class") == "stage-stats"]
     assert [float(t.get("data-bubble")) for t in stats] == [i / result.makespan for i in result.idle]
     assert [t.text for t in stats] == [f"bubble {i / result.makespan:.1%}, peak in flight {k}"
-                                       for i, k in zip(result.idle, result.peak_inflight)]
+                                       for i, k in zip(result.idle, result.peak_inflight, strict=True)]
     titles = root.findall(f".//{NS}rect[@class='block']/{NS}title")
     assert len(titles) == len(data["blocks"]) and all("micro-batch" in t.text for t in titles)
     transfers = [r for r in root.iter(f"{NS}rect") if r.get("class") == "transfer"]

@@ -92,7 +92,7 @@ def test_measured_step_is_the_traced_spans_on_one_axis(name, p, m, v, tmp_path):
     assert _blocks(got) == _blocks(want) and _transfers(got) == _transfers(want)
     assert got.makespan == pytest.approx(result.makespan, abs=1e-6)
     assert got.bubble == pytest.approx(result.bubble_fraction, abs=1e-9)
-    for a, b in zip(got.stages, want.stages):
+    for a, b in zip(got.stages, want.stages, strict=True):
         assert (a.busy, a.idle, a.bubble) == pytest.approx((b.busy, b.idle, b.bubble), abs=1e-6)
         assert (a.peak_inflight, a.peak_unfinished) == (b.peak_inflight, b.peak_unfinished)
     assert got.source == "measured" and got.unit == "ms"
@@ -159,7 +159,7 @@ def test_measured_peak_bytes_come_from_the_traces(tmp_path):
     svg = ET.fromstring(render_svg(timeline).split("\n", 1)[1])
     stats = [t.text for t in svg.iter(f"{NS}text") if t.get("class") == "stage-stats"]
     assert stats == [f"bubble {s.bubble:.1%}, peak in flight {k} ({mib} MiB)"
-                     for s, k, mib in zip(timeline.stages, (2, 1), (3, 1))]
+                     for s, k, mib in zip(timeline.stages, (2, 1), (3, 1), strict=True)]
 
 
 def _config(*overrides, world=1024):

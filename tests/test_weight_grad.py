@@ -68,7 +68,7 @@ def test_defer_linears_routes_plain_nn_linear_and_leaves_the_rest_alone():
     WeightGradStore.add_into(entries[0], slot)
     torch.testing.assert_close(slot, ref[3] + 1)
     again = torch.autograd.grad(model(x).sum(), params)  # not deferring: every gradient at once
-    for a, b in zip(again, ref):
+    for a, b in zip(again, ref, strict=True):
         torch.testing.assert_close(a, b)
 
 

@@ -52,7 +52,7 @@ def reference(spec, clip=0.0, steps=STEPS):
         x, y = batch(s)
         opt.zero_grad()
         total = 0.0
-        for xm, ym in zip(x.chunk(GAS), y.chunk(GAS)):
+        for xm, ym in zip(x.chunk(GAS), y.chunk(GAS), strict=True):
             loss = torch.nn.functional.mse_loss(model(xm), ym) / GAS
             loss.backward()
             total += loss.item()
@@ -74,7 +74,7 @@ def zero_worker(stage, spec, steps=STEPS, clip=0.0, **kw):
         x, y = batch(s)
         xs, ys = x.chunk(n)[r], y.chunk(n)[r]
         total = torch.zeros(1)
-        for i, (xm, ym) in enumerate(zip(xs.chunk(GAS), ys.chunk(GAS))):
+        for i, (xm, ym) in enumerate(zip(xs.chunk(GAS), ys.chunk(GAS), strict=True)):
             opt.set_last_microbatch(i == GAS - 1)
             loss = torch.nn.functional.mse_loss(model(xm), ym) / GAS
             opt.scale_loss(loss).backward()
@@ -92,11 +92,11 @@ def zero_worker(stage, spec, steps=STEPS, clip=0.0, **kw):
 def _close(res, ref):
     losses, norms, params = res
     ref_losses, ref_norms, ref_params = ref
-    for a, b in zip(losses, ref_losses):
+    for a, b in zip(losses, ref_losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
-    for a, b in zip(norms, ref_norms):
+    for a, b in zip(norms, ref_norms, strict=True):
         assert abs(a - b) <= 1e-6 * abs(b), (norms, ref_norms)
-    for a, b in zip(params, ref_params):
+    for a, b in zip(params, ref_params, strict=True):
         assert (a - b).abs().max().item() <= 1e-5
 
 
@@ -164,7 +164,7 @@ def test_grad_norm_is_accurate_whatever_the_range_lengths():
     grads = [torch.randn(n) * 1e-3 + 2e-3 for n in sizes]
     exact = math.sqrt(sum(g.double().square().sum().item() for g in grads))
     opt = ZeroOptimizer(params, ParallelContext(Topology()), stage=0, spec=OptimizerSpec("sgd", lr=0.0))
-    sum((p * g).sum() for p, g in zip(params, grads)).backward()  # d/dp = g
+    sum((p * g).sum() for p, g in zip(params, grads, strict=True)).backward()  # d/dp = g
     opt.after_backward()
     opt.reduce_grads()
     assert abs(opt.global_grad_norm() - exact) / exact < 1e-12
@@ -183,7 +183,7 @@ def test_grad_norm_of_one_gradient_cut_into_different_ranges(sizes, bucket):
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
     opt = ZeroOptimizer(params, ParallelContext(Topology()), stage=0, spec=OptimizerSpec("sgd", lr=0.0),
                         reduce_bucket_size=bucket)
-    sum((p * g).sum() for p, g in zip(params, grads)).backward()  # d/dp = g
+    sum((p * g).sum() for p, g in zip(params, grads, strict=True)).backward()  # d/dp = g
     opt.after_backward()
     opt.reduce_grads()
     assert abs(opt.global_grad_norm() - exact) / exact < 1e-12

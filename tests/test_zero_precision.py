@@ -38,7 +38,7 @@ def train(stage, dtype, steps, scaler=None, inject_step=None, inject_rank=1):
         info = opt.step()
         changed = None
         if before is not None and stage < 3:
-            changed = any(not torch.equal(b, p.detach().float()) for b, p in zip(before, model.parameters()))
+            changed = any(not torch.equal(b, p.detach().float()) for b, p in zip(before, model.parameters(), strict=True))
         t = loss.detach().reshape(1).clone()
         dist.all_reduce(t)
         out.append((t.item() / n, info["skipped"], info["loss_scale"], changed))
@@ -53,7 +53,7 @@ def test_low_precision_tracks_fp32(dtype, stage):
     ref = [r[0] for r in run_ranks(train, 2, stage, torch.float32, 50, timeout=120)[0]]
     low = run_ranks(train, 2, stage, dtype, 50, scaler, timeout=120)[0]
     assert not any(r[1] for r in low)  # no skipped step
-    for a, b in zip([r[0] for r in low], ref):
+    for a, b in zip([r[0] for r in low], ref, strict=True):
         assert abs(a - b) <= 0.03 * abs(b)
     tail_low, tail_ref = sum(r[0] for r in low[-10:]) / 10, sum(ref[-10:]) / 10
     assert abs(tail_low - tail_ref) <= 0.01 * tail_ref
@@ -82,7 +82,7 @@ def volume_worker(stage, gas):
     x, y = batch(0)
     x, y = x.chunk(pctx.dp_size)[pctx.dp_rank], y.chunk(pctx.dp_size)[pctx.dp_rank]
     pctx.stats.reset()
-    for xm, ym in zip(x.chunk(gas), y.chunk(gas)):
+    for xm, ym in zip(x.chunk(gas), y.chunk(gas), strict=True):
         torch.nn.functional.mse_loss(model(xm), ym).backward()
         opt.after_backward()
     opt.step()

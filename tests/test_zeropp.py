@@ -226,7 +226,7 @@ def _gathered_under_qwz(modify: bool):
     p = next(iter(engine.module.parameters()))
     with GatheredParameters([p], modifier_rank=0 if modify else None):
         pass  # nothing written: every master must stay as it was, bit for bit
-    return all(torch.equal(a, m) for a, m in zip(masters, (m for group in optimizer.groups for m in group.master)))
+    return all(torch.equal(a, m) for a, m in zip(masters, (m for group in optimizer.groups for m in group.master), strict=True))
 
 
 def test_views_under_qwz_write_back_the_exact_weights():

@@ -66,7 +66,7 @@ def main(argv=None):
         inputs, labels = global_batch(step, model_engine.train_batch_size())
         mine = slice(rank * micro * gas, (rank + 1) * micro * gas)
         total = 0.0
-        for x, y in zip(inputs[mine].split(micro), labels[mine].split(micro)):
+        for x, y in zip(inputs[mine].split(micro), labels[mine].split(micro), strict=True):
             outputs = model_engine(x.to(model_engine.device))
             loss = criterion(outputs, y.to(model_engine.device))
             model_engine.backward(loss)
