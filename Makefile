@@ -1,5 +1,5 @@
 # The two commands a new user needs: `make demo` and `make test`.
-# Both create .venv with the pinned CPU torch wheel and install megazero into it.
+# Both create .venv, install torch==2.13.0 from PyPI (the platform's default wheel) and megazero with its extras.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

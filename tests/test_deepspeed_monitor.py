@@ -37,6 +37,7 @@ def _module_worker(out_dir, stage):
             engine.step()
             total += loss.item()
         means.append(total / 2)
+    engine.monitor.write_events([("Custom/value", 1.5, 7)])  # a user's own event, as DeepSpeed's engine.monitor takes it
     summary = deepspeed.comm.log_summary(return_dict=True)
     deepspeed.comm.configure(enabled=False)
     deepspeed.comm.comms_logger().engine_stats.clear()
@@ -56,6 +57,7 @@ def test_the_module_engine_writes_deepspeeds_events(stage, tmp_path):
     # rank 0's mean loss of each step, at the global samples before it (DeepSpeed's backward writes it): 0, 8, 16
     assert [int(r[0]) for r in rows[1:]] == [0, 8, 16]
     assert [float(r[1]) for r in rows[1:]] == pytest.approx(got[0]["means"], rel=1e-6)
+    assert _read_csv(tmp_path / "csvjob" / "Custom_value.csv") == [["step", "value"], ["7", "1.5"]]  # rank 0 only
     lrs = _read_csv(tmp_path / "csvjob" / "Train_Samples_lr.csv")
     assert [int(r[0]) for r in lrs[1:]] == [8, 16, 24] and float(lrs[-1][1]) == pytest.approx(got[0]["lr"])
     assert not os.path.exists(tmp_path / "csvjob" / "Train_Samples_loss_scale.csv")  # fp32: no loss scale

@@ -1,4 +1,4 @@
-"""Runs that survive their cluster (README "Running for weeks"), on real failures: a rank process SIGKILLed
+"""Runs that survive their cluster (docs/running-for-weeks.md), on real failures: a rank process SIGKILLed
 under torchrun, whose agent restarts the job by itself.
 
 Covers: a 2x2x2 run with asynchronous saves every 5 steps under ``torchrun --max-restarts=2`` loses a
