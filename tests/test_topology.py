@@ -102,3 +102,24 @@ def test_grid_properties(sizes):
     emb = t.embedding_groups()
     assert len(emb) == n // pp and all(len(g) == min(pp, 2) for g in emb)
     assert math.prod(t.size(a) for a in t.order) == n
+
+
+def test_any_axis_names_lay_out_row_major():
+    """DeepSpeed's ProcessTopology(["x", "y", "z"], [2, 3, 4]) is a Topology of those names: the last axis
+    varies fastest, and every query answers for the names given."""
+    t = Topology.of(["x", "y", "z"], [2, 3, 4])
+    assert t.order == ("x", "y", "z") and t.world_size == 24 and t.size("y") == 3
+    assert t.position(5) == {"x": 0, "y": 1, "z": 1}
+    assert t.rank(x=1, y=2, z=3) == 23
+    assert t.axis_groups("y")[:2] == [[0, 4, 8], [1, 5, 9]]
+    assert t.matching(y=1) == [4, 5, 6, 7, 16, 17, 18, 19] and t.matching(x=1, y=0, z=2) == [14]
+    assert t.matching() == list(range(24))
+    assert Topology(order=("x", "tp"), x=2, tp=2) == Topology.of(["x", "tp"], [2, 2])
+    with pytest.raises(ValueError, match="position"):
+        t.coords(0)  # Coord has the known axes only
+    with pytest.raises(ValueError, match="'w'"):
+        t.size("w")
+    with pytest.raises(ValueError, match="one size per axis"):
+        Topology.of(["x", "y"], [2])
+    ds = Topology.of(["pipe", "data", "model"], [2, 3, 2])
+    assert ds.renamed({"pipe": "pp", "data": "dp", "model": "tp"}) == Topology(pp=2, dp=3, tp=2)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 KNOWN_AXES = ("pp", "dp", "ep", "cp", "tp")
 """Every axis megazero knows, outermost first: the default order keeps this relative order."""
@@ -32,30 +32,51 @@ class Coord(NamedTuple):
 
 
 class Topology:
-    """An immutable grid of ranks over named axes.
+    """An immutable grid of ranks over named axes, row-major: the last axis of `order` varies fastest.
 
     Args:
         order: axis names outermost to innermost. Defaults to ``("pp", "dp", "tp")`` with any
             extra axis (``ep``, ``cp``) inserted in the position `KNOWN_AXES` gives it.
-        **sizes: the size of each axis, e.g. ``pp=2, dp=4, tp=8``. Axes not given have size 1.
+        **sizes: the size of each axis, e.g. ``pp=2, dp=4, tp=8``. Axes of `KNOWN_AXES` not given have
+            size 1. Any other name is an axis too when `order` places it and its size is given (DeepSpeed's
+            ``ProcessTopology(["x", "y"], [2, 3])`` is ``Topology.of(["x", "y"], [2, 3])``); megazero's own
+            layers use the known axes only.
     """
 
     def __init__(self, order: Iterable[str] | None = None, **sizes: int) -> None:
+        self._build(None if order is None else tuple(order), sizes)
+
+    @classmethod
+    def of(cls, axes: Sequence[str], dims: Sequence[int]) -> "Topology":
+        """The grid of `axes` (any names, outermost first) with sizes `dims`, one per axis."""
+        axes, dims = tuple(axes), tuple(dims)
+        if len(axes) != len(dims):
+            raise ValueError(f"Topology.of(axes={list(axes)}, dims={list(dims)}): give one size per axis")
+        t = cls.__new__(cls)
+        t._build(axes, dict(zip(axes, dims, strict=True)))
+        return t
+
+    def _build(self, order: tuple[str, ...] | None, sizes: dict) -> None:
         for name, size in sizes.items():
-            if name not in KNOWN_AXES:
-                raise ValueError(f"unknown axis {name!r}; valid axes are {', '.join(KNOWN_AXES)}")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"axis name {name!r} must be a non-empty string")
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"axis size {name}={size!r} must be a positive integer")
         if order is None:
+            unknown = [a for a in sizes if a not in KNOWN_AXES]
+            if unknown:
+                raise ValueError(f"unknown axis {unknown[0]!r}; the default order lays out {', '.join(KNOWN_AXES)}: "
+                                 f"give order=(...) to place another axis")
             used = [a for a in KNOWN_AXES if a in sizes or a in ("pp", "dp", "tp")]
         else:
             used = list(order)
-            unknown = [a for a in used if a not in KNOWN_AXES]
-            if unknown:
-                raise ValueError(f"order names unknown axis {unknown[0]!r}; valid axes are {', '.join(KNOWN_AXES)}")
             if len(set(used)) != len(used):
                 raise ValueError(f"order {tuple(used)} repeats an axis")
-            missing = [a for a, n in sizes.items() if a not in used and n > 1]
+            unsized = [a for a in used if a not in KNOWN_AXES and a not in sizes]
+            if unsized:
+                raise ValueError(f"order names axis {unsized[0]!r} without a size; axes other than "
+                                 f"{', '.join(KNOWN_AXES)} need their size given")
+            missing = [a for a, n in sizes.items() if a not in used and (n > 1 or a not in KNOWN_AXES)]
             if missing:
                 raise ValueError(f"axis {missing[0]!r} has a size but is not in order {tuple(used)}")
         self._order: tuple[str, ...] = tuple(used)
@@ -79,9 +100,11 @@ class Topology:
 
     def size(self, axis: str) -> int:
         """Size of `axis` (1 for a known axis that this grid does not use)."""
+        if axis in self._sizes:
+            return self._sizes[axis]
         if axis not in KNOWN_AXES:
-            raise ValueError(f"unknown axis {axis!r}; valid axes are {', '.join(KNOWN_AXES)}")
-        return self._sizes.get(axis, 1)
+            raise ValueError(f"unknown axis {axis!r}; valid axes are {', '.join(dict.fromkeys(KNOWN_AXES + self._order))}")
+        return 1
 
     @property
     def pp(self) -> int:
@@ -105,18 +128,30 @@ class Topology:
     def __hash__(self) -> int:
         return hash((self._order, tuple(self._sizes.items())))
 
+    def renamed(self, names: dict[str, str]) -> "Topology":
+        """The same layout with axis ``a`` called ``names.get(a, a)`` (every rank keeps its coordinates)."""
+        axes = [names.get(a, a) for a in self._order]
+        return Topology.of(axes, [self._sizes[a] for a in self._order])
+
     # -- rank <-> coordinates ------------------------------------------------------------
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self._world:
             raise ValueError(f"rank {rank} is outside the grid of {self._world} ranks")
 
-    def coords(self, rank: int) -> Coord:
-        """Coordinates of global `rank` on every known axis."""
+    def position(self, rank: int) -> dict[str, int]:
+        """Coordinates of global `rank` on this grid's axes, in `order` (any axis names)."""
         self._check_rank(rank)
-        c = {a: (rank // self._strides[a]) % self._sizes[a] for a in self._order}
+        return {a: (rank // self._strides[a]) % self._sizes[a] for a in self._order}
+
+    def coords(self, rank: int) -> Coord:
+        """Coordinates of global `rank` on every known axis (a grid of other axes: use `position`)."""
+        c = self.position(rank)
+        other = [a for a in self._order if a not in KNOWN_AXES]
+        if other:
+            raise ValueError(f"coords: axis {other[0]!r} is not one of {', '.join(KNOWN_AXES)}; use position(rank)")
         return Coord(**{a: c.get(a, 0) for a in KNOWN_AXES})
 
-    def rank(self, **coords: int) -> int:
+    def rank(self, /, **coords: int) -> int:
         """Global rank at the given coordinates (axes not named are 0)."""
         r = 0
         for axis, value in coords.items():
@@ -126,6 +161,10 @@ class Topology:
             if axis in self._strides:
                 r += value * self._strides[axis]
         return r
+
+    def matching(self, /, **fixed: int) -> list[int]:
+        """The ranks whose coordinates are `fixed` on the axes named (any value on the others), ascending."""
+        return self.group_of(self.rank(**fixed), *[a for a in self._order if a not in fixed])
 
     # -- groups ----------------------------------------------------------------------------
     def axis_groups(self, *axes: str) -> list[list[int]]:
@@ -153,7 +192,7 @@ class Topology:
 
     def group_of(self, rank: int, *axes: str) -> list[int]:
         """The ranks of the group over `axes` that contains `rank`."""
-        c = self.coords(rank)._asdict()
+        c = self.position(rank)
         fixed = {a: c[a] for a in self._order if a not in axes}
         inner = [a for a in self._order if a in axes]
         members = [
@@ -187,13 +226,13 @@ class Topology:
         cp peers (which route other tokens of the same sequences to the same experts), over which expert
         gradients are reduced. ``Topology(dp=2, cp=2).expert_data_cp_groups(2) == [[0, 1], [2, 3]]``."""
         self._dp_runs(ep)  # validates ep
-        return [sorted(r for r in g if self.coords(r).dp % ep == j)
+        return [sorted(r for r in g if self.position(r).get("dp", 0) % ep == j)
                 for g in self.axis_groups("dp", "cp") for j in range(ep)]
 
     def _dp_runs(self, ep: int) -> list[list[int]]:
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or self.dp % ep:
             raise ValueError(f"parallel.ep={ep!r} must be a positive integer dividing dp={self.dp}")
-        return [sorted(g, key=lambda r: self.coords(r).dp) for g in self.axis_groups("dp")]
+        return [sorted(g, key=lambda r: self.position(r).get("dp", 0)) for g in self.axis_groups("dp")]
 
     def embedding_groups(self) -> list[list[int]]:
         """For tied input/output embeddings: the first and last pipeline stage's ranks that share
@@ -208,10 +247,11 @@ class Topology:
 
         With ``wrap=True`` the last stage's next is stage 0 and vice versa (interleaved schedules).
         """
-        c = self.coords(rank)
+        c = self.position(rank)
         pp = self.pp
-        others = {a: getattr(c, a) for a in self._order if a != "pp"}
-        prev_stage, next_stage = c.pp - 1, c.pp + 1
+        others = {a: c[a] for a in self._order if a != "pp"}
+        stage = c.get("pp", 0)
+        prev_stage, next_stage = stage - 1, stage + 1
         if wrap:
             prev_stage, next_stage = prev_stage % pp, next_stage % pp
         prev = self.rank(pp=prev_stage, **others) if 0 <= prev_stage < pp else None
