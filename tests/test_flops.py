@@ -234,6 +234,24 @@ def test_the_planners_timed_gemms_are_core_flops(spec, tp, impl):
     assert per_token(head_b["embedding_head"] + head_w["embedding_head"]) == 2 * flops.head_forward(spec)
 
 
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
+@pytest.mark.parametrize("cp,tp", [(2, 1), (2, 2), (4, 1)])
+def test_the_planners_context_parallel_cores_are_core_flops(method, cp, tp):
+    """With context parallelism each rank's weight GEMMs are over its s/cp tokens; Ulysses' SDPA does the
+    causal half of the square on a/(t·cp) heads; the ring's plain-PyTorch chunk pairs (a GPU) compute the
+    two diagonal pairs of each rank whole (the mask saves no work): 2·cp + 1 pairs where the causal half
+    is 2·cp, of c x c = (s/(2·cp))² each."""
+    layout = Layout(tp=tp, pp=1, dp=1, cp=cp, cp_method=method, micro_batch=2, global_batch=2, zero=0)
+    mc = CountingMachine(A100, DEFAULT_EFFICIENCY, layout)
+    cost = block_cost(LLAMA_SMALL, layout, mc, MEGAZERO)
+    tokens = layout.micro_batch * LLAMA_SMALL.seq_len // cp
+    want = flops.block_forward(LLAMA_SMALL, "causal")
+    extra = 1.0 if method == "ulysses" else (2 * cp + 1) / (2 * cp)
+    # rel 1e-12: the same products summed in another order (float64)
+    assert cost.fwd["gemm"] * tp / tokens == pytest.approx(want.weight_gemms, rel=1e-12)
+    assert cost.fwd["attention"] * tp / tokens == pytest.approx(extra * want.core, rel=1e-12)
+
+
 # -- the trainer's MFU and the planner's read the same FLOPs --------------------------------------------------
 
 SCALE = 1.5
