@@ -347,3 +347,21 @@ def test_a_history_sentence_is_caught(tmp_path):
                    "unlike the earlier matrix. Refused for now. `now` in code is fine.\n")
     assert history_sentences(doc) == ["issue 12", "was once", "before this", "stage 3 used to", "now",
                                       "the earlier matrix"]
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but hyphens dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_link_between_documents_resolves(doc):
+    """A relative link names a file of the repository, and its #anchor a heading of that file."""
+    broken = []
+    for target, frag in re.findall(r"\]\(((?!https?:)[^)#\s]*)(?:#([\w-]+))?\)", prose_of(doc)):
+        path = (doc.parent / target) if target else doc
+        if not path.exists():
+            broken.append(f"{target}: no such file")
+        elif frag and frag not in {anchor(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), re.M)}:
+            broken.append(f"{target}#{frag}: no such heading")
+    assert broken == []
