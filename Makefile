@@ -30,7 +30,7 @@ $(DEMO_DATA).idx: $(STAMP)
 demo: $(STAMP) $(DEMO_DATA).idx
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m megazero.run.train configs/demo.yaml $(ARGS)
 
-# The README's schedule pictures, drawn by the tool (the measured two from the last `make demo`), and 1-bit Adam's curves.
+# The schedule pictures of docs/schedule-pictures.md, drawn by the tool (the measured two from the last `make demo`), and 1-bit Adam's curves.
 pictures: $(STAMP)
 	mkdir -p docs/images
 	$(PY) -m megazero.viz --schedule zb-h1 -p 4 -m 8 --costs 1,1,1,0.1 --out docs/images/planned-zb-h1.svg

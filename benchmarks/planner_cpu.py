@@ -21,7 +21,7 @@ R rounds (default 5), each:
 
 A layout's measured step is the median over the rounds (the spread: the rounds' min-max), its predicted step
 the median of the rounds' predictions; error = predicted / measured - 1. Writes OUT.json (the hardware files,
-every layout's measured and predicted figures) and OUT.md (the table the README shows). Nothing here asserts on
+every layout's measured and predicted figures) and OUT.md (the table docs/planning.md shows). Nothing here asserts on
 wall-clock times.
 """
 from __future__ import annotations
@@ -176,7 +176,7 @@ def predict(config: dict, world: int, hardware_path: Path) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The README's table of `rows` (main's layouts)."""
+    """The table of `rows` (main's layouts) that docs/planning.md shows."""
     lines = ["| layout | ranks | measured step (s, median of rounds; min-max) | CPU s per rank | predicted (min-max) "
              "| error | measured peak (MB, the stage furthest off) | predicted | error |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -1,5 +1,5 @@
 """The planner against every published run it is validated on (`megazero.planner.validation.POINTS`, none
-fitted) and the Table-1 rows (the five it is fitted on, the five larger ones predicted): the README's
+fitted) and the Table-1 rows (the five it is fitted on, the five larger ones predicted): docs/planning.md's
 validation table.
 
     python benchmarks/planner_published.py [--json OUT.json]

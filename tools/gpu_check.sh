@@ -3,7 +3,7 @@
 # within BUDGET = 480 s (+10 s), each stage under its own timeout, cut to what is left of the budget).
 # Each stage is `benchmarks/gpu_check.py --stage NAME` and writes $OUT/NAME.json as it goes (also on
 # failure: "error", "traceback"); a failed or timed-out stage is recorded in its JSON and the next stage runs.
-# What each stage measures: benchmarks/gpu_check.py's docstring and README ("The GPU check").
+# What each stage measures: benchmarks/gpu_check.py's docstring and docs/benchmarks.md ("The GPU check").
 #   env      (<= 140 s) torch/CUDA/device, megazero's requirements, the NCCL environment; the kernels built
 #            for this GPU's arch (MEGAZERO_KERNELS=strict), the build's time, its cache key and gencode
 #   kernels  (<= 75 s) the gpu-marked kernel tests and the CUDA-only tests, pass/fail per test
