@@ -14,12 +14,14 @@ created (`load_run_config`); `initialize_from_config` takes it from there. Pipel
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 from torch import nn
 
 from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve, topology_of
 from megazero.core.config.loading import read_file, read_tree
+from megazero.core.launch_env import read_launch_env
 from megazero.compat.dist_api import comms_logger
 from megazero.compat.dist_api import configure as configure_comms_logger
 from megazero.compat.monitor import MonitorMaster, check_installed
@@ -33,8 +35,9 @@ from megazero.engine.pipeline_engine import PipelineEngine
 from megazero.engine.silent_check import SilentCheck
 from megazero.moe.user_layer import MoE
 from megazero.pipeline.pipeline_module import PipelineModule
-from megazero.run.launch import detect, init_distributed, local_device, nccl_environment
 from megazero.runtime import comm
+from megazero.runtime.device import compute_device
+from megazero.runtime.launch import init_distributed, nccl_environment
 from megazero.runtime.parallel_context import ParallelContext
 
 __all__ = ["initialize", "initialize_from_config", "load_run_config", "data_iterator", "PipelineEngine", "ModuleEngine"]
@@ -45,7 +48,7 @@ def load_run_config(config, overrides=(), world_size: int | None = None) -> Conf
     refusing features not supported yet, with its model spec and schedule checked
     (`check_model_and_schedule`). Needs no process group (the world size comes from the launcher's
     environment unless given)."""
-    world = world_size if world_size is not None else detect()[1]
+    world = world_size if world_size is not None else read_launch_env(os.environ).world_size
     if isinstance(config, Config):
         if overrides:
             raise ConfigError(f"overrides {list(overrides)}: a Config is used as it is; apply key=value overrides "
@@ -185,10 +188,12 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
         raise ConfigError("log.flops_profiler.enabled (DeepSpeed: flops_profiler.enabled): the profiler counts one "
                           "module's forward, which a pipeline splits over its stages' instructions; it runs with "
                           "a plain nn.Module (use log.peak_tflops for the trainer's MFU)")
+    env = read_launch_env(os.environ)
     if device is None:  # the dry run (device meta) computes nothing: no kernel to build
-        nccl_environment(cfg.comm.backend)  # before the kernels' load may create the CUDA context
-        load_kernels(cfg, model, local_device(cfg.comm.backend))
-    info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
+        here = compute_device(env, cfg.comm.backend)
+        nccl_environment(cfg.comm.backend, here)  # before the kernels' load may create the CUDA context
+        load_kernels(cfg, model, here, env.rank)
+    info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend, env)
     if device is not None:
         info = dataclasses.replace(info, device=torch.device(device))
     pctx = ParallelContext(topology, timeout_s=cfg.comm.timeout_s, ep=cfg.parallel.ep,
@@ -271,7 +276,7 @@ def _check_hpz_in_a_node(cfg: Config, topology: Topology) -> None:
     k = cfg.zero.hpz_partition_size
     if k <= 1:
         return
-    per_node = cfg.parallel.ranks_per_node or detect()[3]
+    per_node = cfg.parallel.ranks_per_node or read_launch_env(os.environ).local_world_size
     for run in topology.data_parallel_runs(k):
         if len({r // per_node for r in run}) > 1:
             stride = run[1] - run[0]  # consecutive dp ranks this far apart (tp, or pp x tp in another order)
