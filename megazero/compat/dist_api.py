@@ -125,7 +125,7 @@ def _timed(name: str, payload: str | None):
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500, verbose=True,
                      timeout=timedelta(minutes=30), init_method=None, dist_init_required=None, config=None,
                      rank=-1, world_size=-1) -> None:
-    """DeepSpeed's `init_distributed` (also `megazero.init_distributed`): the default process group from
+    """DeepSpeed's `init_distributed` (also `megazero.init_distributed`): the default process group from the
     launcher's environment (torchrun, Slurm, mpirun or DeepSpeed's launcher: `read_launch_env`), on
     `dist_backend` (None: nccl on GPUs, gloo otherwise).
     `timeout` is a timedelta or seconds. MPI discovery, ports, init methods and explicit ranks are the
