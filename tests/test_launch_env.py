@@ -11,6 +11,7 @@ imports).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import pathlib
@@ -190,6 +191,7 @@ def test_torchruns_agent_facts_are_read():
     assert (got.elastic_run_id, got.agent_store) == ("job7", True)
     assert (read_launch_env(deepspeed_env(0)).elastic_run_id, read_launch_env({}).agent_store) == (None, False)
     assert read_launch_env({}) == LaunchEnv()
+    assert dataclasses.replace(read_launch_env({"LOCAL_RANK": "0"}), launcher="none") == LaunchEnv()
 
 
 def test_get_local_rank_works_under_slurm(monkeypatch):
@@ -216,6 +218,7 @@ def test_get_local_rank_works_under_slurm(monkeypatch):
     ({"RANK": "8", "WORLD_SIZE": "8"}, ["RANK=8", "WORLD_SIZE=8"]),
     ({"WORLD_SIZE": "4"}, ["WORLD_SIZE=4", "RANK is not set"]),
     ({"RANK": "1"}, ["RANK=1", "WORLD_SIZE is not set"]),
+    ({"LOCAL_RANK": "1"}, ["LOCAL_RANK=1", "all on one"]),
     ({**torchrun_env(4), "LOCAL_RANK": "4"}, ["LOCAL_RANK=4", "LOCAL_WORLD_SIZE=4"]),
     ({**torchrun_env(4), "LOCAL_WORLD_SIZE": "16"}, ["LOCAL_WORLD_SIZE=16", "WORLD_SIZE=8"]),
     ({**torchrun_env(4), "GROUP_RANK": "2"}, ["GROUP_RANK=2", "GROUP_WORLD_SIZE=2"]),
@@ -229,6 +232,7 @@ def test_get_local_rank_works_under_slurm(monkeypatch):
     ({**{k: v for k, v in slurm_env(1).items() if not k.endswith("_TASKS_PER_NODE")}, "SLURM_NODEID": "2"},
      ["SLURM_NODEID=2", "SLURM_STEP_NUM_NODES=2"]),
     ({"SLURM_PROCID": "0"}, ["SLURM_PROCID", "SLURM_NTASKS"]),
+    ({k: v for k, v in slurm_env(1).items() if k != "SLURM_LOCALID"}, ["SLURM_PROCID", "SLURM_LOCALID"]),
     ({**slurm_env(1), "SLURM_PROCID": "9"}, ["SLURM_PROCID=9", "SLURM_STEP_NUM_TASKS=8"]),
     ({k: v for k, v in openmpi_env(1).items() if k != "OMPI_COMM_WORLD_LOCAL_SIZE"}, ["OMPI_COMM_WORLD_LOCAL_SIZE"]),
     ({**openmpi_env(1), "OMPI_COMM_WORLD_LOCAL_RANK": "5"}, ["OMPI_COMM_WORLD_LOCAL_RANK=5",

@@ -75,14 +75,19 @@ class LaunchEnv:
 
 @dataclass
 class _Field:
-    """One value read and the variable it came from (for error messages)."""
+    """One value and where it came from, for error messages: the variable that set it, or (`derived`) why
+    it was taken without one."""
 
     value: int | None = None
     source: str = ""
+    derived: bool = False
 
-    def set(self, value: int | None, source: str) -> None:
+    def set(self, value: int | None, source: str, derived: bool = False) -> None:
         if self.value is None and value is not None:
-            self.value, self.source = value, source
+            self.value, self.source, self.derived = value, source, derived
+
+    def __str__(self) -> str:
+        return f"{self.value} ({self.source})" if self.derived else f"{self.source}={self.value}"
 
 
 def _present(environ: Mapping[str, str], name: str) -> bool:
@@ -150,12 +155,15 @@ def _env_url(environ: Mapping[str, str]) -> _Read:
     _first(environ, r.local_world, ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"), minimum=1)
     _first(environ, r.node, ("GROUP_RANK", "CROSS_RANK"))
     _first(environ, r.nodes, ("GROUP_WORLD_SIZE", "CROSS_SIZE"), minimum=1)
-    if r.rank.value is None:
-        if r.world.value is not None and r.world.value > 1:
+    if r.rank.value is None and r.world.value is None:  # LOCAL_RANK alone: a single process
+        r.rank.set(0, "RANK unset", derived=True)
+        r.world.set(1, "WORLD_SIZE unset", derived=True)
+    elif r.rank.value is None:
+        if r.world.value > 1:
             raise LaunchEnvError(f"WORLD_SIZE={r.world.value} but RANK is not set: a launcher sets both (torchrun, "
                                  f"deepspeed); set RANK to this process's rank, 0 to WORLD_SIZE - 1")
-        r.rank.set(0, "RANK (unset)")
-    if r.world.value is None:
+        r.rank.set(0, "RANK unset", derived=True)
+    elif r.world.value is None:
         raise LaunchEnvError(f"RANK={r.rank.value} but WORLD_SIZE is not set: a launcher sets both (torchrun, "
                              f"deepspeed); set WORLD_SIZE to the number of processes")
     return r
@@ -180,9 +188,10 @@ def _slurm(environ: Mapping[str, str]) -> _Read:
     _first(environ, r.local_rank, ("SLURM_LOCALID",))
     _first(environ, r.node, ("SLURM_NODEID",))
     _first(environ, r.nodes, ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"), minimum=1)
-    if r.world.value is None:
-        raise LaunchEnvError("SLURM_PROCID is set but none of SLURM_STEP_NUM_TASKS, SLURM_NTASKS, SLURM_NPROCS: "
-                             "srun sets them; launch the ranks with srun")
+    for field, names in ((r.world, "SLURM_STEP_NUM_TASKS, SLURM_NTASKS, SLURM_NPROCS"),
+                         (r.local_rank, "SLURM_LOCALID")):
+        if field.value is None:
+            raise LaunchEnvError(f"SLURM_PROCID is set but not {names}: srun sets them; launch the ranks with srun")
     for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
         if not _present(environ, name):
             continue
@@ -220,11 +229,11 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
             if sched is not None and (sched.rank.value, sched.world.value) == (r.rank.value, r.world.value):
                 for mine, theirs in ((r.local_rank, sched.local_rank), (r.local_world, sched.local_world),
                                      (r.node, sched.node), (r.nodes, sched.nodes)):
-                    mine.set(theirs.value, theirs.source)
+                    mine.set(theirs.value, theirs.source, theirs.derived)
     else:
         r = _scheduler(environ) or _Read("none")
-        r.rank.set(0, "RANK (unset)")
-        r.world.set(1, "WORLD_SIZE (unset)")
+        r.rank.set(0, "no launcher", derived=True)
+        r.world.set(1, "no launcher", derived=True)
     _fill_and_check(r)
     port = _int(environ, "MASTER_PORT", minimum=1)
     if port is not None and port > 65535:
@@ -240,28 +249,23 @@ def _fill_and_check(r: _Read) -> None:
     """Fill what the launcher left unsaid (module docstring), then check the fields against each other."""
     rank, world = r.rank.value, r.world.value
     if rank >= world:
-        raise LaunchEnvError(f"{r.rank.source}={rank} is not below {r.world.source}={world}: ranks run from 0 "
-                             f"to the world size - 1")
+        raise LaunchEnvError(f"{r.rank} is not below {r.world}: ranks run from 0 to the world size - 1")
     if r.nodes.value is not None and r.nodes.value > world:
-        raise LaunchEnvError(f"{r.nodes.source}={r.nodes.value} nodes but {r.world.source}={world} ranks: every "
-                             f"node runs at least one rank")
+        raise LaunchEnvError(f"{r.nodes} nodes but {r.world} ranks: every node runs at least one rank")
     if r.local_world.value is None:
         if r.nodes.value not in (None, 1):
-            raise LaunchEnvError(f"{r.nodes.source}={r.nodes.value} nodes but no variable names the ranks on this "
-                                 f"node: set LOCAL_WORLD_SIZE (torchrun sets it)")
-        r.local_world.set(world, f"{r.world.source} (all ranks on one node)")
+            raise LaunchEnvError(f"{r.nodes} nodes but no variable names the ranks on this node: set "
+                                 f"LOCAL_WORLD_SIZE (torchrun sets it)")
+        r.local_world.set(world, "no variable names the ranks per node: all on one", derived=True)
     local_world = r.local_world.value
     if local_world > world:
-        raise LaunchEnvError(f"{r.local_world.source}={local_world} ranks on this node but {r.world.source}={world} "
-                             f"in all")
-    r.local_rank.set(rank % local_world, f"{r.rank.source} mod {r.local_world.source}")
+        raise LaunchEnvError(f"{r.local_world} ranks on this node but {r.world} in all")
+    r.local_rank.set(rank % local_world, "the rank mod the ranks per node", derived=True)
     if r.local_rank.value >= local_world:
-        raise LaunchEnvError(f"{r.local_rank.source}={r.local_rank.value} is not below "
-                             f"{r.local_world.source}={local_world}: local ranks run from 0 to the ranks on the "
-                             f"node - 1")
+        raise LaunchEnvError(f"{r.local_rank} is not below {r.local_world}: local ranks run from 0 to the ranks "
+                             f"on the node - 1")
     if local_world == world:  # one node holds every rank
-        r.node.set(0, f"{r.world.source} = {r.local_world.source}")
-        r.nodes.set(1, f"{r.world.source} = {r.local_world.source}")
+        r.node.set(0, "one node holds every rank", derived=True)
+        r.nodes.set(1, "one node holds every rank", derived=True)
     if r.node.value is not None and r.nodes.value is not None and r.node.value >= r.nodes.value:
-        raise LaunchEnvError(f"{r.node.source}={r.node.value} is not below {r.nodes.source}={r.nodes.value}: nodes "
-                             f"are numbered from 0")
+        raise LaunchEnvError(f"{r.node} is not below {r.nodes}: nodes are numbered from 0")
