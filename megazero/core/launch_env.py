@@ -36,7 +36,8 @@ unless the launcher names more than one node, which is then an error.
 Bad values raise `LaunchEnvError` naming the variables: not a whole number, negative, a rank not below the
 world size, a local rank not below the local world size, more ranks on a node than in the world, a node
 index not below the node count, a Slurm tasks-per-node list that does not parse or does not cover
-SLURM_NODEID.
+SLURM_NODEID, a variable missing that its launcher always sets with the others (RANK with WORLD_SIZE > 1,
+WORLD_SIZE with RANK, any of Open MPI's four, srun's task count and SLURM_LOCALID).
 """
 from __future__ import annotations
 

@@ -102,8 +102,8 @@ def init_distributed(timeout_s: float = 300, backend: str = "auto", env: LaunchE
             raise RuntimeError(f"a world of {world} ranks ({env.launcher}) but MASTER_ADDR/MASTER_PORT are not set: "
                                f"launch with torchrun, or export them in your Slurm or mpirun script (see the README)")
         store = attempt_store(rank, world, env.master_addr, env.master_port, timeout_s) if env.agent_store else None
-        # no device_id: with it NCCL would build every new_group's communicator at once (eager init);
-        # MASTER_ADDR/MASTER_PORT as torch's env:// rendezvous reads them (they are set: checked above)
+        # no device_id: with it NCCL would build every new_group's communicator at once (eager init); the
+        # rendezvous at MASTER_ADDR:MASTER_PORT, the TCPStore torch's env:// would make from the same variables
         init_method = None if store is not None else f"tcp://{_bracketed(env.master_addr)}:{env.master_port}"
         dist.init_process_group(chosen, init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s), store=store)
