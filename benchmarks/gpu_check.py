@@ -397,7 +397,7 @@ def stage_env(out: Path, cpu: bool) -> dict:
             "kernels_mode": os.environ.get("MEGAZERO_KERNELS", "auto"),
             "torch_cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST")}
     _write(out, "env", info)  # before megazero is imported (a missing requirement fails it)
-    from megazero.run.launch import NCCL_ENVIRONMENT
+    from megazero.runtime.launch import NCCL_ENVIRONMENT
 
     info["nccl_environment_set"] = dict(NCCL_SET)
     info["nccl_environment"] = {k: os.environ.get(k) for k in NCCL_ENVIRONMENT}
@@ -887,7 +887,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     try:
         if not args.cpu:  # megazero's NCCL/CUDA environment before anything creates the CUDA context, as its launcher
-            from megazero.run.launch import nccl_environment
+            from megazero.runtime.launch import nccl_environment
 
             NCCL_SET.update(nccl_environment("auto"))
         if args.stage == "kernels":

@@ -152,7 +152,7 @@ class Job:
         return pid
 
     def kill_agent(self) -> list[int]:
-        """SIGKILL the agent alone; its ranks follow it (`megazero.run.launch.follow_agent`). Their global ranks."""
+        """SIGKILL the agent alone; its ranks follow it (`megazero.runtime.launch.follow_agent`). Their global ranks."""
         ranks = self.ranks()
         os.kill(self.proc.pid, signal.SIGKILL)
         return sorted(ranks)

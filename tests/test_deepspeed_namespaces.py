@@ -63,7 +63,6 @@ def test_both_accelerators_have_every_method_deepspeed_scripts_call():
 def test_the_accelerator_is_chosen_as_deepspeed_chooses(monkeypatch):
     from megazero.compat import accelerator as mod
 
-    mod.get_accelerator.cache_clear()
     monkeypatch.setenv("DS_ACCELERATOR", "npu")
     with pytest.raises(ValueError, match="DS_ACCELERATOR='npu'.*cuda or cpu"):
         mod.get_accelerator()

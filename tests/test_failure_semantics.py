@@ -68,15 +68,16 @@ def test_nccl_runs_get_the_environment_megazero_relies_on(monkeypatch):
     flight recorder; a value the user set is kept; a gloo or CPU run gets none."""
     import torch
 
-    from megazero.run import launch
+    from megazero.runtime import launch
 
     for key in launch.NCCL_ENVIRONMENT:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")  # the user's choice
-    assert launch.nccl_environment("auto") == {}  # no CUDA here
-    monkeypatch.setattr(launch, "local_device", lambda backend="auto": torch.device("cuda", 0))
-    assert launch.nccl_environment("gloo") == {}
-    added = launch.nccl_environment("auto")
+    assert launch.nccl_environment("auto") == {}  # no CUDA here: the device is the CPU
+    assert launch.nccl_environment("auto", torch.device("cpu")) == {}
+    gpu = torch.device("cuda", 0)  # as `compute_device` gives on a GPU node
+    assert launch.nccl_environment("gloo", gpu) == {}
+    added = launch.nccl_environment("auto", gpu)
     assert added == {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
                      "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     import os

@@ -4,7 +4,7 @@ under torchrun, whose agent restarts the job by itself.
 Covers: a 2x2x2 run with asynchronous saves every 5 steps under ``torchrun --max-restarts=2`` loses a
 random rank at a random step and finishes by itself, its per-step metrics bit-identical to an uninterrupted
 run's (the restart resumes from the newest complete checkpoint); the new attempt's process group does not
-read the dead attempt's keys from the agent's store (`megazero.run.launch.attempt_store`); two torchrun
+read the dead attempt's keys from the agent's store (`megazero.runtime.launch.attempt_store`); two torchrun
 agents as two nodes of an elastic job (``--nnodes=1:2``, c10d rendezvous), one node SIGKILLed: the other
 re-forms the group at half the ranks and finishes the run (dp re-derived, the global batch and the data
 order kept), or, when the layout cannot fit, every rank ends with the trainer's reason.
@@ -269,7 +269,7 @@ def test_origins_are_where_the_first_difference_was_sent_or_computed():
     assert origins([{"differs": True, "first": "in"}, {"differs": False, "first": None}]) == [0]  # no better guess
 
 
-def test_attempt_store_skips_a_dead_attempts_post(monkeypatch):
+def test_attempt_store_skips_a_dead_attempts_post():
     """torchrun's store still holds the previous attempt's post (a port nobody listens on): rank 1 waits until
     rank 0 of this attempt posts its own store, and both end up on it."""
     import threading
@@ -277,17 +277,16 @@ def test_attempt_store_skips_a_dead_attempts_post(monkeypatch):
 
     import torch.distributed as dist
 
-    from megazero.run.launch import ATTEMPT_KEY, attempt_store
+    from megazero.runtime.launch import ATTEMPT_KEY, attempt_store
 
     agent = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     agent.set(ATTEMPT_KEY, f"127.0.0.1:{free_port()}:deadbeef")  # the dead attempt's store
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(agent.port))
-    got = {}
-    rank1 = threading.Thread(target=lambda: got.setdefault(1, attempt_store(1, 2, 30, probe_s=0.5)))
+    got = {}  # the agent's store at MASTER_ADDR:MASTER_PORT
+    rank1 = threading.Thread(target=lambda: got.setdefault(1, attempt_store(1, 2, "127.0.0.1", agent.port, 30,
+                                                                            probe_s=0.5)))
     rank1.start()
     time.sleep(1.0)  # rank 1 has been reading the stale post meanwhile
-    got[0] = attempt_store(0, 2, 30)
+    got[0] = attempt_store(0, 2, "127.0.0.1", agent.port, 30)
     rank1.join(30)
     got[0].set("hello", "from rank 0")
     assert got[1].get("hello") == b"from rank 0"

@@ -3,11 +3,15 @@ and CPU devices.
 
 Scripts use it to stay device-agnostic: ``get_accelerator().device_name(local_rank)`` for where to
 put a batch, ``communication_backend_name()`` for `init_process_group`, streams, events, memory
-queries, RNG. `get_accelerator()` picks CUDA when torch sees a GPU, else the CPU, as DeepSpeed does;
-``DS_ACCELERATOR=cpu|cuda`` forces one (other DeepSpeed accelerators are refused by name). The CUDA
-one delegates every call to `torch.cuda`; the CPU one answers as DeepSpeed's CPU accelerator does
-(device "cpu", synchronisation a no-op, no streams or events, memory = the process's resident set),
-except that its communication backend is gloo (DeepSpeed's is oneCCL, which megazero does not use).
+queries, RNG. `get_accelerator()` does not choose a device of its own: it takes the type of the device
+`megazero/runtime/device.py:compute_device` gives this process (the engine's), for the backend of the
+default group once it exists (gloo: the CPU), else "auto" (CUDA when torch sees a GPU, as DeepSpeed
+picks); ``DS_ACCELERATOR=cpu|cuda`` asks for one (cpu as the gloo backend, cuda as nccl; other DeepSpeed
+accelerators are refused by name). The CUDA one delegates every call to `torch.cuda`; the CPU one
+answers as DeepSpeed's CPU accelerator does (device "cpu", synchronisation a no-op, no streams or
+events, memory = the process's resident set, current device the local rank, device count the ranks on
+this node, both from the launcher's environment: `megazero/core/launch_env.py:read_launch_env`), except
+that its communication backend is gloo (DeepSpeed's is oneCCL, which megazero does not use).
 """
 from __future__ import annotations
 
@@ -17,6 +21,10 @@ import os
 import resource
 
 import torch
+import torch.distributed as dist
+
+from megazero.core.launch_env import read_launch_env
+from megazero.runtime.device import compute_device, visible_cuda_devices
 
 SUPPORTED = ("cuda", "cpu")
 
@@ -277,13 +285,16 @@ class CpuAccelerator(_Accelerator):
         return None
 
     def current_device(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))
+        """The local rank (DeepSpeed's CPU accelerator: one "device" per rank of the node)."""
+        return read_launch_env(os.environ).local_rank
 
     def current_device_name(self) -> str:
         return "cpu"
 
     def device_count(self) -> int:
-        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        """The ranks on this node (DeepSpeed's CPU accelerator reads its launcher's LOCAL_SIZE; here any
+        launcher's local world size, 1 in a single process)."""
+        return read_launch_env(os.environ).local_world_size
 
     def synchronize(self, device_index=None) -> None:
         return None
@@ -398,17 +409,32 @@ class CpuAccelerator(_Accelerator):
 
 
 @functools.cache
-def get_accelerator():
-    """The process's accelerator (one per process, as DeepSpeed's; its CPU peak-memory meter is its
-    only state): ``DS_ACCELERATOR`` if set (cuda or cpu), else CUDA when torch sees a GPU, else the CPU."""
+def _accelerator(kind: str) -> _Accelerator:
+    """The process's accelerator of device type `kind` (one each per process, as DeepSpeed's one; the CPU
+    one's peak-memory meter is its only state)."""
+    return CudaAccelerator() if kind == "cuda" else CpuAccelerator()
+
+
+def _backend() -> str:
+    """The backend the device is decided for: ``DS_ACCELERATOR``'s (cpu: gloo, cuda: nccl) when set, else
+    the default group's once it exists (the engine's device follows it), else "auto"."""
     name = os.environ.get("DS_ACCELERATOR")
-    if name is None:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name not in SUPPORTED:
-        raise ValueError(f"DS_ACCELERATOR={name!r}: megazero runs on {' or '.join(SUPPORTED)}; unset it or pick one")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("DS_ACCELERATOR=cuda, but torch sees no CUDA device; unset it to use the CPU")
-    return CudaAccelerator() if name == "cuda" else CpuAccelerator()
+    if name is not None:
+        if name not in SUPPORTED:
+            raise ValueError(f"DS_ACCELERATOR={name!r}: megazero runs on {' or '.join(SUPPORTED)}; unset it or "
+                             f"pick one")
+        if name == "cuda" and visible_cuda_devices() == 0:
+            raise ValueError("DS_ACCELERATOR=cuda, but torch sees no CUDA device; unset it to use the CPU")
+        return "gloo" if name == "cpu" else "nccl"
+    if dist.is_available() and dist.is_initialized():
+        return "nccl" if "nccl" in dist.get_backend() else "gloo"
+    return "auto"
+
+
+def get_accelerator():
+    """The process's accelerator for the device `compute_device` gives this process (module docstring):
+    CUDA or the CPU."""
+    return _accelerator(compute_device(read_launch_env(os.environ), _backend()).type)
 
 
 def is_current_accelerator_supported() -> bool:
@@ -417,9 +443,9 @@ def is_current_accelerator_supported() -> bool:
 
 
 def set_accelerator(accel_obj) -> None:
-    """Refused: megazero's accelerator follows the device torch sees (or DS_ACCELERATOR)."""
-    raise NotImplementedError("set_accelerator: megazero picks CUDA or the CPU from what torch sees; set "
-                              "DS_ACCELERATOR=cuda|cpu before the first get_accelerator() instead")
+    """Refused: megazero's accelerator follows the engine's device (`compute_device`, or DS_ACCELERATOR)."""
+    raise NotImplementedError("set_accelerator: megazero's accelerator is the engine's device (CUDA or the CPU); "
+                              "set DS_ACCELERATOR=cuda|cpu instead")
 
 
 __all__ = ["get_accelerator", "set_accelerator", "is_current_accelerator_supported", "CudaAccelerator",

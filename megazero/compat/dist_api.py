@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.compat.accelerator import get_accelerator
+from megazero.core.launch_env import read_launch_env
 
 ReduceOp = dist.ReduceOp
 
@@ -124,17 +125,19 @@ def _timed(name: str, payload: str | None):
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500, verbose=True,
                      timeout=timedelta(minutes=30), init_method=None, dist_init_required=None, config=None,
                      rank=-1, world_size=-1) -> None:
-    """DeepSpeed's `init_distributed` (also `megazero.init_distributed`): the default process group from
-    torchrun's (or Slurm's) environment, on `dist_backend` (None: nccl on GPUs, gloo otherwise).
+    """DeepSpeed's `init_distributed` (also `megazero.init_distributed`): the default process group from the
+    launcher's environment (torchrun, Slurm, mpirun or DeepSpeed's launcher: `read_launch_env`), on
+    `dist_backend` (None: nccl on GPUs, gloo otherwise).
     `timeout` is a timedelta or seconds. MPI discovery, ports, init methods and explicit ranks are the
     launcher's business here: anything but their defaults is refused, naming the argument."""
-    from megazero.run.launch import init_distributed as _init
+    from megazero.runtime.launch import init_distributed as _init
 
     for name, value, default in (("init_method", init_method, None), ("rank", rank, -1),
                                  ("world_size", world_size, -1)):
         if value != default:
             raise ValueError(f"init_distributed({name}={value!r}): megazero reads rank and world size from the "
-                             f"launcher's environment (torchrun or Slurm); leave {name} unset")
+                             f"launcher's environment (torchrun, Slurm, mpirun or DeepSpeed's launcher); leave "
+                             f"{name} unset")
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 1800)
     return _init(float(seconds), dist_backend or "auto")
 
@@ -161,19 +164,23 @@ def get_world_group():
 
 
 def get_world_size(group=None) -> int:
+    """The size of `group` (None: the world: the launcher's world size before the default group exists)."""
+    if group is None and not is_initialized():
+        return read_launch_env(os.environ).world_size
     return dist.get_world_size(group)
 
 
 def get_rank(group=None) -> int:
+    """This process's rank in `group` (None: the world: the launcher's rank before the default group exists)."""
+    if group is None and not is_initialized():
+        return read_launch_env(os.environ).rank
     return dist.get_rank(group)
 
 
 def get_local_rank() -> int:
-    """This process's rank on its node, from the launcher's environment (LOCAL_RANK)."""
-    if "LOCAL_RANK" not in os.environ:
-        raise RuntimeError("get_local_rank: LOCAL_RANK is not set; launch with torchrun (or Slurm's srun with "
-                           "megazero's launcher)")
-    return int(os.environ["LOCAL_RANK"])
+    """This process's rank on its node, from the launcher's environment (`read_launch_env`: torchrun's
+    LOCAL_RANK, Slurm's SLURM_LOCALID, Open MPI's OMPI_COMM_WORLD_LOCAL_RANK, ...; 0 in a single process)."""
+    return read_launch_env(os.environ).local_rank
 
 
 def get_global_rank(group=None, group_rank: int = 0) -> int:

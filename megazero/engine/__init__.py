@@ -15,6 +15,7 @@ run with (`megazero.core.config.initialize_checks`), then builds, top to bottom.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from megazero.core.config import Config, topology_of
 from megazero.core.config.initialize_checks import BuiltModel, check_model, check_mpu, one_config_source
 from megazero.core.config.spec_checks import load_for_run
 from megazero.core.config.loading import read_file, read_tree
+from megazero.core.launch_env import read_launch_env
 from megazero.compat.dist_api import comms_logger
 from megazero.compat.dist_api import configure as configure_comms_logger
 from megazero.compat.monitor import MonitorMaster, check_installed
@@ -36,7 +38,8 @@ from megazero.resilience.silent_check import SilentCheck
 from megazero.moe.user_layer import MoE
 from megazero.pipeline.pipeline_module import PipelineModule
 from megazero.pipeline.stage_agreement import agree_on_stage
-from megazero.run.launch import detect, init_distributed, local_device, nccl_environment
+from megazero.runtime.device import compute_device
+from megazero.runtime.launch import init_distributed, nccl_environment
 from megazero.runtime.parallel_context import ParallelContext
 
 __all__ = ["initialize", "initialize_from_config", "load_run_config", "data_iterator", "PipelineEngine", "ModuleEngine"]
@@ -47,8 +50,9 @@ def load_run_config(config, overrides=(), world_size: int | None = None) -> Conf
     refusal that needs only the config and the model spec raised (`megazero.core.config.spec_checks.
     load_for_run`). Needs no process group (the world size and the ranks per node come from the launcher's
     environment unless given)."""
-    _, world, _, local_world = detect()
-    return load_for_run(config, overrides, world_size if world_size is not None else world, local_world)
+    env = read_launch_env(os.environ)
+    return load_for_run(config, overrides, world_size if world_size is not None else env.world_size,
+                        env.local_world_size)
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -120,10 +124,12 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
         spec, model_parameters = take_over(client_optimizer, model_parameters if model_parameters is not None
                                            else model.parameters())
     # the build, top to bottom
+    env = read_launch_env(os.environ)
     if device is None:  # the dry run (device meta) computes nothing: no kernel to build
-        nccl_environment(cfg.comm.backend)  # before the kernels' load may create the CUDA context
-        load_kernels(cfg, model, local_device(cfg.comm.backend))
-    info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend)
+        here = compute_device(env, cfg.comm.backend)
+        nccl_environment(cfg.comm.backend, here)  # before the kernels' load may create the CUDA context
+        load_kernels(cfg, model, here, env.rank)
+    info = init_distributed(cfg.comm.timeout_s, cfg.comm.backend, env)
     if device is not None:
         info = dataclasses.replace(info, device=torch.device(device))
     pctx = ParallelContext(topology_of(cfg), timeout_s=cfg.comm.timeout_s, ep=cfg.parallel.ep,

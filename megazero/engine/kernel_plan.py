@@ -15,7 +15,6 @@ from torch import nn
 from megazero.core.config import Config
 from megazero.core.spec import spec_of
 from megazero.pipeline.pipeline_module import PipelineModule
-from megazero.run.launch import detect
 from megazero.runtime.kernels import prepare
 
 
@@ -45,12 +44,12 @@ def _with_spec(cfg: Config, spec_ref: str) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, spec=spec_ref))
 
 
-def load_kernels(cfg: Config, model, device: torch.device) -> dict[str, str]:
+def load_kernels(cfg: Config, model, device: torch.device, rank: int) -> dict[str, str]:
     """Resolve and load the run's kernels on `device` (the Adam step on the CPU under optimizer offload) and
-    return {op: backend}; global rank 0 prints one line naming them (a failed build prints its own line on the
-    rank that saw it). No communication: call it before any process group or collective."""
+    return {op: backend}; global rank 0 (`rank`: this process's) prints one line naming them (a failed build
+    prints its own line on the rank that saw it). No communication: call it before any process group or collective."""
     adam_device = torch.device("cpu") if cfg.zero.offload_optimizer.device == "cpu" else device
     plan = prepare.prepare(device, kernel_ops(cfg, model), adam_device)
-    if detect()[0] == 0:
+    if rank == 0:
         print(prepare.describe(plan, device), file=sys.stderr, flush=True)
     return plan

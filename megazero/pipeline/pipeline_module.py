@@ -21,6 +21,7 @@ from torch import nn
 
 from megazero.core import partition as part
 from megazero.core.flops import weight_flops
+from megazero.core.launch_env import read_launch_env
 from megazero.core.instructions import virtual_stage
 from megazero.runtime.seeding import set_random_seed
 
@@ -271,10 +272,11 @@ class _RunLayers:
 
 
 def _world() -> tuple[int, int]:
-    """(rank, world size): torch.distributed's when initialized, else the launcher's RANK / WORLD_SIZE."""
+    """(rank, world size): torch.distributed's when initialized, else the launcher's (`read_launch_env`)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    env = read_launch_env(os.environ)
+    return env.rank, env.world_size
 
 
 def _stages(num_stages, stage, topology) -> tuple[int, int]:

@@ -32,6 +32,7 @@ import megazero
 from megazero.checkpoint import failure_save, sharded
 from megazero.core import flops as model_flops
 from megazero.core.config import Config, ConfigError, to_dict, topology_of
+from megazero.core.launch_env import LaunchEnvError, read_launch_env
 from megazero.core.schedules import bubble_fraction
 from megazero.core.spec import SpecError
 from megazero.engine import data_iterator, initialize_from_config, load_run_config
@@ -57,7 +58,11 @@ def main(argv=None) -> int:
         print(__doc__.strip())
         return 0 if argv else 2
     path, overrides = argv[0], argv[1:]
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    try:
+        rank = read_launch_env(os.environ).rank
+    except LaunchEnvError as err:
+        print(f"megazero.run.train: error: {err}", file=sys.stderr)
+        return 2
     try:
         if not os.path.exists(path):
             raise ConfigError(f"config file {path!r} does not exist")

@@ -42,7 +42,7 @@ class ParallelContext:
 
     Only groups megazero communicates over are created (no model-parallel pp x tp group, no second
     world group), and NCCL builds each communicator at its first collective (the default group is
-    initialised without ``device_id``, `megazero.run.launch`): a group a run never uses costs nothing.
+    initialised without ``device_id``, `megazero.runtime.launch`): a group a run never uses costs nothing.
 
     `ranks_per_node`: consecutive global ranks per node (None: one node); every group knows its
     members' nodes, so CommStats counts what crosses them. `hierarchical`: the data-parallel groups

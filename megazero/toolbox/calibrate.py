@@ -49,8 +49,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from megazero.core.launch_env import LaunchEnv
 from megazero.toolbox.probe_timing import calls_for, interleaved, median_seconds, medians
 from megazero.toolbox.step_probe import probe_host, probe_in_step
+from megazero.runtime.device import compute_device
 
 GEMM_SHAPES = ([(1024, 1024, k) for k in (32, 64, 128, 256, 512, 1024, 2048)] + [(n, n, n) for n in (256, 512)]
                + [(m, n, k) for m, n in ((256, 256), (256, 1024), (128, 512)) for k in (64, 256, 1024)])
@@ -196,13 +198,14 @@ def _partition(world: int, size: int) -> dict:
 
 def _rank_probe(rank: int, world: int, port: int, queue, repeats: int, parts: tuple = ("compute", "comm"),
                 share_cores: bool = True) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    gpu = torch.cuda.is_available()  # a GPU node: the GPU in bf16 and NCCL; else the CPU in fp32 and gloo
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if gpu else torch.device("cpu")
+    # the ranks of one node: rank = local rank; a GPU node: the GPU in bf16 and NCCL, else the CPU in fp32 and gloo
+    device = compute_device(LaunchEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world))
+    gpu = device.type == "cuda"
     if gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     shared = share_cores and not gpu and world > (os.cpu_count() or 1)
     try:

@@ -58,6 +58,8 @@ import sys
 
 import torch
 
+from megazero.core.launch_env import read_launch_env
+
 UNIT_ROUNDOFF = {"fp32": 0.0, "bf16": 2 ** -8, "fp16": 2 ** -11}  # of the working parameters compared
 GRAD_FLOOR = 1e-3  # a tensor's gradient scale is at least this fraction of the model's largest |g|
 # (loss rtol, grad-norm rtol, first-step gradient tol x max|g|, parameter atol or None = 2·lr·steps)
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
     args = ap.parse_intermixed_args(argv)
     report = run_layout(args.config, args.overrides, args.steps)
     os.makedirs(args.out, exist_ok=True)
-    torch.save(report, os.path.join(args.out, f"rank{int(os.environ.get('RANK', '0'))}.pt"))
+    torch.save(report, os.path.join(args.out, f"rank{read_launch_env(os.environ).rank}.pt"))
     sys.stdout.flush()
     os._exit(0)  # torch 2.13 + gloo can abort at interpreter exit after the report is written
 

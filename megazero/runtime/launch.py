@@ -1,11 +1,13 @@
-"""Process-group start-up for torchrun, Slurm (srun) and single-process runs.
+"""Process-group start-up for torchrun, Slurm (srun), Open MPI (mpirun), DeepSpeed's launcher and single
+processes.
 
-`init_distributed(timeout_s, backend)` reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT) or Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with MASTER_ADDR /
-MASTER_PORT exported by the batch script), picks NCCL when CUDA is available and gloo otherwise
-(or the configured backend), gives each local rank max(1, cores // local ranks) torch threads,
-and initialises the default group with the configured timeout. Without any of these variables
-it runs as a single process (world size 1) and creates no process group.
+`init_distributed(timeout_s, backend, env)` takes this process's rank, world size, local rank and
+rendezvous address (MASTER_ADDR / MASTER_PORT, exported by the batch script under Slurm or mpirun) from the
+launcher's environment (`megazero/core/launch_env.py:read_launch_env`, the one reader of those variables),
+its device from `megazero/runtime/device.py:compute_device` (NCCL when that is a GPU, gloo otherwise, or
+the configured backend), gives each local rank max(1, cores // local ranks) torch threads, and initialises
+the default group with the configured timeout. Without any launcher it runs as a single process (world
+size 1) and creates no process group.
 
 On NCCL (`nccl_environment`, before the CUDA context exists) it sets, unless the user already has:
 
@@ -44,6 +46,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megazero.core.launch_env import LaunchEnv, read_launch_env
+from megazero.runtime.device import compute_device
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -55,56 +60,35 @@ class DistInfo:
     backend: str | None
 
 
-def _env_int(*names: str, default: int | None = None) -> int | None:
-    for n in names:
-        if os.environ.get(n, "") != "":
-            return int(os.environ[n])
-    return default
-
-
-def detect() -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size) from torchrun or Slurm variables."""
-    rank = _env_int("RANK", "SLURM_PROCID", default=0)
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
-    local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=None)
-    if local_world is None:
-        local_world = world if world <= (os.cpu_count() or 1) else 1
-    return rank, world, local, local_world
-
-
-def local_device(backend: str = "auto") -> torch.device:
-    """This process' compute device, from the launcher's variables only (no process group needed):
-    cuda:<local rank mod visible GPUs> when CUDA is available and the backend is not gloo, else the CPU."""
-    local = detect()[2]
-    if torch.cuda.is_available() and backend != "gloo":
-        return torch.device("cuda", local % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 NCCL_ENVIRONMENT = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
                     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 """What megazero sets for an NCCL run when the environment does not say otherwise (module docstring)."""
 
 
-def nccl_environment(backend: str = "auto") -> dict[str, str]:
-    """Set `NCCL_ENVIRONMENT`'s variables the user has not set, when this process will use CUDA and
-    NCCL (`local_device`); returns the ones set here. Call it before anything creates the CUDA
-    context (CUDA_DEVICE_MAX_CONNECTIONS is read then)."""
-    if local_device(backend).type != "cuda" or backend not in ("auto", "nccl"):
+def nccl_environment(backend: str = "auto", device: torch.device | None = None) -> dict[str, str]:
+    """Set `NCCL_ENVIRONMENT`'s variables the user has not set, when this process will use CUDA (`device`;
+    default: `compute_device` of the launcher's environment) and NCCL (`backend` auto or nccl); returns the
+    ones set here. Call it before anything creates the CUDA context (CUDA_DEVICE_MAX_CONNECTIONS is read
+    then)."""
+    if device is None:
+        device = compute_device(read_launch_env(os.environ), backend)
+    if device.type != "cuda" or backend not in ("auto", "nccl"):
         return {}
     added = {k: v for k, v in NCCL_ENVIRONMENT.items() if k not in os.environ}
     os.environ.update(added)
     return added
 
 
-def init_distributed(timeout_s: float = 300, backend: str = "auto") -> DistInfo:
-    """Initialise the default process group (if not already) and return this process' facts."""
-    rank, world, local, local_world = detect()
-    follow_agent()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-    nccl_environment(backend)
-    device = local_device(backend)
+def init_distributed(timeout_s: float = 300, backend: str = "auto", env: LaunchEnv | None = None) -> DistInfo:
+    """Initialise the default process group (if not already) and return this process' facts; `env`: the
+    launcher's environment (default: `read_launch_env` of os.environ). Creates the default group over the
+    whole world (a collective rendezvous of every rank) when the world has more than one rank."""
+    env = read_launch_env(os.environ) if env is None else env
+    rank, world = env.rank, env.world_size
+    follow_agent(env)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+    device = compute_device(env, backend)
+    nccl_environment(backend, device)
     use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)
@@ -114,23 +98,29 @@ def init_distributed(timeout_s: float = 300, backend: str = "auto") -> DistInfo:
         rank, world = dist.get_rank(), dist.get_world_size()
     elif world > 1:
         chosen = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
-        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-            raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun, "
-                               "or export them in your Slurm script (see the README)")
-        store = attempt_store(rank, world, timeout_s) if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
-            else None
-        # no device_id: with it NCCL would build every new_group's communicator at once (eager init)
-        dist.init_process_group(chosen, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
-                                store=store)
-    return DistInfo(rank, world, local, local_world, device, chosen)
+        if env.master_addr is None or env.master_port is None:
+            raise RuntimeError(f"a world of {world} ranks ({env.launcher}) but MASTER_ADDR/MASTER_PORT are not set: "
+                               f"launch with torchrun, or export them in your Slurm or mpirun script (see the README)")
+        store = attempt_store(rank, world, env.master_addr, env.master_port, timeout_s) if env.agent_store else None
+        # no device_id: with it NCCL would build every new_group's communicator at once (eager init); the
+        # rendezvous at MASTER_ADDR:MASTER_PORT, the TCPStore torch's env:// would make from the same variables
+        init_method = None if store is not None else f"tcp://{_bracketed(env.master_addr)}:{env.master_port}"
+        dist.init_process_group(chosen, init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s), store=store)
+    return DistInfo(rank, world, env.local_rank, env.local_world_size, device, chosen)
 
 
-def follow_agent() -> None:
-    """Under torchrun (TORCHELASTIC_RUN_ID set), on Linux: have the kernel send this rank SIGTERM when its agent,
+def _bracketed(host: str) -> str:
+    """`host` as it goes into a tcp:// URL (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def follow_agent(env: LaunchEnv) -> None:
+    """Under torchrun (`env.elastic_run_id` set), on Linux: have the kernel send this rank SIGTERM when its agent,
     the parent process, dies, as when the node goes down; otherwise the agent's ranks would train on, orphaned,
     while the other agents wait for it, and an elastic job could not re-form without them. A rank already
     orphaned ends at once. Local."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+    if env.elastic_run_id is None or not sys.platform.startswith("linux"):
         return
     import ctypes
     import signal
@@ -155,14 +145,16 @@ ATTEMPT_KEY = "megazero/attempt_store"
 """The agent's store key under which rank 0 posts "host:port:token" of this attempt's store."""
 
 
-def attempt_store(rank: int, world: int, timeout_s: float, probe_s: float = 2.0) -> dist.TCPStore:
-    """This attempt's own store for the default group under torchrun's agent store (module docstring):
+def attempt_store(rank: int, world: int, host: str, port: int, timeout_s: float,
+                  probe_s: float = 2.0) -> dist.TCPStore:
+    """This attempt's own store for the default group under torchrun's agent store at `host`:`port`
+    (MASTER_ADDR:MASTER_PORT, module docstring):
     rank 0 serves it on a free port and posts "its address:port:token" under `ATTEMPT_KEY` on the
     agent's store; every other rank reads the post and connects (each try `probe_s` long), until a store
     there holds the same token under `ATTEMPT_KEY` (a post left by a dead attempt names a store that is gone).
     Raises TimeoutError after `timeout_s`. Talks only to the stores, before any process group exists."""
-    host, timeout = os.environ["MASTER_ADDR"], timedelta(seconds=timeout_s)
-    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    timeout = timedelta(seconds=timeout_s)
+    agent = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     if rank == 0:
         token = uuid.uuid4().hex
         own = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -171,10 +163,10 @@ def attempt_store(rank: int, world: int, timeout_s: float, probe_s: float = 2.0)
         return own
     deadline = time.monotonic() + timeout_s
     while True:
-        addr, port, token = agent.get(ATTEMPT_KEY).decode().rsplit(":", 2)
+        addr, posted, token = agent.get(ATTEMPT_KEY).decode().rsplit(":", 2)
         try:
-            socket.create_connection((addr, int(port)), timeout=probe_s).close()  # refused at once: a dead store
-            own = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=probe_s))
+            socket.create_connection((addr, int(posted)), timeout=probe_s).close()  # refused at once: a dead store
+            own = dist.TCPStore(addr, int(posted), is_master=False, timeout=timedelta(seconds=probe_s))
             if own.get(ATTEMPT_KEY).decode() == token:
                 own.set_timeout(timeout)
                 return own
