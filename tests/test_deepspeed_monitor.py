@@ -39,7 +39,6 @@ def _module_worker(out_dir, stage):
         means.append(total / 2)
     summary = deepspeed.comm.log_summary(return_dict=True)
     deepspeed.comm.configure(enabled=False)
-    deepspeed.comm.comms_logger().engine_stats.clear()
     return {"means": means, "lr": engine.get_lr()[0], "engine": summary["engine"], "samples": engine.global_samples}
 
 

@@ -20,8 +20,6 @@ from torch import nn
 
 from megazero.core.config import Config, ConfigError, assert_supported, load_config, resolve, topology_of
 from megazero.core.config.loading import read_file, read_tree
-from megazero.compat.dist_api import comms_logger
-from megazero.compat.dist_api import configure as configure_comms_logger
 from megazero.compat.monitor import MonitorMaster, check_installed
 from megazero.compat.pipe_topology import as_megazero
 from megazero.core.topology import Topology
@@ -209,9 +207,6 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     t = cfg.train
     loader = _training_loader(training_data, cfg, pctx, collate_fn) if training_data is not None else None
     monitor = MonitorMaster(cfg.log, pctx.global_rank)
-    if cfg.log.comms_logger.enabled:  # DeepSpeed's comms logger: megazero.comm's calls, the engine's counters
-        configure_comms_logger(cfg)
-        comms_logger().engine_stats.append(pctx.stats)
     r = cfg.resilience
     checking = r.silent_error_interval or r.silent_error_spike
     if isinstance(module, PipelineModule):
@@ -221,7 +216,7 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                                 cfg.pipeline.schedule, cfg.pipeline.chunks, t.micro_batch_size, compute_dtype(cfg),
                                 on_instruction=on_instruction, device=info.device, local_rank=info.local_rank,
                                 training_data=loader, monitor=monitor, silent_check=check,
-                                keep_step_rng=cfg.checkpoint.save_on_failure)
+                                keep_step_rng=cfg.checkpoint.save_on_failure, config=cfg)
     else:
         if checking:
             raise ConfigError("resilience.silent_error_interval / silent_error_spike: the check reruns a pipeline "
@@ -229,7 +224,7 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                               "user's own forward and backward, which it cannot replay")
         engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps, t.micro_batch_size,
                               info.local_rank, info.device, training_data=loader, monitor=monitor,
-                              flops_profiler=cfg.log.flops_profiler)
+                              flops_profiler=cfg.log.flops_profiler, config=cfg)
     return engine, optimizer, loader if loader is not None else _dataloader(cfg, pctx, module, engine), scheduler
 
 
