@@ -91,6 +91,8 @@ def test_the_comms_logger_reads_comm_stats_of_the_calls_and_the_live_engines():
     reg = Registry()
     log = dist_api.CommsLogger(reg)
     assert set(vars(log)) == {"registry"}  # it keeps nothing
+    log.enabled = True
+    assert reg.comms.enabled and log.enabled and set(vars(log)) == {"registry"}
     log.append("all_reduce", 4000, 2.0)
     log.append("all_reduce", 4000, 4.0)
     assert reg.comm_stats.timings() == {(dist_api.AXIS, "all_reduce", 4000): (2, 0.006)}

@@ -53,6 +53,12 @@ class CommsLogger:
             return getattr(self.registry.comms, name)
         raise AttributeError(f"CommsLogger has no attribute {name!r}")
 
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("enabled", "prof_all", "prof_ops", "verbose", "debug"):
+            setattr(self.registry.comms, name, value)  # a switch set on the view is the registry's
+        else:
+            super().__setattr__(name, value)
+
     @property
     def stats(self) -> CommStats:
         """Where `megazero.comm`'s timed calls are recorded."""
