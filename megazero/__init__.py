@@ -18,8 +18,9 @@ _SUBPACKAGES = ("zero", "pipe", "ops", "utils", "engine", "run", "core", "runtim
 
 
 def initialize(*args, **kwargs):
-    """See `megazero.engine.initialize` (DeepSpeed's arguments)."""
-    from megazero.engine import initialize as _initialize
+    """See `megazero.engine.initialize` (DeepSpeed's arguments); the engine is registered as live for
+    DeepSpeed's free functions (`megazero.compat.deepspeed_init.initialize`)."""
+    from megazero.compat.deepspeed_init import initialize as _initialize
 
     return _initialize(*args, **kwargs)
 

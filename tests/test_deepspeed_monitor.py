@@ -40,7 +40,6 @@ def _module_worker(out_dir, stage):
     engine.monitor.write_events([("Custom/value", 1.5, 7)])  # a user's own event, as DeepSpeed's engine.monitor takes it
     summary = deepspeed.comm.log_summary(return_dict=True)
     deepspeed.comm.configure(enabled=False)
-    deepspeed.comm.comms_logger().engine_stats.clear()
     return {"means": means, "lr": engine.get_lr()[0], "engine": summary["engine"], "samples": engine.global_samples}
 
 

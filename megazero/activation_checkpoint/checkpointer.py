@@ -224,15 +224,15 @@ class ActivationCheckpointer:
         self.pool.slots = max(1, slots)
 
     # -- running ----------------------------------------------------------------------------------
-    def open_region(self, replay, inputs, modules, name: str, store: CheckpointStore):
+    def open_region(self, replay, inputs, modules, name: str, store: CheckpointStore, trackers=()):
         """Start a recompute region on `inputs`: keep them in `store`, capture the random state of the
-        Dropouts under `modules`, and pass the inputs through the region's anchor. Returns (frame,
-        the inputs the region must use)."""
+        Dropouts under `modules` and of `trackers` (more `RNGStatesTracker`s the region draws from), and
+        pass the inputs through the region's anchor. Returns (frame, the inputs the region must use)."""
         device = inputs[0].device
         if self.options.synchronize_checkpoint_boundary:
             self.stats.synchronize(device)
-        trackers, mask_fns = dropout_state_of(modules)
-        rng = RNGSnapshot(trackers, device, mask_fns)
+        used, mask_fns = dropout_state_of(modules)
+        rng = RNGSnapshot(list({id(t): t for t in [*used, *trackers]}.values()), device, mask_fns)
         stored = store.save(inputs)
         frame = Frame(replay, store, stored, rng, name, self.stats, self.options.synchronize_checkpoint_boundary,
                       self.observers, self.decisions)
@@ -260,13 +260,14 @@ class ActivationCheckpointer:
         self.stats.forward_s += self.stats.now(x.device) - start
         return out
 
-    def checkpoint(self, fn, *inputs: torch.Tensor, modules=(), name: str = "checkpoint"):
+    def checkpoint(self, fn, *inputs: torch.Tensor, modules=(), name: str = "checkpoint", trackers=()):
         """Run ``fn(*inputs)`` as one recompute region kept in this checkpointer's store (partitioned,
-        on the host, contiguous, as configured). `modules`: whose Dropouts' random state to replay.
+        on the host, contiguous, as configured). `modules`: whose Dropouts' random state to replay;
+        `trackers`: other `RNGStatesTracker`s whose streams `fn` draws from (replayed too).
         Partitioning assumes every TP rank passes the same inputs."""
         if not torch.is_grad_enabled():
             return fn(*inputs)
-        frame, inputs = self.open_region(fn, inputs, list(modules), name, self.store)
+        frame, inputs = self.open_region(fn, inputs, list(modules), name, self.store, trackers)
         with frame.hooks():
             return fn(*inputs)
 

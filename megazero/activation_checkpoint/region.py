@@ -237,6 +237,8 @@ class Anchor(torch.autograd.Function):
         ctx.frame, ctx.num_kept = frame, len(kept)
         ctx.save_for_backward(*kept)
         out = tuple(t.view_as(t) for t in inputs)
+        # an input that needs no gradient (a mask, indices) stays so: the recompute restores it without one
+        ctx.mark_non_differentiable(*(o for o, t in zip(out, inputs, strict=True) if not t.requires_grad))
         return out if len(out) > 1 else out[0]
 
     @staticmethod

@@ -1,82 +1,85 @@
 """DeepSpeed's activation-checkpointing API (`deepspeed.checkpointing`), as Megatron-style models
 call it: `configure(mpu, ...)`, `checkpoint(function, *args)`, `get_cuda_rng_tracker()` and
-`model_parallel_cuda_manual_seed(seed)`.
+`model_parallel_cuda_manual_seed(seed)`, as views over megazero's own parts.
 
-`checkpoint` is torch's non-reentrant checkpoint (inputs saved, `function` recomputed in backward)
-with the RNG handled as DeepSpeed's: the device's global generator (torch restores it) and the
-tracker's named states (`get_cuda_rng_tracker().fork()`, Megatron's model-parallel dropout stream)
-are put back as they were at the forward, so the recompute draws the same dropout masks.
-`configure`'s options: `checkpoint_in_cpu` keeps the saved inputs in host memory (pinned on a GPU);
-`synchronize` waits for the device before and after each checkpoint; `profile` logs each one's
-forward time; `partition_activations` and `contiguous_checkpointing` split the saved inputs over
-the tensor-parallel ranks, which megazero does for its own models (config
-``activation_checkpointing``) but not here: with more than one tensor-parallel rank in `mpu` they
-are refused; with one there is nothing to split and they have no effect (as in DeepSpeed).
+`get_cuda_rng_tracker()` is DeepSpeed's `CudaRNGStatesTracker` over megazero's stream tracker
+(`megazero.tensor_parallel.random.RNGStatesTracker`): `add(name, seed)` adds a stream there, `fork(name)`
+swaps that stream's generator in for the device's global one (Megatron's model-parallel dropout
+stream), `get_states`/`set_states` read and write its generators by stream name.
+`model_parallel_cuda_manual_seed(seed)` seeds as DeepSpeed does: the device's global generator with
+`seed`, a fresh tracker with stream ``model-parallel-rng`` at seed + 2718 + the tensor-parallel rank.
 
-DeepSpeed keeps this state in module globals; here it is one `CheckpointingState` per process
-(`state()`), the same for every caller, as scripts expect.
+`checkpoint` runs `function` as one recompute region of megazero's checkpointer
+(`megazero.activation_checkpoint.ActivationCheckpointer.checkpoint`): the tensor arguments kept, the
+function recomputed in backward with the device's global generator and the tracker's streams put back
+as they were at the forward, so the recompute draws the same dropout masks. `configure`'s options become
+the checkpointer's: `checkpoint_in_cpu` keeps the kept inputs in host memory, `synchronize` waits for the
+device at the checkpoint boundaries, `profile` logs each checkpoint's forward time.
+`partition_activations` and `contiguous_checkpointing` split the saved inputs over the tensor-parallel
+ranks, which megazero does for its own models (config ``activation_checkpointing``) but not here: with
+more than one tensor-parallel rank in `mpu` they are refused; with one there is nothing to split and they
+have no effect (as in DeepSpeed).
+
+DeepSpeed keeps this state in module globals; here it is one `CheckpointingState` in the process's
+registry (`megazero.compat.engines`, `state()`), the same for every caller, as scripts expect.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 
 import torch
-import torch.utils.checkpoint
 
+from megazero.activation_checkpoint import ActivationCheckpointer, CheckpointOptions
 from megazero.compat.accelerator import get_accelerator
+from megazero.compat.engines import registry
 from megazero.compat.helpers import logger
+from megazero.runtime.comm import single_rank_group
+from megazero.tensor_parallel.random import RNGStatesTracker
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"  # Megatron's and DeepSpeed's stream name
 
 
 class CudaRNGStatesTracker:
-    """Named RNG states of the accelerator's global generator (DeepSpeed's class): `add(name,
-    seed)` makes one, `fork(name)` runs a block drawing from it and keeps where it got to."""
+    """DeepSpeed's class, a view: its streams are those of `streams`, a megazero `RNGStatesTracker`
+    (replaced by a fresh one on `reset`), drawn on the accelerator's current device."""
 
     def __init__(self):
-        self.states_: dict = {}
-        self.seeds_: set = set()
+        self.streams = RNGStatesTracker.of_streams({})
+
+    @staticmethod
+    def _device() -> torch.device:
+        return torch.device(get_accelerator().current_device_name())
 
     def reset(self) -> None:
-        self.states_, self.seeds_ = {}, set()
+        self.streams = RNGStatesTracker.of_streams({})
 
     def get_states(self) -> dict:
-        return dict(self.states_)
+        """{stream name: its generator's state} on the current device (copies)."""
+        return {name: self.streams.generator(name, self._device()).get_state() for name in self.streams.seeds}
 
     def set_states(self, states: dict) -> None:
-        self.states_ = dict(states)
+        """Put the streams named in `states` at those generator states."""
+        for name, state in states.items():
+            self.streams.generator(name, self._device()).set_state(state)
 
     def add(self, name: str, seed: int) -> None:
-        if seed in self.seeds_:
+        if seed in self.streams.seeds.values():
             raise ValueError(f"rng tracker: seed {seed} is already used by another stream")
-        if name in self.states_:
-            raise ValueError(f"rng tracker: stream {name!r} exists already")
-        acc = get_accelerator()
-        before = acc.get_rng_state()
-        acc.manual_seed(seed)
-        self.seeds_.add(seed)
-        self.states_[name] = acc.get_rng_state()
-        acc.set_rng_state(before)
+        self.streams.add(name, seed)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
-        if name not in self.states_:
+        if name not in self.streams.seeds:
             raise ValueError(f"rng tracker: stream {name!r} was not added (model_parallel_cuda_manual_seed adds "
                              f"{MODEL_PARALLEL_RNG!r})")
-        acc = get_accelerator()
-        before = acc.get_rng_state()
-        acc.set_rng_state(self.states_[name])
-        try:
+        with self.streams.fork(name, self._device()):
             yield
-        finally:
-            self.states_[name] = acc.get_rng_state()
-            acc.set_rng_state(before)
 
 
 class CheckpointingState:
-    """What `configure` set, the tracker, and the tensor-parallel rank and size of its `mpu`."""
+    """What `configure` set, the tracker, the tensor-parallel rank and size of its `mpu`, and the
+    checkpointer `checkpoint` runs on (made from those options)."""
 
     def __init__(self):
         self.tracker = CudaRNGStatesTracker()
@@ -89,12 +92,23 @@ class CheckpointingState:
         self.partition_activations = self.contiguous_checkpointing = False
         self.checkpoint_in_cpu = self.synchronize = self.profile = False
         self.num_checkpoints = None
+        self.checkpointer = self.make_checkpointer()
+
+    def make_checkpointer(self) -> ActivationCheckpointer:
+        """megazero's checkpointer with these options. With one tensor-parallel rank (more are refused),
+        partitioning and the contiguous buffer have nothing to split: they stay off."""
+        options = CheckpointOptions(policy="full", cpu_checkpointing=bool(self.checkpoint_in_cpu),
+                                    synchronize_checkpoint_boundary=bool(self.synchronize),
+                                    profile=bool(self.profile))
+        return ActivationCheckpointer(options, single_rank_group("tp"))
 
 
-@functools.cache
 def state() -> CheckpointingState:
-    """The process's checkpointing state (DeepSpeed's module globals, in one object)."""
-    return CheckpointingState()
+    """The process's checkpointing state (DeepSpeed's module globals, in one object of the registry)."""
+    reg = registry()
+    if reg.checkpointing is None:
+        reg.checkpointing = CheckpointingState()
+    return reg.checkpointing
 
 
 def _tp_of(mpu) -> tuple[int, int]:
@@ -153,6 +167,7 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
             f"configure(partition_activations=True) with {s.tp_size} tensor-parallel ranks: megazero partitions "
             f"checkpointed activations for its own models (config activation_checkpointing.partition_activations "
             f"with a model spec), not for a user's checkpoint() calls; leave it off")
+    s.checkpointer = s.make_checkpointer()
     s.configured = True
 
 
@@ -189,43 +204,27 @@ def model_parallel_reconfigure_tp_seed(seed: int) -> None:
         get_accelerator().manual_seed(seed + 2718 + s.tp_rank)
 
 
-class _ReplayTracker:
-    """torch checkpoint's `context_fn`: the forward runs as it is; the recompute runs with the
-    tracker's states as they were at the forward, and leaves them as it found them."""
-
-    def __init__(self, tracker: CudaRNGStatesTracker):
-        self.tracker, self.saved = tracker, tracker.get_states()
-
-    @contextlib.contextmanager
-    def recompute(self):
-        current = self.tracker.get_states()
-        self.tracker.set_states(self.saved)
-        try:
-            yield
-        finally:
-            self.tracker.set_states(current)
-
-    def contexts(self):
-        return contextlib.nullcontext(), self.recompute()
-
-
 def checkpoint(function, *args, **kwargs):
     """DeepSpeed's `deepspeed.checkpointing.checkpoint(function, *args)`: `function(*args, **kwargs)`
-    with its activations recomputed in backward, the dropout masks (global generator and tracker
-    streams) replayed; options from `configure`. Local: no communication."""
+    with its activations recomputed in backward by megazero's checkpointer (its tensor arguments kept;
+    the dropout masks of the global generator and the tracker's streams replayed); options from
+    `configure`. Local: no communication."""
     s = state()
-    if s.synchronize:
-        get_accelerator().synchronize()
+    names = tuple(kwargs)
+    given = (*args, *kwargs.values())
+    at = [i for i, a in enumerate(given) if isinstance(a, torch.Tensor)]
+    if not at:  # nothing to keep: no region (DeepSpeed's would keep no graph either)
+        return function(*args, **kwargs)
+
+    def run(*tensors):
+        full = list(given)
+        for i, t in zip(at, tensors, strict=True):
+            full[i] = t
+        return function(*full[:len(args)], **dict(zip(names, full[len(args):], strict=True)))
+
     start = time.perf_counter()
-    replay = _ReplayTracker(s.tracker)
-    saving = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) \
-        if s.checkpoint_in_cpu and any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args) \
-        else contextlib.nullcontext()
-    with saving:
-        out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=replay.contexts,
-                                                **kwargs)
-    if s.synchronize:
-        get_accelerator().synchronize()
+    out = s.checkpointer.checkpoint(run, *(given[i] for i in at), name="deepspeed.checkpointing.checkpoint",
+                                    trackers=[s.tracker.streams])
     if s.profile:
         logger.info(f"checkpoint forward: {(time.perf_counter() - start) * 1e3:.3f} ms")
     return out

@@ -6,25 +6,27 @@ DeepSpeed's do; megazero's engine does not use them (its collectives go through
 `megazero.runtime.comm` over the ParallelContext's groups, counted in its `CommStats`). The comms
 logger (`configure`, or the config's ``comms_logger`` section at `initialize`) times the calls made
 here while enabled: each one, where profiled (``prof_all``, its name in ``prof_ops``, or
-``prof=True``), waits for the device and is recorded as (op, message bytes, latency); `log_summary`
+``prof=True``), waits for the device and is recorded as (op, message bytes, latency) in a `CommStats`
+(`CommStats.record_time`) of the process's registry (`megazero.compat.engines`); `log_summary`
 prints and returns DeepSpeed's table (count, latency, algorithmic and bus bandwidth per op and
-message size) plus, when `initialize` attached an engine's counters, the engine's own collectives
-per (axis, op): calls and bytes (not timed: they overlap with compute).
+message size) plus, for the live engines whose config turned the logger on, their own collectives
+per (axis, op) read from their `CommStats`: calls and bytes (not timed: they overlap with compute).
+`CommsLogger` is a view over those; it records nothing of its own.
 """
 from __future__ import annotations
 
 import functools
 import os
-import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megazero.compat.accelerator import get_accelerator
+from megazero.compat.engines import Registry, registry
 from megazero.core.launch_env import read_launch_env
+from megazero.runtime.comm import CommStats
 
 ReduceOp = dist.ReduceOp
 
@@ -36,53 +38,77 @@ _GATHERED = ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_s
 _RING = _GATHERED + ("all_reduce", "all_reduce_coalesced", "all_to_all_single", "all_to_all")
 
 
-@dataclass
-class CommsLogger:
-    """The process's comms logger: DeepSpeed's options and what it recorded. `records[op][bytes]` is
-    a list of latencies in ms; `engine_stats`: `CommStats` of engines whose collectives the summary
-    adds (attached by `initialize` when the config's comms_logger is enabled)."""
+AXIS = "deepspeed.comm"  # the axis under which megazero.comm's own calls are timed in the registry's CommStats
 
-    enabled: bool = False
-    prof_all: bool = True
-    prof_ops: list = field(default_factory=list)
-    verbose: bool = False
-    debug: bool = False
-    records: dict = field(default_factory=dict)
-    engine_stats: list = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+class CommsLogger:
+    """DeepSpeed's comms logger, a view: its switches are the registry's `CommsOptions`, its records the
+    registry's `CommStats` (`megazero.comm`'s calls, axis `AXIS`) and, in the summary, the `CommStats`
+    of the live engines whose config turned the logger on (`megazero.compat.engines`). It keeps nothing."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+
+    def __getattr__(self, name: str):
+        if name in ("enabled", "prof_all", "prof_ops", "verbose", "debug"):
+            return getattr(self.registry.comms, name)
+        raise AttributeError(f"CommsLogger has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("enabled", "prof_all", "prof_ops", "verbose", "debug"):
+            setattr(self.registry.comms, name, value)  # a switch set on the view is the registry's
+        else:
+            super().__setattr__(name, value)
+
+    @property
+    def stats(self) -> CommStats:
+        """Where `megazero.comm`'s timed calls are recorded."""
+        return self.registry.comm_stats
+
+    def engine_stats(self) -> list[CommStats]:
+        """The `CommStats` of the live engines built with the config's comms_logger on."""
+        return [e.pctx.stats for e in self.registry.engines()
+                if e.config is not None and e.config.log.comms_logger.enabled]
 
     def profiles(self, name: str, prof: bool) -> bool:
-        return self.enabled and (prof or self.prof_all or name in self.prof_ops)
+        o = self.registry.comms
+        return o.enabled and (prof or o.prof_all or name in o.prof_ops)
 
     def append(self, name: str, nbytes: int, latency_ms: float) -> None:
-        with self._lock:
-            self.records.setdefault(name, {}).setdefault(nbytes, []).append(latency_ms)
-        if self.verbose:
+        self.stats.record_time(AXIS, name, nbytes, latency_ms / 1e3)
+        if self.registry.comms.verbose:
             print(f"[megazero.comm] rank={get_rank()} op={name} bytes={nbytes} time_ms={latency_ms:.3f}", flush=True)
 
+    def records(self) -> dict[str, dict[int, tuple[int, float]]]:
+        """{op: {message bytes: (calls, total ms)}} of `megazero.comm`'s timed calls."""
+        out: dict = {}
+        for (axis, op, nbytes), (calls, seconds) in self.stats.timings().items():
+            if axis == AXIS:
+                out.setdefault(op, {})[nbytes] = (calls, seconds * 1e3)
+        return out
 
-@functools.cache
+
 def comms_logger() -> CommsLogger:
-    """The process-wide comms logger (DeepSpeed's `deepspeed.comm.comms_logger`)."""
-    return CommsLogger()
+    """DeepSpeed's `deepspeed.comm.comms_logger`: the view of this process's registry."""
+    return CommsLogger(registry())
 
 
 def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None, debug=None) -> None:
     """DeepSpeed's `deepspeed.comm.configure`: set the comms logger's options; `deepspeed_config`
     (a dict with a ``comms_logger`` section, or a megazero Config) first, then the keywords."""
-    log = comms_logger()
+    options = registry().comms
     section = None
     if isinstance(deepspeed_config, dict):
         section = deepspeed_config.get("comms_logger")
     elif deepspeed_config is not None:
         section = vars(deepspeed_config.log.comms_logger)
-    options = dict(section or {})
-    options.update({k: v for k, v in dict(enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose,
-                                          debug=debug).items() if v is not None})
-    for key, value in options.items():
+    given = dict(section or {})
+    given.update({k: v for k, v in dict(enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose,
+                                        debug=debug).items() if v is not None})
+    for key, value in given.items():
         if key not in ("enabled", "prof_all", "prof_ops", "verbose", "debug"):
             raise ValueError(f"comms_logger.{key}: unknown option; valid: enabled, prof_all, prof_ops, verbose, debug")
-        setattr(log, key, list(value) if key == "prof_ops" else bool(value))
+        setattr(options, key, list(value) if key == "prof_ops" else bool(value))
 
 
 def _nbytes(t) -> int:
@@ -329,23 +355,22 @@ def has_coalescing_manager() -> bool:
 def summary(log: CommsLogger | None = None, world_size: int | None = None) -> dict:
     """This rank's logged calls as DeepSpeed's `log_summary` dict: {"summary": {op: {bytes: {count,
     total_latency_ms, avg_latency_ms, tput_avg_gbps, busbw_avg_gbps, msg_size_bytes}}}, "engine":
-    {"axis/op": {calls, bytes, ...}}, "metadata": {world_size, rank}}. Local: no communication."""
+    {"axis/op": {calls, bytes, ...}}, "metadata": {world_size, rank}}, read from the `CommStats` the
+    logger views. Local: no communication."""
     log = log or comms_logger()
     n = world_size or (get_world_size() if is_initialized() else 1)
     table: dict = {}
-    with log._lock:
-        items = {op: {size: list(lat) for size, lat in sizes.items()} for op, sizes in log.records.items()}
-    for op, sizes in items.items():
-        for size, latencies in sorted(sizes.items()):
-            avg = sum(latencies) / len(latencies)
+    for op, sizes in log.records().items():
+        for size, (count, total_ms) in sorted(sizes.items()):
+            avg = total_ms / count
             moved = size * n if op in _GATHERED else size * (2 if op.startswith("all_reduce") else 1)
             tput = moved / (avg / 1e3) * 8 / 1e9 if avg > 0 else 0.0  # Gbit/s
             table.setdefault(op, {})[size] = {
-                "count": len(latencies), "total_latency_ms": sum(latencies), "avg_latency_ms": avg,
+                "count": count, "total_latency_ms": total_ms, "avg_latency_ms": avg,
                 "tput_avg_gbps": tput, "busbw_avg_gbps": tput * ((n - 1) / n if op in _RING else 1.0),
                 "msg_size_bytes": size}
     engine: dict = {}
-    for stats in log.engine_stats:
+    for stats in log.engine_stats():
         for key, row in stats.snapshot().items():
             mine = engine.setdefault(key, {"calls": 0, "bytes": 0.0, "inter_node_bytes": 0.0})
             mine["calls"] += row["calls"]
@@ -386,21 +411,21 @@ def format_summary(result: dict) -> str:
 
 
 def reset_log() -> None:
-    """Forget what was logged (DeepSpeed's, e.g. per epoch); the engines' counters too."""
+    """Forget what was logged (DeepSpeed's, e.g. per epoch): `megazero.comm`'s records and the logged
+    engines' counters."""
     log = comms_logger()
-    with log._lock:
-        log.records.clear()
-    for stats in log.engine_stats:
+    log.stats.reset()
+    for stats in log.engine_stats():
         stats.reset()
 
 
 def has_comm_data() -> bool:
-    return bool(comms_logger().records)
+    return bool(comms_logger().records())
 
 
 def get_comm_operation_count() -> int:
-    return sum(len(lat) for sizes in comms_logger().records.values() for lat in sizes.values())
+    return sum(count for sizes in comms_logger().records().values() for count, _ in sizes.values())
 
 
 def get_logged_comm_ops() -> list[str]:
-    return sorted(comms_logger().records)
+    return sorted(comms_logger().records())

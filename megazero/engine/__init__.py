@@ -25,8 +25,6 @@ from megazero.core.config.initialize_checks import BuiltModel, check_model, chec
 from megazero.core.config.spec_checks import load_for_run
 from megazero.core.config.loading import read_file, read_tree
 from megazero.core.launch_env import read_launch_env
-from megazero.compat.dist_api import comms_logger
-from megazero.compat.dist_api import configure as configure_comms_logger
 from megazero.compat.monitor import MonitorMaster, check_installed
 from megazero.compat.pipe_topology import as_megazero
 from megazero.engine.factories import (build_model, build_optimizer, build_scheduler, compute_dtype, synthetic_batches,
@@ -146,9 +144,6 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
     t = cfg.train
     loader = _training_loader(training_data, cfg, pctx, collate_fn) if training_data is not None else None
     monitor = MonitorMaster(cfg.log, pctx.global_rank)
-    if cfg.log.comms_logger.enabled:  # DeepSpeed's comms logger: megazero.comm's calls, the engine's counters
-        configure_comms_logger(cfg)
-        comms_logger().engine_stats.append(pctx.stats)
     r = cfg.resilience
     checking = r.silent_error_interval or r.silent_error_spike
     if isinstance(module, PipelineModule):
@@ -158,11 +153,11 @@ def initialize_from_config(cfg: Config, model=None, model_parameters=None, train
                                 cfg.pipeline.schedule, cfg.pipeline.chunks, t.micro_batch_size, compute_dtype(cfg),
                                 on_instruction=on_instruction, device=info.device, local_rank=info.local_rank,
                                 training_data=loader, monitor=monitor, silent_check=check,
-                                keep_step_rng=cfg.checkpoint.save_on_failure)
+                                keep_step_rng=cfg.checkpoint.save_on_failure, config=cfg)
     else:
         engine = ModuleEngine(module, pctx, optimizer, scheduler, t.gradient_accumulation_steps, t.micro_batch_size,
                               info.local_rank, info.device, training_data=loader, monitor=monitor,
-                              flops_profiler=cfg.log.flops_profiler)
+                              flops_profiler=cfg.log.flops_profiler, config=cfg)
     return engine, optimizer, loader if loader is not None else _dataloader(cfg, pctx, module, engine), scheduler
 
 

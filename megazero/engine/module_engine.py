@@ -26,8 +26,9 @@ from megazero.zero.lr_schedule import step_lr_scheduler
 class ModuleEngine(CheckpointMethods, EngineSurface):
     def __init__(self, module, pctx: ParallelContext, optimizer, lr_scheduler, gradient_accumulation_steps: int,
                  micro_batch_size: int = 1, local_rank: int = 0, device="cpu", training_data=None, monitor=None,
-                 flops_profiler=None):
+                 flops_profiler=None, config=None):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
+        self.config = config  # the resolved Config it was built from (None when built by hand)
         # DeepSpeed's engine.monitor (megazero.compat.monitor.MonitorMaster) and flops_profiler section
         self.monitor, self.flops_profiler_config = monitor, flops_profiler
         self._step_loss = None  # the step's summed micro-batch losses, kept only while a monitor is on

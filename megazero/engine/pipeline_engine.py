@@ -50,8 +50,9 @@ class PipelineEngine(CheckpointMethods, EngineSurface):
     def __init__(self, module: PipelineModule, pctx: ParallelContext, optimizer, lr_scheduler,
                  num_microbatches: int, schedule: str = "1f1b", chunks: int = 1, micro_batch_size: int = 1,
                  dtype=torch.float32, on_instruction=None, device="cpu", local_rank: int = 0, training_data=None,
-                 monitor=None, silent_check: SilentCheck | None = None, keep_step_rng: bool = False):
+                 monitor=None, silent_check: SilentCheck | None = None, keep_step_rng: bool = False, config=None):
         self.module, self.pctx, self.optimizer, self.lr_scheduler = module, pctx, optimizer, lr_scheduler
+        self.config = config  # the resolved Config it was built from (None when built by hand)
         self.monitor = monitor  # DeepSpeed's engine.monitor (megazero.compat.monitor.MonitorMaster), or None
         self.silent_check = silent_check  # checked steps run twice (megazero.resilience.silent_check), or None
         self.keep_step_rng, self.step_rng = keep_step_rng, None  # checkpoint.save_on_failure (checkpoint/failure_save.py)

@@ -76,6 +76,7 @@ class CommStats:
     inter_node: dict = field(default_factory=dict)
     waits: dict = field(default_factory=dict)  # axis -> host seconds blocked in synchronous calls (`blocked`)
     fingerprints: list | None = None  # while a list: (direction, axis, checksum) of every tensor sent and received
+    timed: dict = field(default_factory=dict)  # (axis, op, message bytes) -> [calls, seconds]: calls timed whole
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_wait(self, axis: str, seconds: float) -> None:
@@ -100,6 +101,19 @@ class CommStats:
             x.elements += inter_elements
             x.bytes += inter_elements * element_size
 
+    def record_time(self, axis: str, op: str, nbytes: int, seconds: float) -> None:
+        """One call of `op` on `axis` with a message of `nbytes`, timed whole by its caller (device waited for
+        before and after): DeepSpeed's comms logger's records (`megazero.comm`'s calls when it profiles them)."""
+        with self._lock:
+            row = self.timed.setdefault((axis, op, nbytes), [0, 0.0])
+            row[0] += 1
+            row[1] += seconds
+
+    def timings(self) -> dict[tuple[str, str, int], tuple[int, float]]:
+        """A copy of the timed calls: (axis, op, message bytes) -> (calls, seconds)."""
+        with self._lock:
+            return {k: (v[0], v[1]) for k, v in self.timed.items()}
+
     def total(self, axis: str | None = None, op: str | None = None, inter_node: bool = False) -> OpCount:
         """Sum over entries matching `axis` and `op` (None matches all); with `inter_node`, only what
         left the node."""
@@ -115,6 +129,7 @@ class CommStats:
             self.counts.clear()
             self.inter_node.clear()
             self.waits.clear()
+            self.timed.clear()
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """A JSON-ready copy: {"axis/op": {"calls", "elements", "bytes", "inter_node_bytes"}}."""

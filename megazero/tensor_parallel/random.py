@@ -54,6 +54,16 @@ class RNGStatesTracker:
         self.add(TP_STREAM, stable_seed("dropout", seed, "tp", tp_rank, pp_rank))
         self.add(REPLICATED_STREAM, stable_seed("dropout", seed, "replicated", pp_rank))
 
+    @classmethod
+    def of_streams(cls, streams: dict[str, int]) -> "RNGStatesTracker":
+        """A tracker of exactly `streams` (name -> seed), without the model's two: for callers that add
+        their own by name (DeepSpeed's `get_cuda_rng_tracker`, `megazero.compat.activation_api`)."""
+        tracker = cls.__new__(cls)
+        tracker.seeds, tracker._gens = {}, {}
+        for name, seed in streams.items():
+            tracker.add(name, seed)
+        return tracker
+
     def add(self, name: str, seed: int) -> None:
         """Register stream `name` with `seed` (an error if the name exists)."""
         if name in self.seeds:

@@ -1,4 +1,4 @@
-"""`deepspeed.ops.adam` as `megazero.ops.adam` (see `megazero.ops.deepspeed_adam`)."""
-from megazero.ops.deepspeed_adam import DeepSpeedCPUAdam, FusedAdam
+"""`deepspeed.ops.adam` as `megazero.ops.adam` (`megazero.compat.deepspeed_adam`)."""
+from megazero.compat.deepspeed_adam import DeepSpeedCPUAdam, FusedAdam
 
 __all__ = ["FusedAdam", "DeepSpeedCPUAdam"]
