@@ -163,8 +163,8 @@ def test_what_initialize_is_given_is_refused_before_any_process_group(monkeypatc
              overrides=["activation_checkpointing.policy=full"])
     _refused(groups, "resilience.silent_error_interval", "cannot replay", config=ds, model=net(),
              overrides=["resilience.silent_error_interval=5"])
-    _refused(groups, "parallel.pp=1", "num_stages=2", config=ds,
-             model=PipelineModule([nn.Linear(4, 4), nn.Linear(4, 4)], num_stages=2, stage=0), overrides=["parallel.pp=1"])
+    two_stages = PipelineModule([nn.Linear(4, 4), nn.Linear(4, 4)], num_stages=2, stage=0)
+    _refused(groups, "parallel.pp=1", "num_stages=2", config=ds, model=two_stages, overrides=["parallel.pp=1"])
     _refused(groups, "parallel.tp=2, parallel.pp=1", "plain nn.Module runs with tp = pp = 1", config=ds, model=net(),
              overrides=["parallel.tp=2"])
     _refused(groups, "parallel.cp=2", "not a built Sequential", config=ds, model=net(), overrides=["parallel.cp=2"])
