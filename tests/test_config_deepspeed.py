@@ -102,6 +102,36 @@ def test_deprecated_cpu_offload_keys():
     assert off.zero.offload_optimizer.device == "none"
 
 
+
+def test_offload_pin_memory_keys_map_and_default_as_deepspeeds():
+    """zero_optimization.offload_*.pin_memory map onto zero.offload_*.pin_memory; absent, both are true in
+    megazero's schema and in a DeepSpeed JSON, as DeepSpeed's own offload configs default (the oracle)."""
+    offload = pytest.importorskip("deepspeed.runtime.zero.offload_config")
+    oracle = (offload.DeepSpeedZeroOffloadOptimizerConfig().pin_memory,
+              offload.DeepSpeedZeroOffloadParamConfig().pin_memory)
+    assert oracle == (True, True)
+
+    def pins(cfg):
+        return cfg.zero.offload_optimizer.pin_memory, cfg.zero.offload_param.pin_memory
+
+    assert pins(load_config()) == oracle
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    assert pins(from_deepspeed({"zero_optimization": zero})) == oracle
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+            "offload_param": {"device": "cpu", "pin_memory": True}}
+    assert pins(from_deepspeed({"zero_optimization": zero})) == (False, True)
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": False}}
+    assert pins(from_deepspeed({"zero_optimization": zero})) == (True, False)
+    # the deprecated spelling sets both, both ways; the new spelling wins where both are given
+    assert pins(from_deepspeed({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
+                                                      "cpu_offload_use_pin_memory": False}})) == (False, False)
+    both = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "cpu_offload_use_pin_memory": False}
+    assert pins(from_deepspeed({"zero_optimization": both})) == (True, False)
+    with pytest.raises(ConfigError, match="zero_optimization.cpu_offload_use_pin_memory"):
+        from_deepspeed({"zero_optimization": {"stage": 2, "cpu_offload_use_pin_memory": "yes"}})
+
+
 @pytest.mark.parametrize("ds", [
     {"tensorboard": {"enabled": False, "output_path": "x"}},
     {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "nvme_path": "/nvme", "buffer_count": 5}}},

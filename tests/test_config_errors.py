@@ -224,6 +224,7 @@ def test_all_problems_reported_at_once():
     ("zero.round_robin_gradients=true", "zero.round_robin_gradients"),
     ("zero.max_reuse_distance=5", "zero.max_reuse_distance"),
     ("zero.gather_16bit_weights_on_model_save=true", "zero.gather_16bit_weights_on_model_save"),
+    ("train.eval_steps=5", "train.eval_steps"),
 ])
 def test_not_supported_yet_names_key(override, key):
     overrides = [override] + (["parallel.tp=2"] if "sequence" in override else [])

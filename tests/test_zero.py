@@ -12,8 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megazero.core.config import load_config
+from megazero.engine.factories import build_optimizer
 from megazero.runtime.parallel_context import ParallelContext
 from megazero.core.topology import Topology
+from megazero.zero.flat_group import host_pinned
 from megazero.zero.optimizer import OptimizerSpec, ZeroOptimizer
 from megazero.zero.param_groups import megatron_param_groups
 from tests.harness import run_ranks
@@ -123,6 +126,60 @@ def test_overlap_and_offload_parity(stage, kw):
     ref = reference(ADAM)
     for res in run_ranks(zero_worker, 2, stage, ADAM, reduce_bucket_size=200, **kw, timeout=120):
         _close(res, ref)
+
+
+def test_offload_host_buffers_are_pinned_when_the_flag_asks_and_cuda_exists():
+    """`host_pinned`, the one decision every offloaded host buffer is allocated by, with a stand-in CUDA
+    availability: pinned only when the pin_memory flag is set and CUDA is available."""
+    table = {(flag, cuda): host_pinned(flag, cuda) for flag in (False, True) for cuda in (False, True)}
+    assert table == {(False, False): False, (False, True): False, (True, False): False, (True, True): True}
+
+
+def offload_pin_worker(zero: dict):
+    """build_optimizer (the engine's factory) from a config with `zero`: per flat group, the pin flags it
+    received and whether each of its host buffers is page-locked (None: not on the host / not made)."""
+    cfg = load_config({"zero": {"param_persistence_threshold": 0, **zero}}, world_size=dist.get_world_size())
+    pctx = ParallelContext(Topology(dp=dist.get_world_size()))
+    model = make_model().to("cuda" if torch.cuda.is_available() else "cpu")
+    opt = build_optimizer(cfg, model, pctx)
+    out = {}
+    for g in opt.groups:
+        g.host_grad_async(0)  # an offload from CUDA makes its gradient staging buffer here
+        shard = g.param_shard if g.shard_params and g.param_shard.device.type == "cpu" else None
+        out[g.name] = (g.pin_params, g.pin_optimizer, shard is not None and shard.is_pinned(),
+                       g.master_flat.is_pinned() if g.separate_master else None, g.state_flat.is_pinned(),
+                       g._host_grad.is_pinned() if g._host_grad is not None else None)
+    return out
+
+
+@pytest.mark.parametrize("zero, pins", [
+    # (config's zero section, (pin_params, pin_optimizer) the groups get)
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, (True, True)),  # the default: pinned, as DeepSpeed's
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}, (False, False)),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+      "offload_param": {"device": "cpu", "pin_memory": False}}, (False, True)),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+      "offload_param": {"device": "cpu", "pin_memory": True}}, (True, False)),
+    # one offload only: its flag for every host buffer, the other key's ignored (nothing of it on the host)
+    ({"stage": 3, "offload_optimizer": {"device": "none", "pin_memory": False},
+      "offload_param": {"device": "cpu", "pin_memory": True}}, (True, True)),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+      "offload_param": {"device": "none", "pin_memory": True}}, (False, False)),
+])
+def test_offload_pin_memory_keys_reach_the_flat_groups(zero, pins):
+    """zero.offload_*.pin_memory pass through the engine's optimizer factory and ZeroOptimizer into
+    every FlatGroup, and each host buffer is page-locked exactly when `host_pinned` says (on a CPU-only
+    machine: never; on a CUDA machine: when its flag is set)."""
+    (groups,) = run_ranks(offload_pin_worker, 1, zero, timeout=120)
+    assert set(groups) == ({"sharded"} if zero["stage"] == 3 else {"main"})
+    cuda = torch.cuda.is_available()
+    for name, (pin_params, pin_optimizer, shard, master, state, staging) in groups.items():
+        assert (pin_params, pin_optimizer) == pins, name
+        if zero["stage"] == 3:  # the parameter shard is on the host (either offload puts it there)
+            assert shard == host_pinned(pin_params, cuda), name
+        assert master is not None, name  # offloaded: a separate fp32 master on the host
+        assert master == state == host_pinned(pin_optimizer, cuda), name
+        assert staging == (host_pinned(pin_optimizer, cuda) if cuda else None), name
 
 
 def test_sgd_parity():

@@ -159,7 +159,8 @@ def test_overlap_keeps_at_most_max_inflight_reductions_alive(monkeypatch):
 
     monkeypatch.setattr(fg.comm, "reduce_scatter", reduce_scatter)
     params = [torch.nn.Parameter(torch.zeros(8)) for _ in range(6)]
-    group = fg.FlatGroup("g", params, single_rank_group("dp"), 2, 8)  # stage 2, one parameter per bucket
+    group = fg.FlatGroup("g", params, single_rank_group("dp"), 2, 8,  # stage 2, one parameter per bucket
+                         pin_params=False, pin_optimizer=False)  # not offloaded: no host buffer
     assert len(group.layout.buckets) == len(params)
     for i in range(len(params)):
         group.grad_view(i).fill_(i + 1)

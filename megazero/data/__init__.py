@@ -13,14 +13,14 @@ from .corpus import (PreprocessSummary, demo_corpus, file_documents, input_files
                      stdlib_files)
 from .dataset import SampleOrder, TokenSampleDataset, epoch_permutation
 from .indexed import DataPathError, IndexedTokens, IndexedWriter, InMemoryTokens, preprocess_hint
-from .sampler import MicroBatchIterator, NoDataIterator, build_data_iterator
+from .sampler import MicroBatchIterator, NoDataIterator, WorkerMicroBatches, build_data_iterator
 from .tokenizer import (BYTE_VOCAB_SIZE, BPETokenizer, ByteTokenizer, check_vocab, load_tokenizer,
                         tokenizer_path)
 
 __all__ = [
     "BYTE_VOCAB_SIZE", "BPETokenizer", "ByteTokenizer", "DataPathError", "IndexedTokens", "IndexedWriter",
     "InMemoryTokens", "MicroBatchIterator", "NoDataIterator", "PreprocessSummary", "SampleOrder",
-    "TokenSampleDataset", "build_data_iterator", "check_vocab", "demo_corpus", "epoch_permutation",
+    "TokenSampleDataset", "WorkerMicroBatches", "build_data_iterator", "check_vocab", "demo_corpus", "epoch_permutation",
     "file_documents", "input_files", "load_tokenizer", "preprocess", "preprocess_hint", "stdlib_files",
     "tokenizer_path",
 ]

@@ -12,12 +12,18 @@ order:
 (m = micro_batch_size, gas = gradient_accumulation_steps). Every tp rank and pipeline stage of
 one dp replica computes the same slice independently, so the ranks that load data agree without
 talking. Resuming at step k computes positions from k directly: skipped data is never read.
+
+With ``num_workers`` > 0 (config ``data.num_workers``) worker processes read the micro-batches ahead
+(`WorkerMicroBatches`, a torch DataLoader over the same random-access `MicroBatchIterator.micro_batch`): the
+same micro-batches in the same order, whatever the number of workers.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
+import torch.utils.data
 
 from .dataset import SampleOrder, TokenSampleDataset
 from .indexed import IndexedTokens
@@ -83,6 +89,54 @@ class MicroBatchIterator:
                 f"dp={self.dp_rank}/{self.dp_size}, step={self.step}, micro={self.micro})")
 
 
+class _MicroBatchSequence(torch.utils.data.Dataset):
+    """Item k: the k-th micro-batch of `it` from its current position (step it.step, micro-batch it.micro)."""
+
+    def __init__(self, it: MicroBatchIterator):
+        self.it, self.first = it, it.step * it.gradient_accumulation_steps + it.micro
+
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+        step, mb = divmod(self.first + k, self.it.gradient_accumulation_steps)
+        return self.it.micro_batch(step, mb)
+
+
+class _Endless(torch.utils.data.Sampler):
+    """0, 1, 2, ... forever (the micro-batch sequence has no end: epochs wrap)."""
+
+    def __iter__(self):
+        return itertools.count()
+
+
+class WorkerMicroBatches:
+    """`it`'s micro-batches, in its order, read ahead by `num_workers` worker processes (a torch DataLoader,
+    ``batch_size=None``: each item is already a micro-batch); `step`, `micro` and `state_dict()` say what
+    the caller has taken, as `MicroBatchIterator`'s do."""
+
+    def __init__(self, it: MicroBatchIterator, num_workers: int):
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers={num_workers!r} must be an integer >= 1 (0: read in this process)")
+        self.source, self.num_workers = it, num_workers
+        self.step, self.micro = it.step, it.micro
+        loader = torch.utils.data.DataLoader(_MicroBatchSequence(it), batch_size=None, sampler=_Endless(),
+                                             num_workers=num_workers)
+        self._batches = iter(loader)
+
+    def __iter__(self) -> "WorkerMicroBatches":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        batch = next(self._batches)
+        self.micro += 1
+        if self.micro == self.source.gradient_accumulation_steps:
+            self.step, self.micro = self.step + 1, 0
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the caller is (as `MicroBatchIterator.state_dict`; the workers may have read further)."""
+        return {"step": self.step, "micro": self.micro, "seed": self.source.seed,
+                "global_batch_size": self.source.global_batch_size}
+
+
 class NoDataIterator:
     """Stands in for the data iterator on pipeline stages that read no data (middle stages).
 
@@ -108,10 +162,11 @@ class NoDataIterator:
 def build_data_iterator(path_prefix: str, seq_len: int, micro_batch_size: int,
                         gradient_accumulation_steps: int, dp_rank: int, dp_size: int, seed: int,
                         start_step: int = 0, needs_data: bool = True, shuffle: bool = True,
-                        model_vocab: Optional[int] = None, documents: bool = False):
+                        model_vocab: Optional[int] = None, documents: bool = False, num_workers: int = 0):
     """This rank's micro-batch iterator over ``<path_prefix>.bin/.idx``.
 
-    Returns a `MicroBatchIterator` (see the module docstring for which samples a dp rank gets), or
+    Returns a `MicroBatchIterator` (see the module docstring for which samples a dp rank gets), the same
+    micro-batches read ahead by `num_workers` processes (`WorkerMicroBatches`) when it is > 0, or
     a `NoDataIterator` when `needs_data` is False: then the data files are not opened or even
     checked for existence. Arguments are validated on every rank alike. With `model_vocab` the
     data's vocab is checked against the model's (`check_vocab`). With `documents` each micro-batch carries
@@ -129,8 +184,9 @@ def build_data_iterator(path_prefix: str, seq_len: int, micro_batch_size: int,
     if model_vocab is not None:
         check_vocab(source.vocab_size, model_vocab, source.tokenizer_name)
     dataset = TokenSampleDataset(source, seq_len, documents=documents)
-    return MicroBatchIterator(dataset, micro_batch_size, gradient_accumulation_steps, dp_rank, dp_size,
-                              seed, start_step=start_step, shuffle=shuffle)
+    it = MicroBatchIterator(dataset, micro_batch_size, gradient_accumulation_steps, dp_rank, dp_size,
+                            seed, start_step=start_step, shuffle=shuffle)
+    return WorkerMicroBatches(it, num_workers) if num_workers else it
 
 
 def _check_layout(micro_batch_size: int, gradient_accumulation_steps: int, dp_rank: int, dp_size: int,

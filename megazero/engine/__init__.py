@@ -227,4 +227,4 @@ def _dataloader(cfg: Config, pctx: ParallelContext, module, engine, start_step: 
 
     return build_data_iterator(cfg.data.path, spec.seq_len, t.micro_batch_size, t.gradient_accumulation_steps,
                                pctx.dp_rank, pctx.dp_size, t.seed, start_step=start_step, model_vocab=spec.vocab,
-                               documents=cfg.data.packed_documents)
+                               documents=cfg.data.packed_documents, num_workers=cfg.data.num_workers)

@@ -13,7 +13,13 @@ Storage by stage (Ψ = this group's parameters, Nd = dp size):
   reduce-scattered into (stages 2-3).
 - master: a view of the working buffer when the working dtype is fp32 and the optimizer is not
   offloaded (no copy, as in the ZeRO paper's fp32 accounting), else a separate fp32 tensor (on the
-  CPU when offloaded, pinned if CUDA exists).
+  CPU when offloaded).
+
+Host buffers (an offloaded parameter shard; an offloaded master, Adam moments and gradient staging) are
+page-locked when their flag asks for it and CUDA exists (`host_pinned`): `pin_params` for the shard,
+`pin_optimizer` for the rest (zero.offload_param.pin_memory / zero.offload_optimizer.pin_memory, see
+`grouping.make_groups`). Pinned, the copies to and from the device are asynchronous DMA; unpinned, they
+go through CUDA's staging buffer (the same values, the host waiting).
 """
 from __future__ import annotations
 
@@ -25,6 +31,13 @@ from megazero.runtime.comm import GroupHandle, after
 from megazero.core.flat_buffer import FlatLayout, build_layout
 from megazero.zero.partitioned_init import full_shape, full_value, is_partitioned
 from megazero.zero.zeropp import ZeroPlusPlus, quantized_all_gather, quantized_reduce_scatter
+
+
+def host_pinned(requested: bool, cuda_available: bool) -> bool:
+    """Whether a host buffer is allocated page-locked: when its pin_memory flag asks for it and CUDA is
+    available (pinning needs a CUDA runtime; on a CPU-only machine every buffer is ordinary memory).
+    Local: no communication."""
+    return requested and cuda_available
 
 
 def _flat_views(flat: torch.Tensor, ranges: list[tuple[int, int]], base: int = 0) -> list[torch.Tensor]:
@@ -89,7 +102,8 @@ class FlatGroup:
 
     def __init__(self, name: str, params: list[torch.nn.Parameter], dp_group: GroupHandle, stage: int,
                  bucket_size: int, boundaries=(), shard_params: bool = False, offload: bool = False,
-                 on_reduced=None, grad_divisor: int | None = None, zeropp: ZeroPlusPlus | None = None):
+                 on_reduced=None, grad_divisor: int | None = None, zeropp: ZeroPlusPlus | None = None, *,
+                 pin_params: bool, pin_optimizer: bool):
         self.name, self.params, self.dp, self.stage = name, params, dp_group, stage
         self.zeropp = zeropp or ZeroPlusPlus()  # stage 3's ZeRO++ options (megazero.zero.zeropp)
         # the reduction averages over the data-parallel replicas: dp_group's size, or (experts, reduced
@@ -98,6 +112,9 @@ class FlatGroup:
         self.shard_params = shard_params
         self.full_grads = stage <= 1
         self.offload = offload
+        # host buffers page-locked if asked and CUDA exists (host_pinned): the offloaded parameter shard;
+        # the offloaded master, moments and gradient staging
+        self.pin_params, self.pin_optimizer = pin_params, pin_optimizer
         self.on_reduced = on_reduced  # on_reduced(group, b): bucket b's reduction has landed in grad_owned[b]
         self.shapes = [full_shape(p) for p in params]  # kept: stage 3 empties the parameters' data
         self.layout: FlatLayout = build_layout([s.numel() for s in self.shapes], dp_group.size, bucket_size,
@@ -119,7 +136,7 @@ class FlatGroup:
         self._inflight: list = []  # (work or None, bucket, temp shard or None, slot or None) not finished yet
         self._next = 0  # the bucket whose reduction is launched next: every rank launches them in index order
         self._ready: set[int] = set()  # buckets complete (every gradient arrived) and not launched yet
-        self._host_grad: torch.Tensor | None = None  # offload from an accelerator: pinned staging for Adam
+        self._host_grad: torch.Tensor | None = None  # offload from an accelerator: host staging for Adam
         self._secondary: dict[int, torch.Tensor] = {}  # hpZ: bucket -> this rank's 1/k of it, until the step
 
     # -- construction -------------------------------------------------------------------
@@ -144,7 +161,7 @@ class FlatGroup:
             self.param_owned = _flat_views(self.param_flat, self.owned)
             return
         shard = torch.zeros(lay.shard_numel, dtype=self.dtype, device="cpu" if self.offload else self.device,
-                            pin_memory=self.offload and torch.cuda.is_available())  # async copies to the device
+                            pin_memory=self.offload and host_pinned(self.pin_params, torch.cuda.is_available()))
         self.param_owned, pos, mine = [], 0, {}  # mine: param -> [(owned view, its segment)]
         for b in lay.buckets:
             n = b.numel // self.dp.size
@@ -178,7 +195,7 @@ class FlatGroup:
         self._owned_start = [sum(sizes[:b]) for b in range(len(sizes))]
         self.separate_master = self.dtype != torch.float32 or self.offload
         dev = "cpu" if self.offload else self.device
-        pin = self.offload and torch.cuda.is_available()
+        pin = self.offload and host_pinned(self.pin_optimizer, torch.cuda.is_available())
         if self.separate_master:
             flat = torch.empty(sum(sizes), dtype=torch.float32, device=dev, pin_memory=pin)
             self.master = list(torch.split(flat, sizes))
@@ -210,7 +227,7 @@ class FlatGroup:
     # -- gradients --------------------------------------------------------------------------
     def host_grads(self, buckets) -> list[torch.Tensor]:
         """The reduced gradients of `buckets` where the optimizer runs: `grad_owned` itself, or, when
-        offloaded from an accelerator, their slices of one pinned host buffer kept for the run (copied
+        offloaded from an accelerator, their slices of one host buffer kept for the run (copied
         asynchronously, then one synchronisation)."""
         out = [self.host_grad_async(b) for b in buckets]
         if out and self.offload and self.grad_owned[0].device.type == "cuda":
@@ -219,13 +236,13 @@ class FlatGroup:
 
     def host_grad_async(self, b: int) -> torch.Tensor:
         """Bucket b's reduced gradient on the optimizer's device: `grad_owned[b]` itself, or (offloaded
-        from an accelerator) its slice of the pinned staging buffer with the copy enqueued on the
+        from an accelerator) its slice of the host staging buffer with the copy enqueued on the
         current stream: the caller synchronises (or waits on an event recorded after it) before reading."""
         if not self.offload or self.grad_owned[0].device.type == "cpu":
             return self.grad_owned[b]
         if self._host_grad is None:
             self._host_grad = torch.empty(sum(t.numel() for t in self.grad_owned), dtype=torch.float32,
-                                          pin_memory=torch.cuda.is_available())
+                                          pin_memory=host_pinned(self.pin_optimizer, torch.cuda.is_available()))
         start = self._owned_start[b]  # bucket b's offset in the concatenated owned slices
         host = self._host_grad[start:start + self.grad_owned[b].numel()]
         host.copy_(self.grad_owned[b], non_blocking=True)
@@ -381,7 +398,7 @@ class FlatGroup:
         concatenation, no temporary, no strided copy). Gathers are launched asynchronously, with at
         most `allgather_bucket_size` elements in flight (at least one bucket); the volume is
         (Nd−1)/Nd of the buffer."""
-        if self.separate_master:  # offloaded: the master is pinned, the copies to the device asynchronous
+        if self.separate_master:  # offloaded: the copies to the device asynchronous (if the master is pinned)
             for m, w in zip(self.master, self.param_owned):
                 w.copy_(m, non_blocking=True)
         self.forget_secondary()  # hpZ: the parts kept were of the old parameters

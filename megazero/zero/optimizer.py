@@ -90,7 +90,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     backward through these parameters, a `loss.backward()` of the user's, a `p.grad` write) stay in
     `p.grad` as PyTorch leaves them, where `module.zero_grad()` clears them (see `own_backward` for when the
     rest join the step's gradient). Off: every gradient autograd accumulates is taken (megazero's
-    pipelines, whose executor runs the backward)."""
+    pipelines, whose executor runs the backward). `offload_optimizer_pin_memory`,
+    `offload_param_pin_memory` (zero.offload_*.pin_memory, true as in DeepSpeed): the offloaded host
+    buffers are page-locked, where CUDA exists (`flat_group.host_pinned`; `grouping.make_groups` says
+    which buffer follows which flag)."""
 
     def __init__(self, params, pctx, stage: int = 0, spec: OptimizerSpec = OptimizerSpec(),
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
@@ -98,7 +101,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  gradient_clipping: float = 0.0, loss_scaler: LossScaler | None = None,
                  units=None, prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
                  nonfinite: str = "skip", zeropp: ZeroPlusPlus | None = None, data_dependent_graph: bool = False,
-                 own_backward_only: bool = False):
+                 own_backward_only: bool = False, offload_optimizer_pin_memory: bool = True,
+                 offload_param_pin_memory: bool = True):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {stage}")
         if spec.type not in ("adam", "adamw", "sgd", "onebit_adam"):
@@ -140,7 +144,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     seen.add(id(p))
                     unique.append(p)
         self.groups = make_groups(unique, pctx, stage, units, reduce_bucket_size, offload_optimizer, offload_param,
-                                  param_persistence_threshold, self._bucket_reduced, zeropp)
+                                  param_persistence_threshold, self._bucket_reduced, zeropp,
+                                  pin_opt=offload_optimizer_pin_memory, pin_param=offload_param_pin_memory)
         self._where = {id(p): (group, i) for group in self.groups for i, p in enumerate(group.params)}
         for group in self.groups:  # megazero.zero.GatheredParameters finds the optimizer of a parameter
             for p in group.params:

@@ -177,7 +177,10 @@ def _scheduler(flat: Mapping[str, Any], out: dict[str, Any], labels: dict[str, s
 
 
 def _deprecated_offload(flat: Mapping[str, Any], out: dict[str, Any]) -> None:
-    """zero_optimization.cpu_offload / cpu_offload_param / cpu_offload_use_pin_memory (booleans)."""
+    """zero_optimization.cpu_offload / cpu_offload_param / cpu_offload_use_pin_memory (booleans), unless the
+    new spelling is given: cpu_offload(_param) true offloads (false: no offload, the default);
+    cpu_offload_use_pin_memory sets both offload_*.pin_memory to its value (DeepSpeed 0.19.8 reads it
+    nowhere, its pin_memory staying true; megazero does what the key says)."""
     for key, sections in (("cpu_offload", ("offload_optimizer",)), ("cpu_offload_param", ("offload_param",)),
                           ("cpu_offload_use_pin_memory", ("offload_optimizer", "offload_param"))):
         full = "zero_optimization." + key
@@ -187,9 +190,10 @@ def _deprecated_offload(flat: Mapping[str, Any], out: dict[str, Any]) -> None:
         if not isinstance(value, bool):
             raise ConfigError(f"{full}: expected true or false, got {value!r}")
         for section in sections:
-            field = "pin_memory" if key.endswith("pin_memory") else "device"
-            if value:
-                out.setdefault(f"zero.{section}.{field}", True if field == "pin_memory" else "cpu")
+            if key.endswith("pin_memory"):
+                out.setdefault(f"zero.{section}.pin_memory", value)
+            elif value:
+                out.setdefault(f"zero.{section}.device", "cpu")
 
 
 def _expert_parallel_enabled(flat: Mapping[str, Any]) -> bool:

@@ -48,11 +48,11 @@ fails on any other), and another is an error naming the key and the type's param
 | zero_optimization.stage3_param_persistence_threshold | zero.param_persistence_threshold | "auto" as above |
 | zero_optimization.stage3_max_live_parameters, stage3_max_reuse_distance | zero.max_live_parameters, zero.max_reuse_distance | |
 | zero_optimization.stage3_gather_16bit_weights_on_model_save (stage3_gather_fp16_weights_on_model_save) | zero.gather_16bit_weights_on_model_save | |
-| zero_optimization.offload_optimizer.device, pin_memory | zero.offload_optimizer.* | device nvme is not supported yet |
-| zero_optimization.offload_param.device, pin_memory | zero.offload_param.* | device nvme is not supported yet |
+| zero_optimization.offload_optimizer.device, pin_memory | zero.offload_optimizer.* | device nvme is not supported yet; pin_memory true by default, as DeepSpeed's |
+| zero_optimization.offload_param.device, pin_memory | zero.offload_param.* | device nvme is not supported yet; pin_memory true by default, as DeepSpeed's |
 | zero_optimization.offload_*.nvme_path, buffer_count, buffer_size, max_in_cpu, pipeline_read, pipeline_write, fast_init | - | no-op for any value: used only with device nvme, which megazero rejects |
 | zero_optimization.offload_optimizer.ratio | - | no-op when 1.0 (the whole optimizer offloaded) |
-| zero_optimization.cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory | zero.offload_*.device / pin_memory | deprecated DeepSpeed spellings; false = no offload |
+| zero_optimization.cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory | zero.offload_*.device / pin_memory | deprecated DeepSpeed spellings; cpu_offload(_param) false = no offload; cpu_offload_use_pin_memory sets both pin_memory keys (DeepSpeed ignores it); the new spelling wins |
 | zero_optimization.ignore_unused_parameters | - | no-op when true (megazero never checks for unused parameters) |
 | zero_optimization.elastic_checkpoint, legacy_stage1 | - | no-op when false (feature off) |
 | zero_optimization.memory_efficient_linear | - | no-op for any value: a DeepSpeed-internal ZeRO-3 linear implementation |

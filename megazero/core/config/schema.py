@@ -132,10 +132,17 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Where ZeRO keeps a state: ``none`` (the accelerator) or ``cpu``."""
+    """Where ZeRO keeps a state: ``none`` (the accelerator) or ``cpu``.
+
+    ``pin_memory``: the host buffers this offload puts on the CPU are page-locked, so the copies to and
+    from the accelerator are asynchronous DMA; only when it is true *and* CUDA is available (pinning needs
+    CUDA: on a CPU-only machine the buffers are ordinary memory whatever the key). True by default, as in
+    DeepSpeed 0.19.8 (`DeepSpeedZeroOffloadOptimizerConfig.pin_memory`); false keeps the buffers pageable
+    (the same values, host-blocking copies), for hosts with a tight ``ulimit -l``.
+    """
 
     device: str = "none"
-    pin_memory: bool = False
+    pin_memory: bool = True
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.consecutive_hysteresis", lambda v: bool(v), "consecutive loss-scale hysteresis"),
     Unsupported("data.tokenizer", lambda v: v != "byte", "the BPE tokenizer"),
     Unsupported("train.eval_interval", lambda v: v > 0, "evaluation"),
+    Unsupported("train.eval_steps", lambda v: v != 1, "evaluation (the batches each evaluation reads)"),
 )
 
 
