@@ -24,12 +24,12 @@ the newest complete checkpoint).
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import sys
 
 import megazero
-from megazero.checkpoint import failure_save, sharded
+from megazero.checkpoint import sharded
 from megazero.core import flops as model_flops
 from megazero.core.config import Config, ConfigError, to_dict, topology_of
 from megazero.core.launch_env import LaunchEnvError, read_launch_env
@@ -40,6 +40,7 @@ from megazero.models import count_params
 from megazero.planner.from_config import memory_lines, predicted_memory
 from megazero.planner.layout import PlanError
 from megazero.resilience.link_probe import LinkProbe
+from megazero.resilience.on_failure import SaveOnFailure
 from megazero.resilience.stragglers import StragglerWatch, describe
 from megazero.run.memory import SavedActivationMeter, memory_report
 from megazero.run.metrics import MetricsWriter, PendingSteps, Timers, comm_delta, format_bytes
@@ -104,97 +105,36 @@ def _summary(cfg, engine, optimizer) -> str:
 
 
 def run(cfg: Config, rank: int) -> int:
-    """Train the resolved config `cfg` (from `load_run_config`) as global rank `rank`; returns the exit code."""
+    """Train the resolved config `cfg` (from `load_run_config`) as global rank `rank`; returns the exit code.
+
+    Built from the engine (`initialize_from_config`), the failure save's trigger
+    (`megazero.resilience.on_failure`), the resume (`_resume`) and the step loop's parts (`_Loop`). One close
+    path: whether the last step ends or a step raises, leaving `_Loop` closes the progress bar and the metrics
+    file (no communication); only a run whose every step succeeded waits for its last checkpoint first, and
+    then saves its trace, meets every rank at a barrier and draws the schedule."""
     tracer = _tracer(cfg, rank) if cfg.trace.enabled else None
     timers = Timers(tracer)
     # per-instruction times only when shown: on a GPU they are CUDA events, resolved once per step (a wait)
     timed = cfg.log.wall_clock_breakdown or tracer is not None
-    engine, optimizer, data, scheduler = initialize_from_config(cfg, on_instruction=timers if timed else None)
-    pctx = engine.pctx
-    start_step, resumed = 0, None
-    if cfg.checkpoint.save_on_failure:  # what the ranks left alive by a failure saved becomes the newest checkpoint
-        signal.signal(signal.SIGTERM, _terminated)  # torchrun stops the other ranks of a failed attempt with it
-        promoted = failure_save.promote(cfg.checkpoint.dir) if rank == 0 else None
-        if promoted:
-            print(f"the ranks left alive by the last failure saved {promoted}", flush=True)
-        comm.barrier(pctx.world_group)  # every rank looks for `latest` after the promotion
-    source = cfg.checkpoint.dir if sharded.has_checkpoint(cfg.checkpoint.dir) else cfg.checkpoint.load
-    if source:  # this run's own latest checkpoint (a restart), else checkpoint.load (any layout)
-        path, _ = engine.load_checkpoint(source)
-        start_step = resumed = engine.global_steps
-        data = data_iterator(cfg, engine, start_step)  # batches depend only on the step
-        if rank == 0:
-            print(f"resumed from {path} at step {start_step}", flush=True)
-    lead = rank == 0 or cfg.log.all_ranks
-    writer = MetricsWriter(cfg.log.metrics_file if rank == 0 else None, resume_step=resumed)
+    engine, optimizer, data, _ = initialize_from_config(cfg, on_instruction=timers if timed else None)
+    on_failure = SaveOnFailure(cfg.checkpoint.dir, to_dict(cfg), rank) if cfg.checkpoint.save_on_failure else None
+    if on_failure is not None:  # what the ranks left alive by a failure saved becomes the newest checkpoint
+        on_failure.arm(engine.pctx.world_group)
+    resumed, data = _resume(cfg, engine, data, rank)
     if rank == 0:
         print(_summary(cfg, engine, optimizer), flush=True)
-    spec, t = engine.module.model_spec, cfg.train
-    flops = model_flops.model_flops_per_step(spec, t.global_batch_size)  # MFU's numerator, as the planner's
-    tokens = t.global_batch_size * spec.seq_len
-    bar = _progress(cfg, rank, start_step)
-    pending = PendingSteps(tokens, flops, pctx.topology.world_size, cfg.log.peak_tflops)
-    checkpointer = engine.module.activation_checkpointer
-    meter = SavedActivationMeter(engine.module, checkpointer=checkpointer) if cfg.log.memory_breakdown else None
-    moved = pctx.stats.snapshot()
-    r = cfg.resilience
-    links = LinkProbe([pctx.pp_group, pctx.dp_group, pctx.tp_group], r.link_probe_bytes,
-                      next(engine.module.parameters()).device) \
-        if r.straggler_interval and r.link_probe_bytes else None
-    watch = StragglerWatch(pctx.stats, pctx.world_group, pctx.pp_rank, r.straggler_interval, r.straggler_ratio,
-                           links) if r.straggler_interval else None
-    for step in range(start_step + 1, cfg.train.steps + 1):
-        if tracer is not None:
-            tracer.begin_step(step)
-        first = step == start_step + 1  # measured always: the summary shows it next to the planner's
-        step_meter = meter or (SavedActivationMeter(engine.module, checkpointer=checkpointer) if first else None)
-        if watch is not None:
-            watch.begin()
-        if step_meter is not None:  # saved-activation bytes of this step (peak in flight on this stage)
-            with step_meter.measure():
-                loss = _train_step(cfg, engine, data, rank)
-        else:
-            loss = _train_step(cfg, engine, data, rank)  # on the device: read when the pending steps are flushed
-        stepped = pctx.stats.snapshot()  # the step's own communication, before the straggler window's link probe
-        slow = watch.end() if watch is not None else None  # every straggler_interval steps: over the world group
-        if first:
-            report = memory_report(optimizer, step_meter, checkpointer)
-            if tracer is not None and "activations" in report:
-                tracer.note_peak_activations(report["activations"])
-            _memory_check(cfg, engine, report, rank, bar)
-        info = engine.last_info
-        record = {"step": step, "lr": info.get("lr"), "loss_scale": info.get("loss_scale"),
-                  "skipped": info.get("skipped", False), "skipped_steps": info.get("skipped_steps", 0)}
-        record["comm"] = comm_delta(moved, stepped)  # this rank's bytes by axis/op, inter-node apart
-        moved = pctx.stats.snapshot() if slow is not None else stepped  # the probe's bytes are no step's
-        if info.get("silent_error") is not None:  # a checked step's two passes differed (megazero.resilience.silent_check)
-            record["silent_error"] = info["silent_error"]
-        if info.get("moe") is not None:  # MoE load balance of the step (megazero.moe.stats)
-            record["moe"] = info["moe"]
-        if cfg.log.wall_clock_breakdown:
-            record["time_ms"] = timers.pop()
-        if slow is not None:  # every rank's step times over the window, and the ranks named slow
-            record["step_times"] = slow
-            if rank == 0:
-                for line in describe(slow, step - r.straggler_interval + 1, step):
-                    _say(bar, line)
-        pending.add(record, {"loss": loss, "grad_norm": info.get("grad_norm")})
-        saving = cfg.checkpoint.save_interval and (step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps)
-        if step % max(1, cfg.log.interval) == 0 or saving or step == cfg.train.steps:
-            _report(cfg, rank, pending.flush(), writer, bar, lead, optimizer, meter, checkpointer)
-        if saving:
-            c = cfg.checkpoint
-            path = engine.save_checkpoint(c.dir, keep_last=c.keep_last, config=to_dict(cfg), async_save=c.async_save)
-            if rank == 0:
-                _say(bar, f"{'saving' if c.async_save else 'saved'} checkpoint {path}")
-    if engine.wait_for_checkpoint() is not None and rank == 0:  # an asynchronous save still in flight
-        _say(bar, "the last checkpoint is written")
-    if bar is not None:
-        bar.close()
-    writer.close()
+    every, last = cfg.checkpoint.save_interval, cfg.train.steps
+    with _Loop(cfg, rank, engine, optimizer, tracer, timers, resumed, on_failure) as loop:
+        for step in range(loop.first, last + 1):
+            loop.step(step, data)
+            saving = every and (step % every == 0 or step == last)
+            if step % max(1, cfg.log.interval) == 0 or saving or step == last:
+                loop.flush()
+            if saving:
+                loop.save_checkpoint()
     if tracer is not None:
         tracer.save()
-    _finish(pctx)  # a barrier: every rank's trace is on disk
+    _finish(engine.pctx)  # a barrier: every rank's trace is on disk
     if rank == 0:
         if tracer is not None:
             _draw_schedule(cfg.run_dir)
@@ -202,44 +142,146 @@ def run(cfg: Config, rank: int) -> int:
     return 0
 
 
-class Terminated(RuntimeError):
-    """SIGTERM arrived (with checkpoint.save_on_failure): torchrun stops the ranks of an attempt one of whose
-    ranks failed; a step it interrupts fails like one whose peer died, so that this rank saves first."""
+def _resume(cfg: Config, engine, data, rank: int):
+    """Load this run's own latest checkpoint (a restart), else checkpoint.load (any layout), if either is set:
+    (the step resumed at, the data iterator from the next step on), or (None, `data`). Collective over the
+    world group (the load)."""
+    source = cfg.checkpoint.dir if sharded.has_checkpoint(cfg.checkpoint.dir) else cfg.checkpoint.load
+    if not source:
+        return None, data
+    path, _ = engine.load_checkpoint(source)
+    if rank == 0:
+        print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+    return engine.global_steps, data_iterator(cfg, engine, engine.global_steps)  # batches depend only on the step
 
 
-def _terminated(signum, frame):
-    raise Terminated("SIGTERM: the launcher stops this rank (another rank failed)")
+class _Loop:
+    """The step loop's parts on one rank: the meters around a step (saved activations, the straggler
+    window, the step's communication), its record, the flush of the pending records to the metrics file,
+    the log and the progress bar, and the checkpoint saves. A context: leaving it closes the bar and the
+    metrics file, after waiting for an asynchronous save still in flight when no step raised."""
 
+    def __init__(self, cfg: Config, rank: int, engine, optimizer, tracer, timers, resumed: int | None,
+                 on_failure: SaveOnFailure | None):
+        pctx, spec, t, r = engine.pctx, engine.module.model_spec, cfg.train, cfg.resilience
+        self.cfg, self.rank, self.engine, self.optimizer = cfg, rank, engine, optimizer
+        self.tracer, self.timers, self.on_failure = tracer, timers, on_failure
+        self.first = (resumed or 0) + 1  # the first step this run trains
+        self.lead = rank == 0 or cfg.log.all_ranks
+        self.writer = MetricsWriter(cfg.log.metrics_file if rank == 0 else None, resume_step=resumed)
+        flops = model_flops.model_flops_per_step(spec, t.global_batch_size)  # MFU's numerator, as the planner's
+        tokens = t.global_batch_size * spec.seq_len
+        self.bar = _progress(cfg, rank, self.first - 1)
+        self.pending = PendingSteps(tokens, flops, pctx.topology.world_size, cfg.log.peak_tflops)
+        self.checkpointer = engine.module.activation_checkpointer
+        self.meter = SavedActivationMeter(engine.module, checkpointer=self.checkpointer) \
+            if cfg.log.memory_breakdown else None
+        self.moved = pctx.stats.snapshot()
+        links = LinkProbe([pctx.pp_group, pctx.dp_group, pctx.tp_group], r.link_probe_bytes,
+                          next(engine.module.parameters()).device) \
+            if r.straggler_interval and r.link_probe_bytes else None
+        self.watch = StragglerWatch(pctx.stats, pctx.world_group, pctx.pp_rank, r.straggler_interval,
+                                    r.straggler_ratio, links) if r.straggler_interval else None
 
-def _train_step(cfg: Config, engine, data, rank: int):
-    """`engine.train_step`; when it fails (a peer died) with checkpoint.save_on_failure, this rank first writes
-    its state on its own, if it is a step's end (`megazero.checkpoint.failure_save`), then re-raises."""
-    try:
-        return engine.train_step(data)
-    except Exception:
-        if cfg.checkpoint.save_on_failure:
-            folder = failure_save.save_parts(cfg.checkpoint.dir, engine, to_dict(cfg))
-            print(f"[rank {rank}] step {engine.global_steps + 1} failed; " +
-                  (f"state after step {engine.global_steps} saved to {folder}" if folder
-                   else "state not saved: the failure came during the update"), file=sys.stderr, flush=True)
-        raise
+    def __enter__(self) -> _Loop:
+        return self
 
+    def __exit__(self, error_type, error, traceback) -> None:
+        if error_type is None and self.engine.wait_for_checkpoint() is not None and self.rank == 0:
+            _say(self.bar, "the last checkpoint is written")  # an asynchronous save was still in flight
+        if self.bar is not None:
+            self.bar.close()
+        self.writer.close()
 
-def _report(cfg, rank, records, writer, bar, lead, optimizer, meter, checkpointer) -> None:
-    """The flushed steps' records: to the metrics file, the progress bar and, at log intervals, the log."""
-    for record in records:
-        writer.write(record)
-        if bar is not None:
-            bar.update(1)
-        if lead and cfg.log.interval and record["step"] % cfg.log.interval == 0:
-            _log_line(cfg, rank, record, optimizer, bar, meter, checkpointer)
-    if bar is not None and records:
-        record = records[-1]
-        moe = {"aux": f"{record['moe']['aux_loss']:.3f}", "imb": f"{record['moe']['imbalance']:.2f}"} \
-            if "moe" in record else {}
-        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                        mfu="-" if record["mfu"] is None else f"{record['mfu']:.1%}",
-                        scale=f"{record['loss_scale']:g}", **moe)
+    def step(self, step: int, data) -> None:
+        """Train step `step` and add its record to the pending ones. After the first, every rank's measured
+        memory is gathered over the world group (`_memory_check`); every resilience.straggler_interval steps,
+        every rank's step times are (`StragglerWatch.end`)."""
+        engine, pctx = self.engine, self.engine.pctx
+        if self.tracer is not None:
+            self.tracer.begin_step(step)
+        first = step == self.first  # measured always: the summary shows it next to the planner's
+        meter = self.meter or (SavedActivationMeter(engine.module, checkpointer=self.checkpointer) if first else None)
+        if self.watch is not None:
+            self.watch.begin()
+        with meter.measure() if meter is not None else contextlib.nullcontext():  # saved-activation bytes (peak)
+            # the loss stays on the device: read when the pending steps are flushed
+            loss = engine.train_step(data) if self.on_failure is None else self.on_failure.train_step(engine, data)
+        stepped = pctx.stats.snapshot()  # the step's own communication, before the straggler window's link probe
+        slow = self.watch.end() if self.watch is not None else None  # every straggler_interval steps: world group
+        if first:
+            report = memory_report(self.optimizer, meter, self.checkpointer)
+            if self.tracer is not None and "activations" in report:
+                self.tracer.note_peak_activations(report["activations"])
+            _memory_check(self.cfg, engine, report, self.rank, self.bar)
+        if slow is not None and self.rank == 0:  # the ranks and links named slow over the window
+            for line in describe(slow, step - self.cfg.resilience.straggler_interval + 1, step):
+                _say(self.bar, line)
+        on_device = {"loss": loss, "grad_norm": engine.last_info.get("grad_norm")}
+        self.pending.add(self._record(step, stepped, slow), on_device)
+
+    def _record(self, step: int, stepped: dict, slow: dict | None) -> dict:
+        """Step `step`'s metrics record but its loss and gradient norm (still on the device): the engine's
+        `last_info`, this rank's communication since the last step (`stepped`: the stats after the step),
+        and the straggler window's step times (`slow`, or None)."""
+        info = self.engine.last_info
+        record = {"step": step, "lr": info.get("lr"), "loss_scale": info.get("loss_scale"),
+                  "skipped": info.get("skipped", False), "skipped_steps": info.get("skipped_steps", 0)}
+        record["comm"] = comm_delta(self.moved, stepped)  # this rank's bytes by axis/op, inter-node apart
+        # the link probe's bytes are no step's
+        self.moved = self.engine.pctx.stats.snapshot() if slow is not None else stepped
+        if info.get("silent_error") is not None:  # a checked step's two passes differed (resilience/silent_check.py)
+            record["silent_error"] = info["silent_error"]
+        if info.get("moe") is not None:  # MoE load balance of the step (megazero.moe.stats)
+            record["moe"] = info["moe"]
+        if self.cfg.log.wall_clock_breakdown:
+            record["time_ms"] = self.timers.pop()
+        if slow is not None:  # every rank's step times over the window, and the ranks named slow
+            record["step_times"] = slow
+        return record
+
+    def flush(self) -> None:
+        """The pending steps' records, read from the device now: to the metrics file, the progress bar and, at
+        log intervals, the log."""
+        records = self.pending.flush()
+        for record in records:
+            self.writer.write(record)
+            if self.bar is not None:
+                self.bar.update(1)
+            if self.lead and self.cfg.log.interval and record["step"] % self.cfg.log.interval == 0:
+                self._log_line(record)
+        if self.bar is not None and records:
+            record = records[-1]
+            moe = {"aux": f"{record['moe']['aux_loss']:.3f}", "imb": f"{record['moe']['imbalance']:.2f}"} \
+                if "moe" in record else {}
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 mfu="-" if record["mfu"] is None else f"{record['mfu']:.1%}",
+                                 scale=f"{record['loss_scale']:g}", **moe)
+
+    def save_checkpoint(self) -> None:
+        """A checkpoint into checkpoint.dir (collective over the world group; written in the background with
+        checkpoint.async_save)."""
+        c = self.cfg.checkpoint
+        path = self.engine.save_checkpoint(c.dir, keep_last=c.keep_last, config=to_dict(self.cfg),
+                                           async_save=c.async_save)
+        if self.rank == 0:
+            _say(self.bar, f"{'saving' if c.async_save else 'saved'} checkpoint {path}")
+
+    def _log_line(self, record: dict) -> None:
+        parts = [f"[rank {self.rank}] step {record['step']}: loss {record['loss']:.4f}"]
+        if record["grad_norm"] is not None:
+            parts.append(f"grad_norm {record['grad_norm']:.3f}")
+        parts.append(f"lr {record['lr']:.2e}")
+        if "moe" in record:
+            m = record["moe"]
+            parts.append(f"moe aux {m['aux_loss']:.4f} z {m['z_loss']:.3f} dropped {m['dropped']:.1%} "
+                         f"imbalance {m['imbalance']:.2f} tokens/expert {m['tokens_per_expert']}")
+        if "time_ms" in record:
+            parts.append("time_ms " + " ".join(f"{k}={v:.1f}" for k, v in record["time_ms"].items()))
+        if self.cfg.log.memory_breakdown:
+            mem = memory_report(self.optimizer, self.meter, self.checkpointer)
+            parts.append("memory " + " ".join(f"{k}={format_bytes(v)}" for k, v in mem.items()))
+        _say(self.bar, " | ".join(parts))
 
 
 def _memory_check(cfg: Config, engine, report: dict[str, int], rank: int, bar) -> None:
@@ -294,23 +336,6 @@ def _tracer(cfg: Config, rank: int) -> Tracer:
                 os.remove(os.path.join(folder, name))
     return Tracer(os.path.join(folder, f"rank{rank}.json"), rank, coords.pp, coords.dp, coords.tp,
                   topology.world_size)
-
-
-def _log_line(cfg, rank, record, optimizer, bar, meter=None, checkpointer=None) -> None:
-    parts = [f"[rank {rank}] step {record['step']}: loss {record['loss']:.4f}"]
-    if record["grad_norm"] is not None:
-        parts.append(f"grad_norm {record['grad_norm']:.3f}")
-    parts.append(f"lr {record['lr']:.2e}")
-    if "moe" in record:
-        m = record["moe"]
-        parts.append(f"moe aux {m['aux_loss']:.4f} z {m['z_loss']:.3f} dropped {m['dropped']:.1%} "
-                     f"imbalance {m['imbalance']:.2f} tokens/expert {m['tokens_per_expert']}")
-    if "time_ms" in record:
-        parts.append("time_ms " + " ".join(f"{k}={v:.1f}" for k, v in record["time_ms"].items()))
-    if cfg.log.memory_breakdown:
-        mem = memory_report(optimizer, meter, checkpointer)
-        parts.append("memory " + " ".join(f"{k}={format_bytes(v)}" for k, v in mem.items()))
-    _say(bar, " | ".join(parts))
 
 
 def _say(bar, text: str) -> None:
