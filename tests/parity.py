@@ -63,6 +63,7 @@ def merge(results):
     return losses, norms, params
 
 
+# the defaults are fp32 rounding of another summation order per step (losses and parameters 1e-5; norms 1e-6, accumulated in fp64); noise_only entries: the docstring
 def compare(result, reference, loss_rtol=1e-5, param_atol=1e-5, norm_rtol=1e-6, noise_only=(), noise_atol=0.0):
     """Per-step losses, grad norms and the final parameters of `result` against `reference`. `noise_only`:
     name suffixes of parameters whose gradient is zero in exact arithmetic (the attention's key bias: the

@@ -192,6 +192,7 @@ def test_assert_supported_lists_every_key_and_table_is_editable():
 ])
 def test_bubble_fraction_values(schedule, p, m, v, expected):
     """The simulated bubble `explain` prints reaches the closed forms of docs/reference.md."""
+    # float64 simulation of the schedule against the closed form: a few ulps
     assert bubble_fraction(schedule, p, m, v) == pytest.approx(expected, abs=1e-12)
 
 
@@ -199,11 +200,13 @@ def test_bubble_fraction_values(schedule, p, m, v, expected):
 @given(p=st.integers(2, 6), extra=st.integers(0, 9), k=st.integers(1, 4), v=st.integers(2, 3))
 def test_bubble_fraction_is_the_closed_form_when_m_is_at_least_p(p, extra, k, v):
     m = p + extra
+    # float64 simulation of the schedule against the closed form: a few ulps
     assert bubble_fraction("1f1b", p, m) == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
     assert bubble_fraction("gpipe", p, m) == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
     assert bubble_fraction("zb-h1", p, m) == pytest.approx((p - 1) / (3 * m + p - 1), rel=1e-12)
     assert bubble_fraction("1f1b", p, m + 1) <= bubble_fraction("1f1b", p, m)  # more micro-batches, less idle
     m = k * p  # interleaving needs a multiple of p
+    # float64 simulation of the schedule against the closed form: a few ulps
     assert bubble_fraction("interleaved", p, m, v) == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)
 
 

@@ -175,6 +175,7 @@ def test_loss_backward_instead_of_engine_backward(deepspeed_results, megazero_re
 def test_the_gan_script_under_deepspeed_itself(deepspeed_results):
     gan = deepspeed_results["gan"]
     print(f"DeepSpeed 0.19.8, the GAN script on one rank, against plain PyTorch: {gan}")
+    # rounding only (the parity suites' 1e-5) vs a real semantic difference, more than 1e-3 (the module docstring)
     assert isinstance(gan[0], float) and gan[0] <= 1e-5
     assert isinstance(gan[1], float) and gan[1] > 1e-3
     assert gan[2] == "AssertionError" and gan[3] == "AssertionError"

@@ -55,6 +55,7 @@ def test_the_module_engine_writes_deepspeeds_events(stage, tmp_path):
     assert rows[0] == ["step", "train_loss"]
     # rank 0's mean loss of each step, at the global samples before it (DeepSpeed's backward writes it): 0, 8, 16
     assert [int(r[0]) for r in rows[1:]] == [0, 8, 16]
+    # the csv holds the fp32 mean as text: fp32 rounding (6e-8) and the printed digits, within 1e-6
     assert [float(r[1]) for r in rows[1:]] == pytest.approx(got[0]["means"], rel=1e-6)
     assert _read_csv(tmp_path / "csvjob" / "Custom_value.csv") == [["step", "value"], ["7", "1.5"]]  # rank 0 only
     lrs = _read_csv(tmp_path / "csvjob" / "Train_Samples_lr.csv")
@@ -66,6 +67,7 @@ def test_the_module_engine_writes_deepspeeds_events(stage, tmp_path):
     events.Reload()
     scalars = events.Scalars("Train/Samples/train_loss")
     assert [e.step for e in scalars] == [0, 8, 16]
+    # TensorBoard stores scalars as fp32: 6e-8 relative rounding, within 1e-6
     assert [e.value for e in scalars] == pytest.approx(got[0]["means"], rel=1e-6)
     # comms_logger: the engine's own collectives (counted, not timed) join megazero.comm's summary
     engine = got[0]["engine"]
@@ -97,6 +99,7 @@ def test_the_pipeline_engine_writes_deepspeeds_events(tmp_path):
     losses = run_ranks(_pipe_worker, 2, str(tmp_path), timeout=120)[0]
     rows = _read_csv(tmp_path / "pipe" / "Train_Samples_train_loss.csv")
     assert [int(r[0]) for r in rows[1:]] == [4, 8]  # global batch 2 x 2 x dp 1, after each step
+    # the csv holds the fp32 mean as text: fp32 rounding (6e-8) and the printed digits, within 1e-6
     assert [float(r[1]) for r in rows[1:]] == pytest.approx(losses, rel=1e-6)
     scale = _read_csv(tmp_path / "pipe" / "Train_Samples_loss_scale.csv")  # fp16: the module was cast, as DeepSpeed
     assert scale[0] == ["step", "loss_scale"] and float(scale[1][1]) == 16.0

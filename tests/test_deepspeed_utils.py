@@ -73,16 +73,19 @@ def test_safe_get_and_set_equal_pytorch_and_zero_to_fp32_recovers_the_weights(st
     grads, after, states = _reference()
     for rank, r in enumerate(got):
         for a, b in zip(r["grads"], grads, strict=True):
+            # fp32 against a plain PyTorch run: the data-parallel average sums the same gradients in another order (~8 ulps); atol for near-0 entries
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         for a, b in zip(r["after"], after, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         for (m, v), (m0, v0) in zip(r["states"], states, strict=True):
+            # fp32 as above; Adam's states are smaller than the weights (m ~ g, v ~ g^2), so their atol is smaller
             torch.testing.assert_close(m, m0, rtol=1e-6, atol=1e-8)
             torch.testing.assert_close(v, v0, rtol=1e-6, atol=1e-10)
         assert torch.equal(r["zeroed"], torch.zeros(3, 10))
     for i, g in enumerate(grads):  # the two ranks' local pieces make the whole (stage 0: each holds all)
         pieces = [r["local"][i][1] for r in got]
         whole = pieces[0] if stage == 0 else torch.cat(pieces)
+        # fp32 as above: the gathered gradient sums the same terms in another order (~8 ulps)
         torch.testing.assert_close(whole, g.reshape(-1), rtol=1e-6, atol=1e-7)
     # the script save_checkpoint left, run as DeepSpeed documents it, in a fresh process
     out = tmp_path / "fp32"
@@ -97,6 +100,7 @@ def test_safe_get_and_set_equal_pytorch_and_zero_to_fp32_recovers_the_weights(st
     want["2.weight"] = torch.zeros(3, 10)
     assert sorted(saved) == sorted(want)
     for k, v in want.items():
+        # fp32 as above: the weights after the same steps, updated from gradients averaged in another order
         torch.testing.assert_close(saved[k], v, rtol=1e-6, atol=1e-7)
     from megazero.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict, \
         get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint

@@ -65,6 +65,7 @@ def test_the_cpu_dry_run_writes_every_stage(tmp_path):
     assert resume["steps"] == list(range(resume["resumed_at"] + 1, steps + 1))
     assert resume["equal_to_uninterrupted"], (resume["losses"], trainer["zero1"]["losses"])
     assert resume["host_syncs"]["before_first_step"] > 0  # the checkpoint's load reads values
+    # bf16 on the GPU: ZeRO-3 with offload runs the optimizer on the CPU in another order; 16-bit per-step noise is ~1e-2 (test_mixed_precision_gpt measures 1.3e-2 on CPU)
     assert trainer["zero3_offload"]["losses_vs_zero1"]["max_rel_diff"] <= 1e-2
     assert trainer["flash"]["confirmed"] and trainer["flash"]["flash_names"]
 
@@ -79,8 +80,10 @@ def test_the_cpu_dry_run_writes_every_stage(tmp_path):
     assert finite(plain["losses"]) and len(plain["losses"]) == steps
     assert plain["parameters"] == trainer["zero1"]["parameters"]
     # from megazero's initial weights and its first batch, the same first loss (bf16 both)
+    # the same weights and batch, bf16 both: one forward's rounding only; benchmarks/gpu_check.py's own HF_STEP1_RTOL is 2e-2
     assert plain["step1_vs_megazero"]["rel_diff"] <= 1e-3, plain["step1_vs_megazero"]
     assert plain["megazero_step1_loss"] == trainer["zero1"]["losses"][0]  # the same model, batch and config
+    # bf16 per-step noise over the steps, ~1e-2 (test_mixed_precision_gpt measures 1.3e-2 per step on CPU)
     assert plain["losses_vs_trainer_zero1"]["max_rel_diff"] <= 1e-2, plain["losses_vs_trainer_zero1"]
     assert any("flash" in op for op in plain["attention_ops_step1"]), plain["attention_ops_step1"]
     assert plain["megazero_over_plain"]["step_time"] > 0 and plain["step_time_s"]["median"] > 0

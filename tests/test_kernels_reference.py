@@ -11,7 +11,9 @@ import torch
 
 from megazero.runtime.kernels import reference
 
+# sizes: the module docstring (fp32 reduction rounding over <= 512 elements against float64)
 F64_TOL = dict(rtol=1e-5, atol=1e-6)
+# one ulp of the 16-bit result: 2^-8 bf16 (8-bit mantissa), 2^-11 fp16 (11-bit), the module docstring
 HALF_TOL = {torch.bfloat16: dict(rtol=2.0**-8, atol=1e-6), torch.float16: dict(rtol=2.0**-11, atol=1e-6)}
 
 
@@ -58,6 +60,7 @@ def test_layer_norm_fp32_matches_float64(cols, with_bias):
 def test_layer_norm_of_one_column_is_the_bias():
     """var = 0: the output is exactly b; its fp32 gradients are cancellation noise times 1/sqrt(eps), untested."""
     x, w, b = torch.randn(6, 1), torch.randn(1), torch.randn(1)
+    # x - mean is exactly 0 for one column, so the output is b up to fp32 rounding of b itself (|b| ~ 1: ~1e-7)
     torch.testing.assert_close(reference.layer_norm(x, w, b), b.expand(6, 1), rtol=0, atol=1e-6)
 
 
@@ -156,6 +159,7 @@ def test_softmax_backward_formula_is_the_autograd_gradient():
         leaf = x.clone().requires_grad_()
         y = fn(leaf)
         y.backward(dy)
+        # float64 on both sides, the closed form vs autograd's ops in another order: ~1e-16 per op, 1e-12 with margin
         torch.testing.assert_close(reference.softmax_backward(y.detach(), dy, masked, 0.8), leaf.grad,
                                    rtol=1e-12, atol=1e-12)
 
@@ -192,6 +196,7 @@ def test_adam_twin_is_adam_in_float64():
         m1, v1 = b1 * m + (1 - b1) * gg, b2 * v + (1 - b2) * gg * gg
         upd = (m1 / (1 - b1**step)) / (torch.sqrt(v1 / (1 - b2**step)) + eps)
         p1 = (p * (1 - lr * wd) if adamw else p) - lr * upd
+        # float64 on both sides, the same formula in another order of operations: ~1e-16 per op, 1e-12 with margin
         torch.testing.assert_close(pp, p1, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(mm, m1, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(vv, v1, rtol=1e-12, atol=1e-12)

@@ -60,5 +60,6 @@ def test_low_precision_trains_like_one_process_and_tracks_fp32(corpus, precision
     worst = max(abs(a - b) / b for a, b in zip(parallel, serial, strict=True))
     floor = max(abs(a - b) / b for a, b in zip(serial, fp32, strict=True))  # what 16-bit arithmetic alone moves a step's loss
     assert worst <= max(2e-2, floor), (worst, floor)
+    # the module docstring's measured figures: the mean of the last 10 steps moves +2.5e-3 / -1.4e-3 (8 ranks vs 1); stated 5e-3, and 5e-2 against fp32
     assert abs(tail(parallel) - tail(serial)) <= 5e-3 * tail(serial)
     assert abs(tail(parallel) - tail(fp32)) <= 5e-2 * tail(fp32)

@@ -81,9 +81,11 @@ def test_hf_model_under_zero_matches_torch_adamw(zero):
     for losses, params, steps in run_ranks(worker, 2, zero, timeout=180):
         assert steps == STEPS
         for a, b in zip(losses, ref_losses, strict=True):
+            # fp32 against one process: the data-parallel average adds in another order (the parity suites' 1e-5)
             assert abs(a - b) <= 1e-5 * b
         assert set(params) == set(ref_params)
         worst = max((params[n] - ref_params[n]).abs().max().item() for n in params)
+        # fp32 parameters O(0.1-1): another summation order per step (the parity suites' 1e-5)
         assert worst <= 1e-5, worst
 
 

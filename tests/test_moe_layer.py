@@ -158,9 +158,11 @@ def test_one_process_equals_token_by_token(activation, cf, shared, score, bias):
     ref, aux, z = reference_layer(layer, x2)
     ((ref * g).mean() + spec.aux_loss_coef * aux + spec.z_loss_coef * z).backward()
     want = _grads(layer) | {"x": x2.grad}
+    # fp32, the same products summed in another order (experts batched vs token by token): rtol 1e-5 is ~80 ulps (2^-23); atol 1e-6 for outputs near 0 (entries are O(1))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(layer.last_routing.aux_loss, aux)
     for name in want:
+        # fp32 as above; atol 1e-7 because the gradients of a mean over every output entry are ~100x smaller than the outputs
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
@@ -214,8 +216,11 @@ def test_expert_parallel_equals_one_process(P, kw):
     want = _grads(serial)
     ranks = run_ranks(_ep_worker, P, kw, 5, timeout=120)
     E, local = spec.num_experts, spec.num_experts // P
+    # fp32 as in the one-process test: another summation order (tokens split over ranks, all-to-alls in between); atol for near-0 entries of O(1) outputs
     torch.testing.assert_close(torch.cat([rk["out"] for rk in ranks], 1), out, rtol=1e-5, atol=1e-6)
+    # atol 1e-8: the input's gradient of a mean over all outputs is ~1e-2 of the outputs' size per entry
     torch.testing.assert_close(torch.cat([rk["x_grad"] for rk in ranks], 1), xs.grad, rtol=1e-5, atol=1e-8)
+    # fp32 means of per-rank shares summed here in float64: a few fp32 ulps, 1e-6 leaves ~10x margin
     assert sum(rk["aux"] for rk in ranks) / P == pytest.approx(serial.last_routing.aux_loss.item(), rel=1e-6)
     assert sum(rk["z"] for rk in ranks) / P == pytest.approx(serial.last_routing.z_loss.item(), rel=1e-6)
     assert torch.equal(sum(rk["tokens"] for rk in ranks), serial.last_routing.tokens_per_expert)
@@ -224,6 +229,7 @@ def test_expert_parallel_equals_one_process(P, kw):
             got = torch.cat([rk["grads"][name] for rk in ranks])
         else:  # router and shared expert: replicated, each rank's share summed (what dp's reduction does)
             got = sum(rk["grads"][name] for rk in ranks)
+        # fp32, summed over ranks in another order: ~80 ulps relative; atol 1e-7 for the small entries of gradients of a mean
         torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-7, msg=name)
         if name.startswith("experts."):
             assert all(rk["grads"][name].shape[0] == local for rk in ranks)
@@ -342,7 +348,8 @@ def test_model_flops_count_what_a_token_runs():
     gpt = load_spec("model_specs/gpt.py:debug")
     b, s, l, h, v = 8, gpt.seq_len, gpt.layers, gpt.hidden, gpt.vocab
     megatron = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
-    assert model_flops_per_step(gpt, b) == pytest.approx(megatron, rel=1e-12)  # rel: float64 rounding only
+    # float64 arithmetic on integers below 2^53: only the formula's divisions round (~1e-16 each)
+    assert model_flops_per_step(gpt, b) == pytest.approx(megatron, rel=1e-12)
     for flavor in ("debug-moe", "debug-deepseek", "mixtral-8x7b"):
         spec = load_spec(f"model_specs/llama.py:{flavor}")
         moe = spec.moe
@@ -401,7 +408,9 @@ def test_expert_tensor_parallel_equals_one_process(world, ep, kw, bias):
     want = {p.logical_name: p.grad for p in serial.parameters()}
     ranks = run_ranks(_expert_tp_worker, world, kw, ep, bias, 5, timeout=120)
     by_dp = {rk["dp"]: rk for rk in ranks if rk["tp"] == 0}
+    # fp32 as in test_expert_parallel_equals_one_process (TP adds an all-reduce: another summation order)
     torch.testing.assert_close(torch.cat([by_dp[d]["out"] for d in range(ep)], 1), out_ref, rtol=1e-5, atol=1e-6)
+    # atol 1e-8: the input's gradient of a mean over all outputs is ~1e-2 of the outputs' size per entry
     torch.testing.assert_close(torch.cat([by_dp[d]["x_grad"] for d in range(ep)], 1), xs.grad, rtol=1e-5, atol=1e-8)
     for rk in ranks:  # every TP rank the same outputs and gradients as its TP rank 0
         twin = by_dp[rk["dp"]]
@@ -418,6 +427,7 @@ def test_expert_tensor_parallel_equals_one_process(world, ep, kw, bias):
             got = by_dp[0]["grads"][name]
         else:  # router and shared experts: each ep rank's tokens' share, summed (what dp's reduction does)
             got = sum(by_dp[d]["grads"][name] for d in range(ep))
+        # fp32, summed over ranks in another order: ~80 ulps relative; atol 1e-7 for the small entries of gradients of a mean
         torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-7, msg=name)
     assert bias == any(n.endswith("_bias") for n in want)
 
@@ -475,10 +485,12 @@ def test_recompute_replays_the_forwards_routing(P):
 
     plain, replayed = run(False, True), run(True, True)
     for (out_a, grads_a, _, chose), (out_b, grads_b, picked, replayed_choice) in zip(plain, replayed, strict=True):
+        # zero tolerance: the replay reuses the forward's routing, so the forward is the same computation bit for bit
         torch.testing.assert_close(out_b, out_a, rtol=0, atol=0)
         assert torch.equal(replayed_choice, chose) and len(picked) == 1
         assert (picked[0] != chose).any(dim=-1).all()  # the recompute's logits pick other experts for every token
         for name in grads_a:
+            # the backward recomputes the expert MLPs in another order of operations (recompute): fp32, ~80 ulps relative, atol 1e-7 for small gradient entries
             torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
     if P == 1:  # the control: the perturbation does change the recompute when nothing is replayed
         grads = plain[0][1]
@@ -487,4 +499,5 @@ def test_recompute_replays_the_forwards_routing(P):
         except RuntimeError as err:  # here: the recomputed rows no longer match the forward's graph
             assert "shape" in str(err) or "recompute" in str(err), err
             return
+        # the same fp32 tolerance as above, so a difference it detects is not rounding: another expert choice moves gradients by O(1) relative
         assert any(not torch.allclose(fresh[n], grads[n], rtol=1e-5, atol=1e-7) for n in grads)

@@ -153,6 +153,7 @@ def test_checkpoint_at_ep2_continues_at_another_ep(saved_at_ep2, world, ep, zero
     losses, norms = run_ranks(train, world, cfg, 3, None, path, timeout=300)[0]
     for got, want in ((losses, whole[0][3:]), (norms, whole[1][3:])):
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+        # fp32: another ep layout sums the same gradients in another order each step (the parity suites' 1e-5)
         assert worst <= 1e-5, (worst, got, want)
 
 
@@ -308,6 +309,7 @@ def test_a_mixtral_style_checkpoint_exports_to_hugging_face(corpus, tmp_path):
     tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         err = (model(tokens)[..., :257].transpose(0, 1) - hf(tokens).logits).abs().max().item()
+    # fp32 logits of two implementations (other kernels, another summation order) over |logit| ~ 10: 1e-4 as tests/test_hf_interop.py (measured ~1e-6 there)
     assert err <= 1e-4, err
 
 

@@ -90,6 +90,7 @@ def test_predicted_dp_and_internode_bytes_equal_the_measured(measured, name):
     for key in sorted(keys):
         got = [rank[name][0].get(key, (0.0, 0.0)) for rank in measured]
         mean_moved, mean_crossed = sum(g[0] for g in got) / 4, sum(g[1] for g in got) / 4
+        # float64 means of the same byte counts summed in another order: a few ulps
         assert (vol.moved.get(key, 0.0), vol.crossed.get(key, 0.0)) == pytest.approx((mean_moved, mean_crossed),
                                                                                       rel=1e-12, abs=0), key
 
@@ -101,8 +102,10 @@ def test_hierarchical_sends_fewer_bytes_across_nodes(measured):
 
     flat = predict_volume(_spec(), CASES["z1-flat"][1], param_persistence_threshold=0)[0]
     tiered = predict_volume(_spec(), CASES["z1-hierarchical"][1], param_persistence_threshold=0)[0]
+    # float64: the same ratio of byte counts computed in two orders
     assert crossed("z1-flat") / crossed("z1-hierarchical") == pytest.approx(
         flat.internode_bytes / tiered.internode_bytes, rel=1e-12)
+    # 1.5 is the two-level scheme's byte ratio for this layout; 1e-3 covers the buckets' rounding to whole elements
     assert flat.internode_bytes / tiered.internode_bytes == pytest.approx(1.5, rel=1e-3)
 
 
@@ -149,6 +152,7 @@ def test_hierarchical_crosses_nodes_less_and_wins_on_a_slow_network():
     tiered, tiered_plan = _dp_seconds(BIG.replace(hierarchical=True), _hardware(**SLOW))
     assert tiered < flat
     assert tiered_plan.internode_bytes < flat_plan.internode_bytes
+    # the two-level scheme moves the same bytes over all links, only fewer across nodes; 1e-3 covers the buckets' rounding to whole elements
     assert tiered_plan.dp_bytes == pytest.approx(flat_plan.dp_bytes, rel=1e-3)
 
 

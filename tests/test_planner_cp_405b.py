@@ -40,6 +40,7 @@ def test_the_published_layout_fits_an_h100(method):
     assert plan.tightest.total < 40e9  # room to spare: 30.4 GB (ring), 26.6 GB (Ulysses)
     # ZeRO-1 shards the optimizer states over dp x cp = 128 ranks: 12 bytes per parameter / 128
     params = plan.stages[1].breakdown["params"] / 2  # bf16
+    # Adam's two fp32 moments, 8 bytes / 128 ranks per parameter; 1% for the padding of shards to whole elements per rank
     assert plan.stages[1].breakdown["optimizer_states"] == pytest.approx(8 * params / 128, rel=0.01)
 
 

@@ -215,6 +215,7 @@ def test_model_states_are_the_zero_papers_with_fp32_gradients(zero, bytes_per_pa
     plan = predict_memory(spec, Layout(dp=8, micro_batch=1, global_batch=8, zero=zero),
                           param_persistence_threshold=0)
     states = sum(plan.stages[0].breakdown[k] for k in ("params", "grads", "master", "optimizer_states"))
+    # float64 ratio of byte counts that should be equal: a few ulps
     assert abs(states / (psi * bytes_per_param) - 1) < 1e-6
 
 
@@ -239,6 +240,7 @@ def test_the_plan_names_the_tightest_stage_and_what_does_not_fit():
     cut = sorted(totals)[1] + 1  # every stage but the two smallest is above it
     plan = predict_memory(spec, lay, hardware=Hardware("tiny", 1.0, cut / 2 ** 30, 1.0, 8, 1.0, 1.0))
     assert [s for s, _ in plan.over] == [s for s, v in enumerate(totals) if v > cut]
+    # float64 GB of byte counts that should be equal: a few ulps
     assert all(abs(gb - (totals[s] - cut) / 1e9) < 1e-6 for s, gb in plan.over)
     assert "does not fit: stage" in plan.table()
 

@@ -39,6 +39,7 @@ def test_table1_rows_within_ten_percent(run):
 
 def test_default_efficiency_is_the_fit_of_the_calibration_rows():
     fitted = published.calibrate(A100)
+    # the fit reproduces the stored values exactly; the slack (0.3% of gemm_max, 1.3% of gemm_k_half) moves the worst calibration residual by < 0.2 points (2.45% -> 2.29% / 2.55%), below the 3% bound two lines down
     assert fitted.gemm_max == pytest.approx(speed.DEFAULT_EFFICIENCY.gemm_max, abs=2e-3)
     assert fitted.gemm_k_half == pytest.approx(speed.DEFAULT_EFFICIENCY.gemm_k_half, abs=5.0)
     assert max(abs(r) for r in published.residuals(A100)) < 0.03  # the documented residuals
@@ -58,6 +59,7 @@ def test_flops_are_megatrons_formulas():
         spec, layout = run.spec(), run.layout()
         b, s, l, h, v = layout.global_batch, spec.seq_len, spec.layers, spec.hidden, spec.vocab
         model, hardware = speed.step_flops(spec, layout)
+        # float64 on integers below 2^53 except the formula's few divisions: a few ulps (~1e-16) apart at most
         assert model == pytest.approx(72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)), rel=1e-12)
         assert hardware == pytest.approx(96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)), rel=1e-12)
 
@@ -73,6 +75,7 @@ def test_flops_are_megatrons_formulas():
 def test_breakdown_sums_to_the_step_and_outputs_agree(layout):
     plan = predict(layout)
     assert set(plan.breakdown) == set(speed.CATEGORIES)
+    # float64: the categories summed in another order than the step was computed, ~10 terms of ~1e-16 relative rounding each
     assert sum(plan.breakdown.values()) == pytest.approx(plan.step_time_s, rel=1e-9)
     assert all(v >= -1e-9 * plan.step_time_s for v in plan.breakdown.values())
     assert plan.tokens_per_s == pytest.approx(layout.global_batch * GPT_7B.seq_len / plan.step_time_s)
@@ -85,6 +88,7 @@ def test_breakdown_sums_to_the_step_and_outputs_agree(layout):
 
 def test_one_stage_has_no_bubble_and_no_p2p():
     plan = predict(BASE.replace(pp=1, tp=8, global_batch=4, micro_batch=2))
+    # float64 rounding of a difference of equal times (~1e-16 of a step of ~1 s), here and for the bubble below
     assert plan.bubble_fraction == pytest.approx(0.0, abs=1e-12)
     assert plan.breakdown["p2p"] == 0 and abs(plan.breakdown["pipeline_bubble"]) < 1e-9
 
@@ -96,6 +100,7 @@ def test_more_data_parallel_ranks_keep_per_gpu_throughput_minus_communication():
     plans = {dp: predict(BASE.replace(dp=dp, global_batch=16 * dp)) for dp in (1, 2, 4, 16, 64)}  # batch per GPU fixed
     per_gpu = {dp: p.tokens_per_s / (dp * BASE.tp * BASE.pp) for dp, p in plans.items()}
     for dp, plan in plans.items():
+        # float64: the same per-micro-batch compute, possibly summed in another order (a few ulps)
         assert all(plan.breakdown[k] == pytest.approx(plans[1].breakdown[k], rel=1e-12) for k in compute)
         assert 0.9 * per_gpu[1] < per_gpu[dp] < 1.01 * per_gpu[1]  # roughly constant
     # what changes is communication (growing; across nodes from dp=4 on) and the sharded optimizer (shrinking)
@@ -133,6 +138,7 @@ def test_interleaving_shrinks_the_bubble():
     # 38 pipeline layers gives stages of 9, 10, 9, 8 blocks, on which the two orders differ more.
     even = BASE.replace(partition=(9, 9, 9, 9))
     gpipe, f1b1 = predict(even.replace(schedule="gpipe")), predict(even)
+    # measured 0.082% apart (their transfers batch differently, the comment above); 0.1% is that with ~20% margin
     assert gpipe.step_time_s == pytest.approx(f1b1.step_time_s, rel=1e-3)
     from megazero.core.schedules import get_schedule
     from megazero.core.simulate import Costs, simulate
@@ -183,6 +189,7 @@ def test_faster_hardware_is_faster_and_llama_runs():
     layout = Layout(tp=4, pp=2, dp=2, micro_batch=1, global_batch=16, zero=1, recompute="selective",
                     schedule="zb-h1", sequence_parallel=True)
     plan = predict(layout, spec=LLAMA, hw=H100)
+    # float64: the categories summed in another order than the step was computed, ~10 terms of ~1e-16 relative rounding each
     assert sum(plan.breakdown.values()) == pytest.approx(plan.step_time_s, rel=1e-9)
     assert plan.breakdown["attention"] > 0 and 0 < plan.mfu < 1
 
@@ -251,6 +258,7 @@ def test_zero3_at_scale_pays_a_latency_per_unit_and_bucket():
     small, large = (Layout(dp=n, micro_batch=1, global_batch=n, zero=3, recompute="full") for n in (64, 1024))
     a, b = predict(small, spec, H100), predict(large, spec, H100)
     assert b.breakdown["dp_comm"] > 3 * a.breakdown["dp_comm"] and b.step_time_s > a.step_time_s
+    # "about the same bytes": the ring's (n - 1) / n factor differs by 1.5% between 64 and 1,024 ranks; 5% bounds that and the buckets' rounding
     assert b.dp_bytes == pytest.approx(a.dp_bytes, rel=0.05)
 
 
@@ -267,11 +275,13 @@ def test_ranks_sharing_a_cpus_cores_take_the_nodes_cpu_time_over_its_cores():
     alone = speed.predict_step(spec, lay, dataclasses.replace(cpu, cores_per_node=0))
     shared = speed.predict_step(spec, lay, cpu)
     compute = sum(v for k, v in alone.breakdown.items() if k in speed.COMPUTE)
+    # float64: the same terms as speed.shared_cores_bound, summed in another order (a few ulps)
     assert shared.step_time_s == pytest.approx(max(alone.step_time_s, compute * 8 / 2), rel=1e-9)
     assert shared.step_time_s > alone.step_time_s
     busy = dataclasses.replace(cpu, efficiency=(("comm_cpu", 0.5),))
     comm = alone.breakdown["dp_comm"]
     assert comm > 0
+    # float64: the same terms as speed.shared_cores_bound, summed in another order (a few ulps)
     assert speed.predict_step(spec, lay, busy).step_time_s == pytest.approx((compute + 0.5 * comm) * 8 / 2, rel=1e-9)
 
 
@@ -289,6 +299,7 @@ def test_compute_categories_hold_no_collectives(moe):
     slow = dataclasses.replace(H100, nvlink_gbs=H100.nvlink_gbs / 100, internode_gbs=H100.internode_gbs / 100)
     fast_plan, slow_plan = speed.predict_step(spec, lay, H100), speed.predict_step(spec, lay, slow)
     for k in speed.COMPUTE:
+        # float64: the compute categories should be identical; 1e-12 leaves only summation-order rounding
         assert slow_plan.breakdown[k] == pytest.approx(fast_plan.breakdown[k], rel=1e-12), k
     assert slow_plan.breakdown["tp_comm"] > fast_plan.breakdown["tp_comm"] > 0
     if moe:

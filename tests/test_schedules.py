@@ -73,6 +73,7 @@ def test_sweep_no_deadlock_order_bubble_memory(name, p, v):
         unit = p - 1  # one unit of t_F = t_B = t_W per hop
         if name in ("gpipe", "1f1b", "interleaved"):
             assert result.idle == (3 * unit,) * p, (name, p, m, v)
+            # float64 sums of unit costs in the simulator's event order: a few ulps
             assert result.bubble_over_ideal == pytest.approx(unit / (m * v), rel=1e-12)
             if v == 1:
                 assert result.bubble_fraction == pytest.approx(unit / (m + p - 1), rel=1e-12)
@@ -111,6 +112,7 @@ def test_bubble_formulas_with_other_costs(f, b, w):
         for m in (p, p + 3, 2 * p + 1):
             for name in ("gpipe", "1f1b"):
                 idle = simulate(S.get_schedule(name, p, m), costs).idle
+                # float64 sums of the costs (non-dyadic fractions) in the simulator's event order: rounding ~1e-16 per event
                 assert idle == pytest.approx([(p - 1) * (f + b + w)] * p, rel=1e-9)
             idle = simulate(S.get_schedule("zb-h1", p, m, costs=costs), costs).idle
             assert idle == pytest.approx([(p - 1) * (f + b - w)] * p, rel=1e-9)
@@ -122,6 +124,7 @@ def test_interleaved_bubble_at_common_backward_ratios(ratio):
     costs = Costs(forward=1.0, backward_input=ratio / 2, backward_weight=ratio / 2)
     for p, m, v in ((2, 4, 2), (3, 9, 3), (5, 10, 2), (8, 16, 3)):
         idle = simulate(S.get_schedule("interleaved", p, m, v, costs=costs), costs).idle
+        # float64 sums of the costs (non-dyadic fractions) in the simulator's event order: rounding ~1e-16 per event
         assert idle == pytest.approx([(p - 1) * (1 + ratio)] * p, rel=1e-9)
 
 

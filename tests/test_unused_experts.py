@@ -222,6 +222,7 @@ def test_mixtral_style_unused_experts(zero, expected):
     for _, params, _ in results:
         assert set(params) == set(expected)
         worst = max((params[n] - expected[n]).abs().max().item() for n in params)
+        # fp32 parameters O(0.1-1) against one process: another summation order per step (the parity suites' 1e-5)
         assert worst <= 1e-5, worst
 
 

@@ -71,6 +71,7 @@ def _compare(mine: gating.Gating, theirs, logits_mine, logits_theirs, E, seed):
     ours = dense_combine(mine, E)
     assert ours.shape == combine.shape
     assert torch.equal(ours.bool(), dispatch)  # the same decisions: expert, slot, kept or dropped
+    # zero tolerance: the same gating operations in the same order as DeepSpeed's, so equal bits
     torch.testing.assert_close(ours, combine, rtol=0, atol=0)
     assert torch.equal(mine.l_aux, l_aux)
     assert torch.equal(mine.exp_counts, counts)
@@ -162,6 +163,7 @@ def test_the_layer_equals_deepspeeds_layer_at_ep1():
         for a, b in zip(results[0][:4], results[1][:4], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same operations in the same order: equal bits
         for a, b in zip(results[0][4], results[1][4], strict=True):
+            # zero tolerance: the same operations in the same order, equal bits (as above)
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -249,6 +251,7 @@ def test_expert_parallel_layer_equals_ep1(ep):
                 assert want_grad.abs().max() > 0, (name, n)
                 errs.append(_rel(grad, want_grad))
             worst = max(worst, *errs)
+            # fp32, experts' gradients summed over ep ranks in another order than one process's: ~8 ulps relative to the tensor's largest entry (_rel)
             assert max(errs) <= 1e-6, (name, r, errs)
     print(f"ep {ep}: max relative error over outputs, l_aux, input and parameter gradients {worst:.1e}")
 
@@ -332,6 +335,7 @@ def test_deepspeed_moe_tutorial_script_trains_like_pytorch():
             err = _rel(torch.tensor(got["losses"]), torch.tensor(want))
             print(f"cifar MoE {name} ({ranks} ranks): per-step losses within {err:.1e} relative")
             worst = max(worst, err)
+            # fp32 per-step losses against PyTorch's: the data-parallel average adds in another order; 1e-5 as the parity suites (the worst is printed)
             assert err <= 1e-5, (name, got["losses"], want)
     print(f"cifar MoE script: worst {worst:.1e}")
 
@@ -441,6 +445,7 @@ def test_user_moe_trains_under_initialize_like_pytorch():
                     n = f"moe.deepspeed_moe.experts.deepspeed_experts.{ep_rank * L + int(j)}.{rest}"
                 errs.append(_rel(p, want[n]))
             worst = max(worst, *errs)
+            # fp32 against PyTorch after the training steps: another summation order per step, grown over the steps; 1e-5 as the parity suites (the worst is printed)
             assert max(errs) <= 1e-5, ((ep, stage), r, errs)
     print(f"user MoE under initialize (ep 2, 4; ZeRO 0-3; 4 ranks): parameters and grad norms within {worst:.1e}")
 

@@ -115,10 +115,12 @@ def test_html_renders_in_a_headless_browser(browser, tmp_path):
         width = page.evaluate("document.querySelector('svg.schedule').getBoundingClientRect().width")
         page.click("#zoom-in")
         zoomed = page.evaluate("document.querySelector('svg.schedule').getBoundingClientRect().width")
+        # the browser's layout rounds widths to device pixels: 1e-3 of a ~1000 px width is one pixel
         assert zoomed == pytest.approx(width * 1.25, rel=1e-3), name
         page.click("#zoom-fit")
         fit, room = page.evaluate("[document.querySelector('svg.schedule').getBoundingClientRect().width, "
                                   "document.getElementById('scroll').clientWidth]")
+        # one pixel: the browser's layout rounds widths to whole device pixels
         assert fit == pytest.approx(room, abs=1.0), name
         assert problems == [], (name, problems)
         if shots:

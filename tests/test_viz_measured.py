@@ -90,9 +90,11 @@ def test_measured_step_is_the_traced_spans_on_one_axis(name, p, m, v, tmp_path):
     assert step.step == 3 and step.ranks == tuple(range(p)) and step.aligned
     got, want = step.timeline(), from_simulation(result, unit="ms")
     assert _blocks(got) == _blocks(want) and _transfers(got) == _transfers(want)
+    # float64 sums of the same block times in the trace's order vs the simulator's; abs in ms (1e-6 ms), bubble a ratio (1e-9)
     assert got.makespan == pytest.approx(result.makespan, abs=1e-6)
     assert got.bubble == pytest.approx(result.bubble_fraction, abs=1e-9)
     for a, b in zip(got.stages, want.stages, strict=True):
+        # float64 sums of the same block times in another order, in ms: far below the trace's microsecond resolution
         assert (a.busy, a.idle, a.bubble) == pytest.approx((b.busy, b.idle, b.bubble), abs=1e-6)
         assert (a.peak_inflight, a.peak_unfinished) == (b.peak_inflight, b.peak_unfinished)
     assert got.source == "measured" and got.unit == "ms"
@@ -108,6 +110,7 @@ def test_plan_from_measured_costs_is_the_same_step(name, p, m, v, tmp_path):
     plan = planned_for(step)
     assert _blocks(plan) == _blocks(from_simulation(result))
     c = compare(plan, step.timeline())
+    # plan and measurement are built from the same simulation here: only float64 summation order separates them
     assert all(abs(d.difference) < 1e-9 for d in c.stages)
     assert c.worst_block is None and c.differs_most() == "planned and measured agree (within 1e-06 of the step)"
 
