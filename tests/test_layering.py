@@ -284,7 +284,6 @@ def test_the_reexport_rule_catches_a_definition(tmp_path):
 
 COMPAT_STATE_ALLOWED = {
     "engines.py": "the one registry: the live engines (weak references) and DeepSpeed's per-process settings",
-    "accelerator.py": "DeepSpeed's accelerator object, one per process (which device: the launcher module's)",
 }
 
 

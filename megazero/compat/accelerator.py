@@ -23,6 +23,7 @@ import resource
 import torch
 import torch.distributed as dist
 
+from megazero.compat.engines import registry
 from megazero.core.launch_env import read_launch_env
 from megazero.runtime.device import compute_device, visible_cuda_devices
 
@@ -408,11 +409,13 @@ class CpuAccelerator(_Accelerator):
         return tensor.device.type == "cpu"
 
 
-@functools.cache
 def _accelerator(kind: str) -> _Accelerator:
-    """The process's accelerator of device type `kind` (one each per process, as DeepSpeed's one; the CPU
-    one's peak-memory meter is its only state)."""
-    return CudaAccelerator() if kind == "cuda" else CpuAccelerator()
+    """The process's accelerator of device type `kind` (one each per process, as DeepSpeed's one, kept in
+    the compat registry; the CPU one's peak-memory meter is its only state)."""
+    made = registry().accelerators
+    if kind not in made:
+        made[kind] = CudaAccelerator() if kind == "cuda" else CpuAccelerator()
+    return made[kind]
 
 
 def _backend() -> str:

@@ -4,7 +4,8 @@ held by weak references, which DeepSpeed's free functions read (the comms logger
 involved: the `CommStats` of `megazero.comm`'s own calls (a user's collectives over the user's torch
 groups), the comms logger's switches (`CommsOptions`), and `deepspeed.checkpointing`'s configuration,
 RNG streams and checkpointer (`megazero.compat.activation_api.CheckpointingState`, held here so that it
-is this registry's). Nothing here communicates.
+is this registry's), and DeepSpeed's accelerator objects, one per device type
+(`megazero.compat.accelerator.get_accelerator`). Nothing here communicates.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class Registry:
         self.comm_stats = CommStats()
         self.comms = CommsOptions()
         self.checkpointing = None  # deepspeed.checkpointing's state, made on first use (activation_api.state)
+        self.accelerators: dict = {}  # device type -> DeepSpeed's accelerator object (accelerator._accelerator)
 
     def add(self, engine) -> None:
         """Register an engine DeepSpeed's `initialize` built."""
