@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 _SUBPACKAGES = ("zero", "pipe", "ops", "utils", "engine", "run", "core", "runtime", "models", "data", "tensor_parallel",
                 "pipeline", "activation_checkpoint", "accelerator", "comm", "checkpointing", "moe", "compat", "profiling",
-                "monitor")
+                "monitor", "checkpoint", "resilience", "toolbox", "context_parallel", "planner", "viz")
 
 
 def initialize(*args, **kwargs):
