@@ -60,13 +60,27 @@ def test_injected_bug_fails_and_names_where(corpus, tmp_path):
     assert failing and " at layers." in failing[0], p.stdout  # names the worst parameter
 
 
-def test_matrix_list():
-    p = check_parity("--matrix", "pairwise", "--list")
-    assert p.returncode == 0, p.stderr
-    lines = p.stdout.strip().splitlines()
+def test_matrix_list(monkeypatch, capsys):
+    """The tool's main in-process, given the covering set tests/test_parity_matrix.py builds once and checks
+    (pure, covering every allowed pair): a subprocess built it a second time, ~50 s of validation to find
+    the witnesses and ~15 s for the set. The tool asks for its default seed's set and prints each case's
+    name, then their count."""
+    import runpy
+
+    from tests import test_parity_matrix as matrix
+
+    pm = matrix.pm
+
+    def known_cases(seed):
+        assert seed == pm.SEED  # the default seed, the one the module's covering set was built for
+        return matrix.CASES
+    monkeypatch.setattr(pm, "pairwise_cases", known_cases)
+    assert runpy.run_path(os.path.join(ROOT, "tools", "check_parity.py"))["main"](["--matrix", "pairwise", "--list"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
     n = int(lines[-1].split()[0])
     assert n == len(lines) - 1 and n >= 24  # the cases, then their count
     assert all(re.match(r"\d+x\d+x\d+(-|$)", line) for line in lines[:-1]), lines[:3]  # each named by its layout
+    assert lines[:-1] == [pm.case_name(case) for case in matrix.CASES]
 
 
 def _rows_ok(stdout: str, layouts: list[str]) -> None:
