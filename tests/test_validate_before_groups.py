@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import json
 import pathlib
 
@@ -23,6 +24,7 @@ from torch import nn
 
 import megazero
 from megazero.core.config import ConfigError, load_config
+from megazero.core.launch_env import LaunchEnvError
 from tests.test_config_errors import CASES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -50,9 +52,12 @@ def groups(monkeypatch):
 
     for name in ("init_process_group", "new_group"):
         monkeypatch.setattr(dist, name, counted(name))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-                "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"):
-        monkeypatch.delenv(var, raising=False)
+    for var in list(os.environ):  # no launcher of the calling shell leaks in (torchrun, Slurm, Open MPI, ...)
+        if var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE",
+                   "LOCAL_SIZE") or var.startswith(("SLURM_", "OMPI_COMM_WORLD_")):
+            monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "0")  # rank 0 of the launched world: a launcher sets RANK with WORLD_SIZE
+    monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29999")
@@ -61,10 +66,11 @@ def groups(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def _refused(groups, key: str, *words: str, **initialize_kwargs) -> str:
-    """`megazero.initialize(**initialize_kwargs)` raises a ConfigError whose first line names `key` and
-    which says each of `words`, before any process group; returns the message."""
-    with pytest.raises(ConfigError) as info:
+def _refused(groups, key: str, *words: str, error=ConfigError, **initialize_kwargs) -> str:
+    """`megazero.initialize(**initialize_kwargs)` raises an `error` (a ConfigError, or the launcher
+    environment's LaunchEnvError) whose first line names `key` and which says each of `words`, before any
+    process group; returns the message."""
+    with pytest.raises(error) as info:
         megazero.initialize(**initialize_kwargs)
     msg = str(info.value)
     assert key in msg.splitlines()[0], msg
@@ -90,6 +96,10 @@ def test_the_bad_config_corpus_creates_no_process_group(tmp_path, monkeypatch, g
     2 where the case has none): the same refusal as `load_config`'s, naming the same key first."""
     if world_size is not None:
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    if world_size is not None and world_size < 1:  # a launcher's impossible world: refused as its variable
+        _refused(groups, "WORLD_SIZE", "at least 1", error=LaunchEnvError, config=_source(tmp_path, source),
+                 overrides=overrides)
+        return
     _refused(groups, expected[0], *expected[1:], config=_source(tmp_path, source), overrides=overrides)
 
 
