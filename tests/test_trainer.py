@@ -4,7 +4,7 @@ Covers: a short run writes metrics (with the documented fields), a checkpoint an
 run twice gives bit-identical metrics (timing fields aside); bad input (missing config, world size
 that does not fit the layout, missing data) ends every rank with one clear line and no hang; a
 2-node launch with two torchrun agents on localhost; a restarted run resumes from its checkpoint
-exactly, at pp2 with dropout (tests/test_checkpoint.py has 2x2x2 and the resharding).
+exactly, at pp2 x dp2 with dropout; the same-seed check reuses its first two launches (tests/test_checkpoint.py has 2x2x2 and the resharding).
 """
 import json
 import os
@@ -76,16 +76,6 @@ def test_short_run_writes_metrics_checkpoint_and_trace(corpus, tmp_path):
     assert viz_main(["--run", str(run), "--compare", "--out", str(tmp_path / "compare.png")]) == 0
 
 
-def test_same_seed_gives_bit_identical_metrics(corpus, tmp_path):
-    runs = []
-    for name in ("a", "b"):
-        p = torchrun(4, ["configs/debug_llama.yaml", *small(corpus, tmp_path / name, "parallel.pp=2", "parallel.tp=1",
-                                                          "zero.stage=1")])
-        assert p.returncode == 0, p.stderr[-3000:]
-        runs.append([{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(tmp_path / name / "metrics.jsonl")])
-    assert runs[0] == runs[1]
-
-
 @pytest.mark.parametrize("args, message", [
     (["configs/missing.yaml"], "config file 'configs/missing.yaml' does not exist"),
     (["configs/debug_gpt.yaml", "parallel.tp=4"], "parallel"),
@@ -115,21 +105,48 @@ def test_two_node_launch_on_localhost(corpus, tmp_path):
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 4
 
 
-def test_a_restarted_run_resumes_exactly(corpus, tmp_path):
-    """pp2, ZeRO-1, dropout 0.1: 20 steps in one go (no checkpoint) vs 10 steps, then the
-    same command with train.steps=20. The second launch finds checkpoint.dir's latest, resumes (data
-    position and RNG streams included) and appends to the metrics: the same records, bit for bit."""
+@pytest.fixture(scope="module")
+def restarted(corpus, tmp_path_factory):
+    """pp2 x dp2, ZeRO-1, dropout 0.1: 8 steps in one go (no checkpoint) in `whole`, and in `run` 4 steps
+    with an asynchronous save after step 4, then the same command with train.steps=8, which resumes (4 steps
+    on each side of the save: the resumed steps see the restored data position, dropout streams and Adam
+    moments past their first step).
+    Shared by the same-seed test (the first launch of `run` against `whole`: two launches with the same seed)
+    and the resume test, so that the same-seed property costs no launch of its own. dp2 (4 ranks) because
+    the same-seed check needs the data-parallel reduction of ZeRO-1 in the run; global batch 8 = micro 2 x 2
+    micro-batches x dp 2, so each pipeline step has two micro-batches in flight."""
+    root = tmp_path_factory.mktemp("restart")
     args = ["configs/debug_gpt.yaml", "parallel.tp=1", "zero.stage=1", "model.dropout=0.1", "checkpoint.async_save=true",
-            "train.global_batch_size=4"]
-    whole = torchrun(2, [*args, *small(corpus, tmp_path / "whole", "train.steps=20")])
+            "train.global_batch_size=8"]
+    whole = torchrun(4, [*args, *small(corpus, root / "whole", "train.steps=8")])
     assert whole.returncode == 0, whole.stderr[-3000:]
-    saving = [*args, "checkpoint.save_interval=10"]  # written in the background; the trainer waits at the end
-    first = torchrun(2, [*saving, *small(corpus, tmp_path / "run", "train.steps=10")])
+    saving = [*args, "checkpoint.save_interval=4"]  # written in the background; the trainer waits at the end
+    first = torchrun(4, [*saving, *small(corpus, root / "run", "train.steps=4")])
     assert first.returncode == 0, first.stderr[-3000:]
-    again = torchrun(2, [*saving, *small(corpus, tmp_path / "run", "train.steps=20")])
+    first_rows = read_metrics(root / "run" / "metrics.jsonl")  # before the second launch appends to the file
+    again = torchrun(4, [*saving, *small(corpus, root / "run", "train.steps=8")])
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stdout and "at step 10" in again.stdout
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
-    resumed, uninterrupted = read_metrics(tmp_path / "run" / "metrics.jsonl"), read_metrics(tmp_path / "whole" / "metrics.jsonl")
-    assert len(resumed) == 20 and strip(resumed) == strip(uninterrupted)
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step20"
+    return root, first_rows, again
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def test_same_seed_gives_bit_identical_metrics(restarted):
+    """Two launches of the same command and seed (pp2 x dp2, ZeRO-1, dropout on): the same metrics, bit for bit
+    (timing fields aside), over the 4 steps they share."""
+    root, first_rows, _ = restarted
+    whole = read_metrics(root / "whole" / "metrics.jsonl")
+    assert [r["step"] for r in first_rows] == list(range(1, 5))
+    assert _strip(first_rows) == _strip(whole[:4])
+
+
+def test_a_restarted_run_resumes_exactly(restarted):
+    """The second launch of `run` finds checkpoint.dir's latest, resumes (data position and RNG streams
+    included) and appends to the metrics: the same records as the uninterrupted run, bit for bit."""
+    root, _, again = restarted
+    assert "resumed from" in again.stdout and "at step 4" in again.stdout
+    resumed, uninterrupted = read_metrics(root / "run" / "metrics.jsonl"), read_metrics(root / "whole" / "metrics.jsonl")
+    assert len(resumed) == 8 and _strip(resumed) == _strip(uninterrupted)
+    assert (root / "run" / "checkpoints" / "latest").read_text() == "step8"

@@ -258,7 +258,8 @@ class LiveTensorBytes(TorchDispatchMode):
                 if issubclass(type(obj), torch.Tensor):  # (not isinstance: some objects warn on __class__)
                     for t in (obj, obj.grad if obj.is_leaf else None):
                         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                            self._track(t)
+                            self._track(t, sweep=False)  # one sweep below, not one per seeded storage (quadratic)
+            self.sweep()
             self.peak = self.total
         return super().__enter__()
 
@@ -269,7 +270,8 @@ class LiveTensorBytes(TorchDispatchMode):
                 self._track(t)
         return out
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, sweep: bool = True) -> None:
+        """Count `t`'s storage once; with `sweep`, sweep when the total passes the peak or every 2000 storages."""
         storage = t.untyped_storage()
         key = storage._cdata
         held = self.live.get(key)
@@ -285,7 +287,7 @@ class LiveTensorBytes(TorchDispatchMode):
             self.live[key] = (StorageWeakRef(storage), nbytes)
             self.total += nbytes
         self._since_sweep += 1
-        if self.total > self.peak or self._since_sweep > 2000:
+        if sweep and (self.total > self.peak or self._since_sweep > 2000):
             self.sweep()
             self.peak = max(self.peak, self.total)
 
