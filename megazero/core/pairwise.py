@@ -12,6 +12,8 @@ case contains it.
   needs several non-default values shares most of them with a found pair), then seeded random
   completions, and at the end the found witnesses again for the pairs still without one; a pair it
   finds no case for is reported as impossible (the caller's tests name those and say why).
+* `Memo(allowed, factors)`: `allowed` memoised per case, to pass as `allowed` to both of the above when a caller
+  runs them one after the other (each makes its own otherwise).
 * `covering_set(factors, allowed, seed)`: allowed cases such that every pair with a witness is in at
   least one of them; greedy (AETG-like): each new case starts from an uncovered pair, fills the other
   factors with the value that covers most uncovered pairs and, when that case is not allowed, takes
@@ -56,8 +58,9 @@ def full_product(factors: Mapping[str, tuple]) -> Iterable[Case]:
         yield dict(zip(names, values))
 
 
-class _Cached:
-    """`allowed` memoised per case for one generator call."""
+class Memo:
+    """`allowed` memoised per case: one object for one search (`find_witnesses` and then `covering_set` over the
+    same factors validate many of the same cases; pass both the same Memo)."""
 
     def __init__(self, allowed: Callable[[Case], bool], factors: Mapping[str, tuple]):
         self.allowed, self.names, self.seen = allowed, list(factors), {}
@@ -78,7 +81,7 @@ def _neighbours(base: Case, fixed: set[str], factors: Mapping[str, tuple]) -> It
                     yield {**base, name: value}
 
 
-def _witness(pair: Pair, factors, allowed: _Cached, rng: random.Random, random_tries: int,
+def _witness(pair: Pair, factors, allowed: Memo, rng: random.Random, random_tries: int,
              found: Iterable[Case] = ()) -> Case | None:
     (a, va), (b, vb) = pair
     base = {n: values[0] for n, values in factors.items()} | {a: va, b: vb}
@@ -97,7 +100,7 @@ def _witness(pair: Pair, factors, allowed: _Cached, rng: random.Random, random_t
     return None
 
 
-def _from_found(pair: Pair, allowed: _Cached, found: Iterable[Case]) -> Case | None:
+def _from_found(pair: Pair, allowed: Memo, found: Iterable[Case]) -> Case | None:
     """A found witness with the pair's values set, if allowed: first those already holding one of them, then
     any (a pair that needs several non-default values, such as an expert-parallel size, which needs the MoE
     model and a data-parallel size it divides, shares them with a found witness more often than a random
@@ -114,7 +117,7 @@ def _from_found(pair: Pair, allowed: _Cached, found: Iterable[Case]) -> Case | N
 def find_witnesses(factors: Mapping[str, tuple], allowed: Callable[[Case], bool], seed: int = 0,
                    random_tries: int = 200) -> dict[Pair, Case | None]:
     """{pair: an allowed case containing it, or None if the search found none}."""
-    check = allowed if isinstance(allowed, _Cached) else _Cached(allowed, factors)
+    check = allowed if isinstance(allowed, Memo) else Memo(allowed, factors)
     rng = random.Random(seed)
     out: dict[Pair, Case | None] = {}
     found: dict[tuple, Case] = {}  # the distinct witnesses so far, in the order they were found
@@ -137,7 +140,7 @@ def _split_by_holding(pair: Pair, found: Iterable[Case]) -> tuple[list[Case], li
     return [c for c in found if c[a] == va or c[b] == vb], [c for c in found if c[a] != va and c[b] != vb]
 
 
-def _near_found(pair: Pair, factors, allowed: _Cached, found: list[Case]) -> Case | None:
+def _near_found(pair: Pair, factors, allowed: Memo, found: list[Case]) -> Case | None:
     """A found witness holding one of the pair's values, with the other set and one more factor changed, if
     allowed: a pair that needs three values together (the interleaved schedule with an expert-parallel size
     needs two pipeline stages, which no MoE witness may have had)."""
@@ -158,7 +161,7 @@ def covering_set(factors: Mapping[str, tuple], allowed: Callable[[Case], bool], 
                  candidates: int = 8, witnesses: dict[Pair, Case | None] | None = None) -> list[Case]:
     """Allowed cases covering every pair that has a witness (see the module docstring); `witnesses`
     = `find_witnesses(factors, allowed, seed)` when already computed."""
-    check = _Cached(allowed, factors)
+    check = allowed if isinstance(allowed, Memo) else Memo(allowed, factors)
     if witnesses is None:
         witnesses = find_witnesses(factors, check, seed)
     uncovered = {p for p, w in witnesses.items() if w is not None}
@@ -197,7 +200,7 @@ def _without_redundant(cases: list[Case], factors) -> list[Case]:
     return kept
 
 
-def _repaired(case: Case, witness: Case, check: _Cached) -> Case:
+def _repaired(case: Case, witness: Case, check: Memo) -> Case:
     """`case` if allowed, else `case` with its values replaced by the witness's one factor at a time
     (in factor order) until it is allowed; the witness itself at worst."""
     case = dict(case)

@@ -172,11 +172,12 @@ per case took 51-75 cases over seeds 0-11; dropping the cases whose pairs later 
 (`pairwise.covering_set`) leaves 46-54 over seeds 0-5; seed 4's 46 cases run 279 ranks in all."""
 
 
-def pairwise_cases(seed: int = SEED, witnesses=None) -> list[dict]:
+def pairwise_cases(seed: int = SEED, witnesses=None, allowed=case_allowed) -> list[dict]:
     """The all-pairs covering set of the allowed cases (deterministic for a seed; `witnesses` as
-    `pairwise.find_witnesses(FACTORS, case_allowed, seed)` returns them, when already computed). Each
+    `pairwise.find_witnesses(FACTORS, allowed, seed)` returns them, when already computed, and `allowed`
+    the `pairwise.Memo(case_allowed, FACTORS)` that search used, so no case is validated twice). Each
     case is the best of 64 greedy candidates (see `SEED`)."""
-    return pairwise.covering_set(FACTORS, case_allowed, seed, candidates=64, witnesses=witnesses)
+    return pairwise.covering_set(FACTORS, allowed, seed, candidates=64, witnesses=witnesses)
 
 
 def full_cases():

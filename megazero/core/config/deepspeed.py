@@ -10,7 +10,8 @@ by `resolve`); anywhere else it is an error, since only the Hugging Face Trainer
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping  # not typing.Mapping: isinstance against typing's alias is slower
+from typing import Any
 
 from .deepspeed_keys import (DICT_SECTIONS, OPTIMIZER_TYPES, OTHER_DS_OPTIMIZERS, OTHER_DS_SCHEDULERS,
                              RULES, SCHEDULER_PARAMS, SCHEDULER_TYPES, SPECIAL, Rule)
@@ -285,13 +286,17 @@ _SHARED_TOP = ("optimizer", "scheduler", "fp16", "gradient_clipping", "activatio
                "checkpoint", "pipeline")
 
 
+_DS_TOP = frozenset({r.ds.split(".")[0] for r in RULES} | {s.split(".")[0] for s in DICT_SECTIONS})
+"""The top-level keys of DeepSpeed's config that megazero reads (from the key table, once)."""
+
+
 def is_deepspeed(data: Mapping[str, Any]) -> bool:
     """Whether a parsed JSON object is a DeepSpeed config (True) or megazero-shaped (False).
 
     Raises ConfigError when it mixes keys only DeepSpeed has with keys only megazero has.
     """
-    mz_top = set(field_types(Config))
-    ds_top = {r.ds.split(".")[0] for r in RULES} | {s.split(".")[0] for s in DICT_SECTIONS}
+    mz_top = field_types(Config)
+    ds_top = _DS_TOP
     ds_only = sorted(k for k in data if k in ds_top and k not in mz_top)
     mz_only = sorted(k for k in data if k in mz_top and k not in _SHARED_TOP)
     if ds_only and mz_only:

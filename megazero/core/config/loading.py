@@ -92,6 +92,8 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
             raise ConfigError(f"{item!r}: an override must look like key=value, e.g. train.steps=10")
         if item[0] in "+~":
             raise ConfigError(f"{item!r}: '+'/'~' prefixes are not used here; write key=value (every key exists)")
+    if not overrides:  # no OmegaConf round trip for nothing (most loads: every layout a tool checks)
+        return check_tree({})
     try:
         data = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=True)
     except OmegaConfBaseException as e:
