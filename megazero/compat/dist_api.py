@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.compat.accelerator import get_accelerator
-from megazero.compat.engines import Registry, registry
+from megazero.compat.engines import CommsOptions, Registry, registry
 from megazero.core.launch_env import read_launch_env
 from megazero.runtime.comm import CommStats
 
@@ -50,12 +50,12 @@ class CommsLogger:
         self.registry = registry
 
     def __getattr__(self, name: str):
-        if name in ("enabled", "prof_all", "prof_ops", "verbose", "debug"):
+        if name in CommsOptions.switches():
             return getattr(self.registry.comms, name)
         raise AttributeError(f"CommsLogger has no attribute {name!r}")
 
     def __setattr__(self, name: str, value) -> None:
-        if name in ("enabled", "prof_all", "prof_ops", "verbose", "debug"):
+        if name in CommsOptions.switches():
             setattr(self.registry.comms, name, value)  # a switch set on the view is the registry's
         else:
             super().__setattr__(name, value)
@@ -106,8 +106,8 @@ def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None,
     given.update({k: v for k, v in dict(enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose,
                                         debug=debug).items() if v is not None})
     for key, value in given.items():
-        if key not in ("enabled", "prof_all", "prof_ops", "verbose", "debug"):
-            raise ValueError(f"comms_logger.{key}: unknown option; valid: enabled, prof_all, prof_ops, verbose, debug")
+        if key not in CommsOptions.switches():
+            raise ValueError(f"comms_logger.{key}: unknown option; valid: {', '.join(CommsOptions.switches())}")
         setattr(options, key, list(value) if key == "prof_ops" else bool(value))
 
 

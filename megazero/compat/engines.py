@@ -9,6 +9,7 @@ is this registry's), and DeepSpeed's accelerator objects, one per device type
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -25,6 +26,11 @@ class CommsOptions:
     prof_ops: list = field(default_factory=list)
     verbose: bool = False
     debug: bool = False
+
+    @classmethod
+    def switches(cls) -> tuple[str, ...]:
+        """The switches' names (the comms logger's view reads and sets exactly these)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
 
 
 class Registry:
