@@ -7,7 +7,7 @@
   quantity, the parameter and the step.
 - --matrix --list prints the covering set without running it.
 
-The layouts x configs x ZeRO stages of the README's parity table are the generated matrix now
+The layouts x configs x ZeRO stages of docs/benchmarks.md's parity row are the generated matrix
 (tests/test_parity_matrix.py runs its covering set in-process).
 """
 import os

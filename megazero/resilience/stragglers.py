@@ -8,7 +8,7 @@ themselves; and those waits. Every `interval` steps the window is gathered over 
 other ranks of its pipeline stage (the same layers: TP shards and DP replicas do the same work): a rank
 slower than `ratio` times their median in at least `share` of the window's steps is named, with its numbers.
 On a GPU with NCCL a synchronous collective returns at its launch, so the host's view cannot tell a slow
-device from the peers waiting for it; the measurement is the host's (see the README).
+device from the peers waiting for it; the measurement is the host's (docs/running-for-weeks.md).
 """
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def init_distributed(timeout_s: float = 300, backend: str = "auto", env: LaunchE
         chosen = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
         if env.master_addr is None or env.master_port is None:
             raise RuntimeError(f"a world of {world} ranks ({env.launcher}) but MASTER_ADDR/MASTER_PORT are not set: "
-                               f"launch with torchrun, or export them in your Slurm or mpirun script (see the README)")
+                               f"launch with torchrun, or export them in your Slurm or mpirun script (docs/cluster.md)")
         store = attempt_store(rank, world, env.master_addr, env.master_port, timeout_s) if env.agent_store else None
         # no device_id: with it NCCL would build every new_group's communicator at once (eager init); the
         # rendezvous at MASTER_ADDR:MASTER_PORT, the TCPStore torch's env:// would make from the same variables

@@ -372,7 +372,7 @@ class CommConfig:
 
 @dataclass(frozen=True)
 class ResilienceConfig:
-    """Weeks-long runs (README "Running for weeks"): slow ranks named (`megazero.resilience.stragglers`), silent
+    """Weeks-long runs (docs/running-for-weeks.md): slow ranks named (`megazero.resilience.stragglers`), silent
     errors caught (`megazero.resilience.silent_check`). Both off by default; off, they cost nothing."""
 
     straggler_interval: int = 0  # every N steps gather each rank's step times over the world group and name consistently slow ranks; 0 = off
